@@ -1,0 +1,28 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+# The venv is made on first use and re-made when pyproject.toml or constraints.txt change.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# One torch thread per process: two xdist workers with two threads each run ~4x slower here.
+export OMP_NUM_THREADS := 1
+export MKL_NUM_THREADS := 1
+
+.PHONY: run test fuzz nightly bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m weight_sync_bench check
+
+test: $(STAMP)
+	$(PY) -m pytest -n auto
+
+bench: $(STAMP)
+	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

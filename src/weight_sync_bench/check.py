@@ -1,0 +1,332 @@
+"""The verdict: run the model under the layout and compare it with the dense reference.
+
+A round trip ``gather(split(x))`` returns ``x`` whatever the layout, so bytes alone prove
+nothing about the layout a consumer expects. The check therefore does two things:
+
+- data movement, bit-exactly: are the rank-local shards exactly the declared layout's split?
+  If not, which parameter differs first, and which rows does each rank really hold?
+- computation, within a measured tolerance: do the sharded logits under those shards match
+  the reference?
+
+Cost grows with the work, not with the pairs: a ``Checker`` computes the reference once per
+(config, seed, tokens) and one sharded forward per destination degree under the declared
+split; a shard set that is byte-identical to the declared split cannot change the logits,
+so it reuses that forward. Only shards that differ get a forward (and a diagnosis) of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from weight_sync_bench.config import ModelConfig, init_params, make_tokens
+from weight_sync_bench.errors import InvalidShards
+from weight_sync_bench.model import ReferenceModel
+from weight_sync_bench.reshard import reshard, split
+from weight_sync_bench.shardspec import format_ranges, layout_for
+from weight_sync_bench.sharded import InProcessCollective, ShardedModel
+from weight_sync_bench.tolerance import TOKEN_SEED_OFFSET, threshold_for
+
+if TYPE_CHECKING:
+    from weight_sync_bench.mutations import Mutation
+    from weight_sync_bench.shardspec import LayoutTable, ShardSpec
+
+Params = dict[str, torch.Tensor]
+# (config, rank-local shards at degree t, tokens) -> rank 0's full logits
+Forward = Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]
+SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
+ReshardFn = Callable[[list[dict[str, torch.Tensor]], int], list[dict[str, torch.Tensor]]]
+
+
+def inprocess_forward(config: ModelConfig, shards: list[Params], tokens: torch.Tensor
+                      ) -> torch.Tensor:
+    """Phase 1a: every rank in this process over ``InProcessCollective``."""
+    return ShardedModel(config, shards, InProcessCollective(len(shards)))(tokens)[0]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one check. ``passed`` needs finite logits within the threshold *and*
+    shards equal to the declared split byte for byte (data movement has no tolerance)."""
+
+    config: str
+    src: int | None  # None when the shards came from a split of the full model
+    dst: int
+    max_abs_error: float
+    threshold: float
+    first_mismatch: str | None
+    mismatches: tuple[str, ...] = ()
+    diagnosis: tuple[str, ...] = ()
+    phase: str = "1a"
+    mutation: str | None = None
+    own_forward: bool = False  # False: the shards equal the declared split and reused its forward
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.max_abs_error)
+
+    @property
+    def ratio(self) -> float:
+        """Deviation over threshold: below 1 passes the tolerance, a layout bug is >> 1."""
+        return self.max_abs_error / self.threshold
+
+    @property
+    def passed(self) -> bool:
+        return self.finite and self.max_abs_error <= self.threshold and self.first_mismatch is None
+
+    @property
+    def route(self) -> str:
+        return f"{self.src} -> {self.dst}" if self.src is not None else f"split -> {self.dst}"
+
+    def __str__(self) -> str:
+        head = f"{'PASS' if self.passed else 'FAIL'} {self.config} {self.route} (phase {self.phase}"
+        head += f", mutation {self.mutation})" if self.mutation else ")"
+        if not self.finite:
+            numbers = f"logits are not finite (max |error| {self.max_abs_error})"
+        else:
+            relation = "<=" if self.max_abs_error <= self.threshold else ">"
+            numbers = (f"max |logit error| {self.max_abs_error:.4g} {relation} threshold "
+                       f"{self.threshold:g} ({self.ratio:.3g}x)")
+        lines = [head, f"  {numbers}"]
+        if self.first_mismatch is None:
+            lines.append("  shards equal the declared layout byte for byte")
+        else:
+            lines.append(f"  first parameter that differs from the declared layout: "
+                         f"{self.first_mismatch} ({len(self.mismatches)} differ in all)")
+            lines.extend(f"    {line}" for line in self.diagnosis)
+        return "\n".join(lines)
+
+
+@dataclass
+class Checker:
+    """Checks shard sets of one (config, seed) against its reference.
+
+    The reference logits are computed once, each destination degree's declared split and
+    its forward once; ``verdict`` then costs a byte comparison unless the shards differ.
+    """
+
+    config: ModelConfig
+    seed: int = 0
+    threshold: float | None = None
+    phase: str = "1a"
+    forward: Forward = inprocess_forward
+    params: Params | None = None
+    layout: LayoutTable = field(init=False)
+    tokens: torch.Tensor = field(init=False)
+    reference: torch.Tensor = field(init=False)
+    _declared: dict[int, list[Params]] = field(init=False, default_factory=dict)
+    _declared_error: dict[int, float] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.layout = layout_for(self.config)
+        if self.params is None:
+            self.params = init_params(self.config, self.seed)
+        if self.threshold is None:
+            self.threshold = threshold_for(self.config, self.phase)
+        self.tokens = make_tokens(self.config, TOKEN_SEED_OFFSET + self.seed)
+        self.reference = ReferenceModel(self.config, self.params)(self.tokens)
+
+    @property
+    def full(self) -> Params:
+        assert self.params is not None
+        return self.params
+
+    def declared(self, degree: int) -> list[Params]:
+        """The declared layout's split at ``degree`` (cached)."""
+        if degree not in self._declared:
+            self._declared[degree] = split(self.full, self.layout, degree)
+        return self._declared[degree]
+
+    def error(self, shards: list[Params]) -> float:
+        """Max |sharded logits - reference| under these shards (NaN/inf pass through)."""
+        logits = self.forward(self.config, shards, self.tokens)
+        return float((logits - self.reference).abs().max())
+
+    def declared_error(self, degree: int) -> float:
+        if degree not in self._declared_error:
+            self._declared_error[degree] = self.error(self.declared(degree))
+        return self._declared_error[degree]
+
+    def verdict(self, shards: Sequence[Mapping[str, torch.Tensor]], *, dst: int,
+                src: int | None = None, mutation: str | None = None) -> Verdict:
+        """Validate, compare bytes with the declared split, run a forward only if they differ."""
+        checked = validate_shards(shards, self.layout, dst, self.full)
+        declared = self.declared(dst)
+        differ = mismatching(checked, declared, self.layout)
+        assert self.threshold is not None
+        common = dict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
+                      phase=self.phase, mutation=mutation)
+        if not differ:
+            return Verdict(max_abs_error=self.declared_error(dst), first_mismatch=None, **common)
+        first = differ[0]
+        return Verdict(max_abs_error=self.error(checked), first_mismatch=first,
+                       mismatches=tuple(differ), own_forward=True,
+                       diagnosis=tuple(diagnose(self.full[first], self.layout[first],
+                                                [p[first] for p in checked])), **common)
+
+
+def validate_shards(shards: object, layout: LayoutTable, degree: int, full: Params
+                    ) -> list[Params]:
+    """Raise ``InvalidShards`` naming the rank and parameter unless ``shards`` is a list of
+    ``degree`` dicts with exactly the layout's names, local shapes and the full dtypes."""
+    if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
+        raise InvalidShards(f"expected a list of {degree} rank dicts, got {type(shards).__name__}")
+    if len(shards) != degree:
+        raise InvalidShards(f"expected {degree} rank dicts at t={degree}, got {len(shards)}")
+    out: list[Params] = []
+    for rank, params in enumerate(shards):
+        if not isinstance(params, Mapping):
+            raise InvalidShards(f"rank {rank}: expected a dict of tensors, got "
+                                f"{type(params).__name__}")
+        missing = [n for n in layout.names if n not in params]
+        extra = sorted(set(params) - set(layout.names))
+        if missing or extra:
+            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+                [f"unexpected {', '.join(extra)}"] if extra else [])
+            raise InvalidShards(f"rank {rank}: {'; '.join(parts)}")
+        for spec in layout:
+            tensor = params[spec.name]
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidShards(f"rank {rank} {spec.name}: expected a Tensor, got "
+                                    f"{type(tensor).__name__}")
+            want = spec.local_shape(degree)
+            if tuple(tensor.shape) != want:
+                raise InvalidShards(f"rank {rank} {spec.name}: shape {list(tensor.shape)}, "
+                                    f"declared {list(want)} ({spec.placement} at t={degree})")
+            if tensor.dtype != full[spec.name].dtype:
+                raise InvalidShards(f"rank {rank} {spec.name}: dtype {tensor.dtype}, expected "
+                                    f"{full[spec.name].dtype}")
+        out.append(dict(params))
+    return out
+
+
+def mismatching(shards: list[Params], declared: list[Params], layout: LayoutTable) -> list[str]:
+    """Names (in layout order) whose bytes differ from the declared split on any rank."""
+    return [spec.name for spec in layout
+            if any(not _bit_equal(s[spec.name], d[spec.name]) for s, d in zip(shards, declared))]
+
+
+def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bytes (so NaN == NaN and -0.0 != 0.0, unlike ``torch.equal``)."""
+    return a.shape == b.shape and a.dtype == b.dtype and bytes(
+        a.contiguous().numpy().tobytes()) == bytes(b.contiguous().numpy().tobytes())
+
+
+_AXIS = {0: "rows", 1: "columns"}
+
+
+def diagnose(full: torch.Tensor, spec: ShardSpec, shards: list[torch.Tensor]) -> list[str]:
+    """For each rank whose shard is not the declared one: which source indices it holds,
+    found by matching its slices along the placement's dim to the full tensor, against the
+    declared ones, e.g. ``rank 0 layers.0.qkv.weight holds rows 0-191; declared 0-127, ...``."""
+    degree = len(shards)
+    lines = []
+    for rank, shard in enumerate(shards):
+        dim, declared = spec.ranges(degree, rank)
+        axis = "elements" if full.dim() == 1 else _AXIS.get(dim, f"indices of dim {dim}")
+        held = locate(full, shard, dim)
+        declared_idx = [i for start, stop in declared for i in range(start, stop)]
+        if held == declared_idx and _bit_equal(shard, _take(full, dim, declared)):
+            continue
+        if held == declared_idx:
+            lines.append(f"rank {rank} {spec.name} holds the declared {axis} "
+                         f"{format_ranges(declared)}, with values changed")
+            continue
+        lines.append(f"rank {rank} {spec.name} holds {axis} {format_indices(held)}; "
+                     f"declared {format_ranges(declared)}")
+    return lines
+
+
+def _take(full: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
+
+
+def locate(full: torch.Tensor, shard: torch.Tensor, dim: int) -> list[int | None]:
+    """For each slice of ``shard`` along ``dim``, the index of the identical slice of ``full``
+    along ``dim`` (the first, if repeated), or None if no slice of ``full`` has those bytes."""
+    if full.shape[:dim] + full.shape[dim + 1:] != shard.shape[:dim] + shard.shape[dim + 1:]:
+        return [None] * shard.shape[dim]
+    index: dict[bytes, int] = {}
+    for i, key in enumerate(_slice_keys(full, dim)):
+        index.setdefault(key, i)
+    return [index.get(key) for key in _slice_keys(shard, dim)]
+
+
+def _slice_keys(x: torch.Tensor, dim: int) -> list[bytes]:
+    rows = np.ascontiguousarray(x.detach().movedim(dim, 0).reshape(x.shape[dim], -1).numpy())
+    return [row.tobytes() for row in rows]
+
+
+def format_indices(indices: list[int | None]) -> str:
+    """``[0, 1, 2, 7, None, None]`` -> ``"0-2, 7, ? x2"``: runs of consecutive source
+    indices, and runs of slices found nowhere in the full tensor."""
+    runs: list[tuple[int | None, int]] = []  # (start, stop) or (None, count)
+    for i in indices:
+        if runs and i is None and runs[-1][0] is None:
+            runs[-1] = (None, runs[-1][1] + 1)
+        elif runs and i is not None and runs[-1][0] is not None and i == runs[-1][1]:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((None, 1) if i is None else (i, i + 1))
+    return ", ".join(("?" if n == 1 else f"? x{n}") if a is None else format_ranges([(a, n)])
+                     for a, n in runs)
+
+
+def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:
+    """Every ordered pair (src, dst) of supported degrees, src == dst included."""
+    degrees = layout.supported_degrees()
+    return [(s, d) for s in degrees for d in degrees]
+
+
+def sweep(config: ModelConfig, *, seed: int = 0, pairs: Iterable[tuple[int, int]] | None = None,
+          mutation: Mutation | None = None, checker: Checker | None = None) -> list[Verdict]:
+    """The invariant over degree pairs: ``reshard(split(full, src), dst)`` (mutated, if a
+    mutation is given) checked against the reference. One reference forward, one declared
+    forward per destination, one more forward per shard set that differs."""
+    checker = checker or Checker(config, seed=seed)
+    verdicts = []
+    for src, dst in (pairs if pairs is not None else degree_pairs(checker.layout)):
+        shards = reshard(checker.declared(src), checker.layout, dst)
+        if mutation is not None:
+            shards = mutation.apply(shards, checker.layout, config)
+        verdicts.append(checker.verdict(shards, src=src, dst=dst,
+                                        mutation=mutation.name if mutation else None))
+    return verdicts
+
+
+def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
+                threshold: float | None = None) -> Verdict:
+    """Check a user's split function ``fn(full, degree) -> [rank-local dict] * degree``
+    (the harness's parameter names) against the declared layout at ``degree``."""
+    checker = Checker(config, seed=seed, threshold=threshold)
+    checker.layout.validate(degree)
+    shards = fn({name: t.clone() for name, t in checker.full.items()}, degree)
+    return checker.verdict(shards, dst=degree)
+
+
+def check_reshard(fn: ReshardFn, config: ModelConfig, src: int, dst: int, *, seed: int = 0,
+                  threshold: float | None = None) -> Verdict:
+    """Check a user's reshard function ``fn(shards_at_src, dst) -> shards_at_dst`` starting
+    from the declared split at ``src``."""
+    checker = Checker(config, seed=seed, threshold=threshold)
+    checker.layout.validate(src)
+    checker.layout.validate(dst)
+    source = [{n: t.clone() for n, t in params.items()} for params in checker.declared(src)]
+    return checker.verdict(fn(source, dst), src=src, dst=dst)
+
+
+def format_verdicts(verdicts: Sequence[Verdict]) -> str:
+    """A table: one row per verdict (config, route, error, threshold, ratio, forward, result)."""
+    rows = [["config", "src -> dst", "mutation", "max |error|", "threshold", "ratio", "forward",
+             "result"]]
+    for v in verdicts:
+        rows.append([v.config, v.route, v.mutation or "-", f"{v.max_abs_error:.4g}",
+                     f"{v.threshold:g}", f"{v.ratio:.3g}x",
+                     "own" if v.own_forward else "declared", "PASS" if v.passed else "FAIL"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

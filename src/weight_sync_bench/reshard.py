@@ -1,0 +1,110 @@
+"""split / gather / reshard: pure data movement under a LayoutTable, exact to the bit.
+
+These functions know layouts and tensors, nothing of the model. ``gather`` is the exact
+inverse of ``split`` (``gather(split(x, t)) == x`` byte for byte), and
+``reshard(split(x, s), d) == split(x, d)`` for every ordered pair of supported degrees.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from weight_sync_bench.errors import InvalidShards
+from weight_sync_bench.shardspec import Replicate
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from weight_sync_bench.shardspec import LayoutTable, ShardSpec
+
+Params = dict[str, torch.Tensor]
+
+
+def split_tensor(x: torch.Tensor, spec: ShardSpec, degree: int) -> list[torch.Tensor]:
+    """Rank-local shards of one full tensor; each is a fresh contiguous tensor (no aliasing)."""
+    if tuple(x.shape) != spec.shape:
+        raise InvalidShards(f"{spec.name}: full tensor has shape {list(x.shape)}, "
+                            f"layout declares {list(spec.shape)}")
+    shards = []
+    for rank in range(degree):
+        dim, ranges = spec.ranges(degree, rank)
+        pieces = [x.narrow(dim, start, stop - start) for start, stop in ranges]
+        shards.append(torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0].clone(memory_format=torch.contiguous_format))
+    return shards
+
+
+def gather_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The full tensor from its rank-local shards: the exact inverse of ``split_tensor``.
+
+    A replicated parameter is taken from rank 0 (replicas that disagree are a layout
+    violation that ``check`` reports; gather does not guess which copy is right).
+    """
+    degree = len(shards)
+    expected = spec.local_shape(degree)
+    for rank, shard in enumerate(shards):
+        if tuple(shard.shape) != expected:
+            raise InvalidShards(f"rank {rank} {spec.name}: shape {list(shard.shape)}, "
+                                f"expected {list(expected)} at t={degree}")
+    if isinstance(spec.placement, Replicate):
+        return shards[0].clone()
+    full = torch.empty(spec.shape, dtype=shards[0].dtype)
+    for rank, shard in enumerate(shards):
+        dim, ranges = spec.ranges(degree, rank)
+        offset = 0
+        for start, stop in ranges:
+            full.narrow(dim, start, stop - start).copy_(shard.narrow(dim, offset, stop - start))
+            offset += stop - start
+    return full
+
+
+def split(full: Mapping[str, torch.Tensor], layout: LayoutTable, degree: int) -> list[Params]:
+    """Every parameter split to ``degree`` ranks: ``result[rank][name]`` is rank-local."""
+    layout.validate(degree)
+    _check_names(full.keys(), layout, "full params")
+    per_rank: list[Params] = [{} for _ in range(degree)]
+    for spec in layout:
+        for rank, shard in enumerate(split_tensor(full[spec.name], spec, degree)):
+            per_rank[rank][spec.name] = shard
+    return per_rank
+
+
+def gather(shards: list[Params], layout: LayoutTable) -> Params:
+    """Full parameters from rank-local shards: the exact inverse of ``split``."""
+    if not shards:
+        raise InvalidShards("gather needs at least one rank's shards, got none")
+    layout.validate(len(shards))
+    for rank, params in enumerate(shards):
+        _check_names(params.keys(), layout, f"rank {rank}")
+    return {spec.name: gather_tensor([params[spec.name] for params in shards], spec)
+            for spec in layout}
+
+
+def reshard(shards: list[Params], layout: LayoutTable, dst: int) -> list[Params]:
+    """Shards at degree ``len(shards)`` -> shards at degree ``dst`` under the same layout.
+
+    Goes through the full tensor one parameter at a time, so peak extra memory is one
+    full parameter, not the model.
+    """
+    if not shards:
+        raise InvalidShards("reshard needs at least one rank's shards, got none")
+    layout.validate(len(shards))
+    layout.validate(dst)
+    for rank, params in enumerate(shards):
+        _check_names(params.keys(), layout, f"rank {rank}")
+    out: list[Params] = [{} for _ in range(dst)]
+    for spec in layout:
+        full = gather_tensor([params[spec.name] for params in shards], spec)
+        for rank, shard in enumerate(split_tensor(full, spec, dst)):
+            out[rank][spec.name] = shard
+    return out
+
+
+def _check_names(names: object, layout: LayoutTable, where: str) -> None:
+    have, want = set(names), set(layout.names)  # type: ignore[call-overload]
+    if have != want:
+        missing, extra = sorted(want - have), sorted(have - want)
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected {', '.join(extra)}"] if extra else [])
+        raise InvalidShards(f"{where}: {'; '.join(parts)}")

@@ -1,0 +1,1 @@
+"""Hypothesis strategies for weight-sync-bench: geometries, TP degree pairs and seeds."""
