@@ -19,7 +19,8 @@ run: $(STAMP)
 	$(PY) -m weight_sync_bench check
 
 test: $(STAMP)
-	$(PY) -m pytest -n auto
+	$(PY) -m pytest -n auto; rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no test: that is a failure here" >&2; fi; exit $$rc
 
 bench: $(STAMP)
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -41,6 +41,8 @@ Params = dict[str, torch.Tensor]
 Forward = Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]
 SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
 ReshardFn = Callable[[list[dict[str, torch.Tensor]], int], list[dict[str, torch.Tensor]]]
+# (config, reference logits) -> threshold
+ThresholdRule = Callable[[ModelConfig, torch.Tensor], float]
 
 
 def inprocess_forward(config: ModelConfig, shards: list[Params], tokens: torch.Tensor
@@ -116,6 +118,9 @@ class Checker:
     phase: str = "1a"
     forward: Forward = inprocess_forward
     params: Params | None = None
+    # Used when ``threshold`` is None: the threshold as a function of the geometry and the
+    # reference logits (fuzzed geometries have no measured floor of their own; see ``floor``).
+    threshold_rule: ThresholdRule | None = None
     layout: LayoutTable = field(init=False)
     tokens: torch.Tensor = field(init=False)
     reference: torch.Tensor = field(init=False)
@@ -126,10 +131,12 @@ class Checker:
         self.layout = layout_for(self.config)
         if self.params is None:
             self.params = init_params(self.config, self.seed)
-        if self.threshold is None:
-            self.threshold = threshold_for(self.config, self.phase)
         self.tokens = make_tokens(self.config, TOKEN_SEED_OFFSET + self.seed)
         self.reference = ReferenceModel(self.config, self.params)(self.tokens)
+        if self.threshold is None and self.threshold_rule is not None:
+            self.threshold = self.threshold_rule(self.config, self.reference)
+        if self.threshold is None:
+            self.threshold = threshold_for(self.config, self.phase)
 
     @property
     def full(self) -> Params:
@@ -212,9 +219,14 @@ def mismatching(shards: list[Params], declared: list[Params], layout: LayoutTabl
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bytes (so NaN == NaN and -0.0 != 0.0, unlike ``torch.equal``)."""
-    return a.shape == b.shape and a.dtype == b.dtype and bytes(
-        a.contiguous().numpy().tobytes()) == bytes(b.contiguous().numpy().tobytes())
+    """Equal bytes (so NaN == NaN and -0.0 != 0.0, unlike ``torch.equal`` on floats)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    as_int = _SAME_WIDTH_INT[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 _AXIS = {0: "rows", 1: "columns"}

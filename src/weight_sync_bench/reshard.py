@@ -81,12 +81,38 @@ def gather(shards: list[Params], layout: LayoutTable) -> Params:
             for spec in layout}
 
 
-def reshard(shards: list[Params], layout: LayoutTable, dst: int) -> list[Params]:
-    """Shards at degree ``len(shards)`` -> shards at degree ``dst`` under the same layout.
+def reshard_tensor(shards: list[torch.Tensor], spec: ShardSpec, dst: int) -> list[torch.Tensor]:
+    """One parameter's shards at degree ``len(shards)`` -> its shards at ``dst``, copying each
+    byte once: every destination range is cut straight from the source shards that hold it,
+    without materialising the full tensor."""
+    src = len(shards)
+    expected = spec.local_shape(src)
+    for rank, shard in enumerate(shards):
+        if tuple(shard.shape) != expected:
+            raise InvalidShards(f"rank {rank} {spec.name}: shape {list(shard.shape)}, "
+                                f"expected {list(expected)} at t={src}")
+    if isinstance(spec.placement, Replicate):
+        return [shards[0].clone() for _ in range(dst)]
+    segments = []  # (global start, global stop, source rank, offset in that rank's shard)
+    for rank in range(src):
+        dim, ranges = spec.ranges(src, rank)
+        offset = 0
+        for start, stop in ranges:
+            segments.append((start, stop, rank, offset))
+            offset += stop - start
+    out = []
+    for rank in range(dst):
+        dim, ranges = spec.ranges(dst, rank)
+        pieces = [shards[r].narrow(dim, off + max(a, sa) - sa, min(b, sb) - max(a, sa))
+                  for a, b in ranges for sa, sb, r, off in segments if sa < b and a < sb]
+        out.append(torch.cat(pieces, dim=dim) if len(pieces) > 1
+                   else pieces[0].clone(memory_format=torch.contiguous_format))
+    return out
 
-    Goes through the full tensor one parameter at a time, so peak extra memory is one
-    full parameter, not the model.
-    """
+
+def reshard(shards: list[Params], layout: LayoutTable, dst: int) -> list[Params]:
+    """Shards at degree ``len(shards)`` -> shards at degree ``dst`` under the same layout,
+    equal byte for byte to ``split(gather(shards), dst)`` but copying each byte once."""
     if not shards:
         raise InvalidShards("reshard needs at least one rank's shards, got none")
     layout.validate(len(shards))
@@ -95,8 +121,7 @@ def reshard(shards: list[Params], layout: LayoutTable, dst: int) -> list[Params]
         _check_names(params.keys(), layout, f"rank {rank}")
     out: list[Params] = [{} for _ in range(dst)]
     for spec in layout:
-        full = gather_tensor([params[spec.name] for params in shards], spec)
-        for rank, shard in enumerate(split_tensor(full, spec, dst)):
+        for rank, shard in enumerate(reshard_tensor([p[spec.name] for p in shards], spec, dst)):
             out[rank][spec.name] = shard
     return out
 

@@ -65,11 +65,12 @@ def artifact_path(phase: str) -> Path:
 def derive_threshold(worst_abs: float, safety: int = SAFETY) -> float:
     """The smallest power of ten at or above ``safety`` x the worst observation.
 
-    Exact at the boundaries (computed on rationals, not through a float log10).
+    Exact at the boundaries: computed on the rational the float's shortest repr names
+    (``1e-05`` is exactly 1e-5 here), never through a float log10.
     """
     if not math.isfinite(worst_abs) or worst_abs < 0:
         raise ToleranceMismatch(f"worst observation must be finite and >= 0, got {worst_abs!r}")
-    target = Fraction(worst_abs) * safety
+    target = Fraction(repr(float(worst_abs))) * safety
     if target == 0:
         raise ToleranceMismatch("worst observation is 0: a floor of exactly zero admits no "
                                 "reordering and cannot set a threshold")
@@ -187,16 +188,15 @@ def check_geometry(artifact: dict[str, Any], config: ModelConfig) -> None:
         raise ToleranceMismatch(
             f"phase {artifact['phase']}: no floor recorded for config {config.name!r} "
             f"(recorded: {', '.join(artifact['configs'])})")
-    if recorded["geometry"] != config.geometry():
+    if recorded["geometry"] != config.geometry() or tuple(recorded["token_shape"]) != config.token_shape:
         diff = {k: (recorded["geometry"].get(k), v) for k, v in config.geometry().items()
                 if recorded["geometry"].get(k) != v}
+        why = (" (the token shape sets how many logits the max is taken over: a larger one "
+               "widens the floor)" if {"batch", "seq_len"} & diff.keys() else "")
         raise ToleranceMismatch(
             f"{config.name}: running geometry differs from the phase {artifact['phase']} "
-            "floor's: " + ", ".join(f"{k} recorded {a} running {b}" for k, (a, b) in diff.items()))
-    if tuple(recorded["token_shape"]) != config.token_shape:
-        raise ToleranceMismatch(
-            f"{config.name}: token shape {list(config.token_shape)} differs from the recorded "
-            f"{recorded['token_shape']}: a larger shape widens the floor")
+            "floor's: " + ", ".join(f"{k} recorded {a} running {b}" for k, (a, b) in diff.items())
+            + why)
 
 
 def threshold_from(artifact: dict[str, Any]) -> float:

@@ -1,0 +1,77 @@
+"""Cost of the phase-1a sweep against the bare forwards it must run, side by side.
+
+    python bench/bench_sweep.py [--rounds N]
+
+"bare" is the minimum any sweep needs: parameters from the seed, one reference forward, and
+per destination degree the declared split and one sharded forward. "sweep" is `sweep()` over
+every ordered pair: the same, plus one reshard and one byte comparison per pair. Rounds are
+interleaved (bare, sweep, bare, sweep, ...) so machine noise hits both alike; medians shown.
+Also: split+gather throughput against torch.clone of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from weight_sync_bench import TOY, TOY_KV4, Checker, ReferenceModel, gather, layout_for, split, sweep
+from weight_sync_bench.check import inprocess_forward
+from weight_sync_bench.config import init_params, make_tokens
+from weight_sync_bench.tolerance import TOKEN_SEED_OFFSET
+
+
+def bare(config):
+    params = init_params(config, 0)
+    tokens = make_tokens(config, TOKEN_SEED_OFFSET)
+    ReferenceModel(config, params)(tokens)
+    layout = layout_for(config)
+    for t in layout.supported_degrees():
+        inprocess_forward(config, split(params, layout, t), tokens)
+
+
+def full_sweep(config):
+    verdicts = sweep(config, checker=Checker(config))
+    assert all(v.passed for v in verdicts)
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print(f"{'config':8}  {'pairs':>5}  {'bare ms':>8}  {'sweep ms':>8}  overhead")
+    for config in (TOY, TOY_KV4):
+        full_sweep(config)  # warm-up
+        b, s = [], []
+        for _ in range(args.rounds):
+            b.append(timed(bare, config))
+            s.append(timed(full_sweep, config))
+        mb, ms = statistics.median(b), statistics.median(s)
+        pairs = len(layout_for(config).supported_degrees()) ** 2
+        print(f"{config.name:8}  {pairs:>5}  {mb * 1e3:8.1f}  {ms * 1e3:8.1f}  {ms / mb - 1:+.1%}")
+
+    params = init_params(TOY_KV4, 0)
+    layout = layout_for(TOY_KV4)
+    nbytes = sum(t.numel() * t.element_size() for t in params.values())
+    print(f"\nsplit+gather vs clone, TOY_KV4 ({nbytes / 2**20:.1f} MiB), median of {args.rounds}:")
+    print(f"{'t':>2}  {'split+gather GB/s':>17}  {'clone GB/s':>10}  ratio")
+    for t in layout.supported_degrees():
+        sg, cl = [], []
+        for _ in range(args.rounds):
+            sg.append(timed(lambda: gather(split(params, layout, t), layout)))
+            cl.append(timed(lambda: [p.clone() for p in params.values()]))
+        gsg, gcl = nbytes / statistics.median(sg) / 1e9, nbytes / statistics.median(cl) / 1e9
+        print(f"{t:>2}  {gsg:17.2f}  {gcl:10.2f}  {gsg / gcl:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

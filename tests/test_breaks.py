@@ -1,0 +1,66 @@
+"""Break tests: each seed injection is detected at every degree >= 2 of both configs.
+
+Break tests alone are not enough: they assert that deviation is large, and a broken
+ShardedModel also deviates a lot. The last test shows a forward with o_proj's output zeroed
+failing every invariant pair while every break test would still pass, so both suites are needed.
+"""
+
+import pytest
+import torch
+
+from weight_sync_bench import TOY, TOY_KV4, Checker, sweep
+from weight_sync_bench.check import degree_pairs
+from weight_sync_bench.mutations import SEED_MUTATIONS
+from weight_sync_bench.sharded import InProcessCollective, ShardedModel
+
+BREAKS = [(c, m, t) for c in (TOY, TOY_KV4) for m in SEED_MUTATIONS
+          for t in (2,) + ((4,) if c is TOY_KV4 else ())]
+
+
+@pytest.fixture(scope="module")
+def checkers():
+    return {c.name: Checker(c) for c in (TOY, TOY_KV4)}
+
+
+@pytest.mark.parametrize("config, mutation, degree", BREAKS,
+                         ids=[f"{c.name}-{m.name}-t{t}" for c, m, t in BREAKS])
+def test_seed_injection_is_detected_at_every_degree_of_two_or_more(checkers, config, mutation, degree):
+    checker = checkers[config.name]
+    assert mutation.identity_reason(config, degree) is None
+    (verdict,) = sweep(config, pairs=[(1, degree)], mutation=mutation, checker=checker)
+    assert not verdict.passed
+    assert verdict.ratio > 100, str(verdict)  # far beyond the floor, not a borderline catch
+    assert verdict.first_mismatch is not None and verdict.own_forward
+    # the twin: the same route without the injection passes
+    (clean,) = sweep(config, pairs=[(1, degree)], checker=checker)
+    assert clean.passed, str(clean)
+
+
+@pytest.mark.parametrize("mutation", SEED_MUTATIONS, ids=lambda m: m.name)
+def test_every_seed_injection_is_the_identity_at_t1(checkers, mutation):
+    assert mutation.identity_reason(TOY, 1) is not None
+    checker = checkers["toy"]
+    shards = mutation.apply(checker.declared(1), checker.layout, TOY)
+    assert checker.verdict(shards, dst=1).passed
+
+
+class ZeroedOProj(InProcessCollective):
+    """A deliberately broken sharded model: attention's output never reaches the residual."""
+
+    def all_reduce(self, xs, *, tag):
+        out = super().all_reduce(xs, tag=tag)
+        return [torch.zeros_like(o) for o in out] if tag.endswith("o_proj.weight") else out
+
+
+def broken_forward(config, shards, tokens):
+    return ShardedModel(config, shards, ZeroedOProj(len(shards)))(tokens)[0]
+
+
+def test_a_broken_forward_fails_the_invariant_but_would_pass_every_break_test():
+    broken = {c.name: Checker(c, forward=broken_forward) for c in (TOY, TOY_KV4)}
+    invariant = [v for c in (TOY, TOY_KV4)
+                 for v in sweep(c, pairs=degree_pairs(broken[c.name].layout), checker=broken[c.name])]
+    assert len(invariant) == 13 and not any(v.passed for v in invariant)
+    breaks = [v for c, m, t in BREAKS
+              for v in sweep(c, pairs=[(1, t)], mutation=m, checker=broken[c.name])]
+    assert all(not v.passed and v.ratio > 100 for v in breaks)

@@ -1,0 +1,56 @@
+import textwrap
+
+from weight_sync_bench.cli import main
+
+
+def test_wsb_check_prints_every_pair_with_deviation_and_threshold(capsys):
+    assert main(["check", "--config", "toy"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:6] == ["config", "src", "->", "dst", "mutation", "max"]
+    assert out.count("PASS") == 4 and "4 passed, 0 failed" in out
+
+
+def test_wsb_check_rejects_an_unsupported_degree_with_the_rule(capsys):
+    assert main(["check", "--config", "toy", "--src", "1", "--dst", "4"]) == 2
+    assert "HeadPartitioned needs n_kv_heads % t == 0 (n_kv_heads=2, t=4)" in capsys.readouterr().err
+
+
+def test_wsb_layout_prints_the_table(capsys):
+    assert main(["layout", "--config", "toy_kv4"]) == 0
+    out = capsys.readouterr().out
+    assert "HP(8,4,32)" in out and "supported degrees: 1, 2, 4" in out
+
+
+def _write_module(tmp_path, monkeypatch, source):
+    (tmp_path / "my_resharders.py").write_text(textwrap.dedent(source))
+    monkeypatch.chdir(tmp_path)
+
+
+def test_wsb_check_runs_a_users_resharder_by_module_path(tmp_path, monkeypatch, capsys):
+    _write_module(tmp_path, monkeypatch, """
+        from weight_sync_bench import layout_for, reshard, TOY_KV4
+
+        def good(shards, dst):
+            return reshard(shards, layout_for(TOY_KV4), dst)
+
+        def chunked(shards, dst):
+            out = good(shards, dst)
+            full = [s["layers.0.gate_up.weight"] for s in good(shards, 1)][0]
+            for rank, piece in enumerate(full.chunk(dst)):
+                out[rank]["layers.0.gate_up.weight"] = piece.clone()
+            return out
+    """)
+    assert main(["check", "--config", "toy_kv4", "--resharder", "my_resharders:good"]) == 0
+    assert "9 passed, 0 failed" in capsys.readouterr().out
+    assert main(["check", "--config", "toy_kv4", "--src", "1", "--dst", "2",
+                 "--resharder", "my_resharders:chunked"]) == 1
+    out = capsys.readouterr().out
+    assert "rank 0 layers.0.gate_up.weight holds rows 0-703; declared 0-351, 704-1055" in out
+
+
+def test_a_missing_resharder_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    _write_module(tmp_path, monkeypatch, "x = 1\n")
+    assert main(["check", "--resharder", "my_resharders:nope"]) == 2
+    assert "my_resharders has no callable 'nope'" in capsys.readouterr().err
+    assert main(["check", "--resharder", "no_such_module_here:f"]) == 2
+    assert "cannot import 'no_such_module_here'" in capsys.readouterr().err
