@@ -1,12 +1,14 @@
 import textwrap
 
 from weight_sync_bench.cli import main
+from weight_sync_bench.config import TOY_KV4
+from weight_sync_bench.tolerance import threshold_for
 
 
 def test_wsb_check_prints_every_pair_with_deviation_and_threshold(capsys):
     assert main(["check", "--config", "toy"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split()[:6] == ["config", "src", "->", "dst", "mutation", "max"]
+    assert out.splitlines()[0].split()[:7] == ["config", "src", "->", "dst", "phase", "mutation", "max"]
     assert out.count("PASS") == 4 and "4 passed, 0 failed" in out
 
 
@@ -54,3 +56,10 @@ def test_a_missing_resharder_is_a_clear_error(tmp_path, monkeypatch, capsys):
     assert "my_resharders has no callable 'nope'" in capsys.readouterr().err
     assert main(["check", "--resharder", "no_such_module_here:f"]) == 2
     assert "cannot import 'no_such_module_here'" in capsys.readouterr().err
+
+
+def test_wsb_check_runs_over_gloo_with_the_phase_1b_threshold(capsys):
+    assert main(["check", "--config", "toy_kv4", "--src", "2", "--dst", "4", "--backend", "gloo"]) == 0
+    out = capsys.readouterr().out
+    assert "1 passed, 0 failed" in out
+    assert f"  {threshold_for(TOY_KV4, '1b'):g}  " in out  # phase 1b's own threshold

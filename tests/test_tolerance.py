@@ -36,6 +36,14 @@ def test_the_committed_phase1a_artifact_matches_the_running_configs():
         assert field in artifact["environment"]
 
 
+@pytest.mark.parametrize("phase", ["1a", "1b"])
+def test_each_phase_reads_its_own_committed_artifact(phase):
+    artifact = load_artifact(phase)
+    assert artifact["phase"] == phase and artifact["repetitions"] == 20
+    for config in (TOY, TOY_KV4):
+        assert threshold_for(config, phase) == threshold_from(artifact)
+
+
 def test_the_threshold_is_read_from_the_artifact_through_the_pure_rule():
     artifact = load_artifact("1a")
     assert threshold_for(TOY) == threshold_from(artifact) == derive_threshold(artifact["worst_abs"])

@@ -27,7 +27,7 @@ import torch
 from weight_sync_bench.config import ModelConfig, init_params, make_tokens
 from weight_sync_bench.errors import InvalidShards
 from weight_sync_bench.model import ReferenceModel
-from weight_sync_bench.reshard import reshard, split
+from weight_sync_bench.reshard import reshard, split, validate_shards
 from weight_sync_bench.shardspec import format_ranges, layout_for
 from weight_sync_bench.sharded import InProcessCollective, ShardedModel
 from weight_sync_bench.tolerance import TOKEN_SEED_OFFSET, threshold_for
@@ -122,17 +122,22 @@ class Checker:
     # reference logits (fuzzed geometries have no measured floor of their own; see ``floor``).
     threshold_rule: ThresholdRule | None = None
     layout: LayoutTable = field(init=False)
-    tokens: torch.Tensor = field(init=False)
+    # The check's input, ``(batch, seq_len)``; default ``make_tokens(config, 1000 + seed)``.
+    # The fuzz passes tokens that reach every rank's vocab slice (``domain.fuzz_tokens``).
+    tokens: torch.Tensor | None = None  # type: ignore[assignment]
     reference: torch.Tensor = field(init=False)
     _declared: dict[int, list[Params]] = field(init=False, default_factory=dict)
     _declared_error: dict[int, float] = field(init=False, default_factory=dict)
+    _scratch: torch.Tensor = field(init=False)  # reused for |logits - reference|: no page faults
 
     def __post_init__(self) -> None:
         self.layout = layout_for(self.config)
         if self.params is None:
             self.params = init_params(self.config, self.seed)
-        self.tokens = make_tokens(self.config, TOKEN_SEED_OFFSET + self.seed)
+        if self.tokens is None:
+            self.tokens = make_tokens(self.config, TOKEN_SEED_OFFSET + self.seed)
         self.reference = ReferenceModel(self.config, self.params)(self.tokens)
+        self._scratch = torch.empty_like(self.reference)
         if self.threshold is None and self.threshold_rule is not None:
             self.threshold = self.threshold_rule(self.config, self.reference)
         if self.threshold is None:
@@ -152,7 +157,7 @@ class Checker:
     def error(self, shards: list[Params]) -> float:
         """Max |sharded logits - reference| under these shards (NaN/inf pass through)."""
         logits = self.forward(self.config, shards, self.tokens)
-        return float((logits - self.reference).abs().max())
+        return float(torch.sub(logits, self.reference, out=self._scratch).abs_().max())
 
     def declared_error(self, degree: int) -> float:
         if degree not in self._declared_error:
@@ -162,7 +167,8 @@ class Checker:
     def verdict(self, shards: Sequence[Mapping[str, torch.Tensor]], *, dst: int,
                 src: int | None = None, mutation: str | None = None) -> Verdict:
         """Validate, compare bytes with the declared split, run a forward only if they differ."""
-        checked = validate_shards(shards, self.layout, dst, self.full)
+        validate_shards(shards, self.layout, dst, {n: x.dtype for n, x in self.full.items()})
+        checked = [dict(params) for params in shards]
         declared = self.declared(dst)
         differ = mismatching(checked, declared, self.layout)
         assert self.threshold is not None
@@ -175,41 +181,6 @@ class Checker:
                        mismatches=tuple(differ), own_forward=True,
                        diagnosis=tuple(diagnose(self.full[first], self.layout[first],
                                                 [p[first] for p in checked])), **common)
-
-
-def validate_shards(shards: object, layout: LayoutTable, degree: int, full: Params
-                    ) -> list[Params]:
-    """Raise ``InvalidShards`` naming the rank and parameter unless ``shards`` is a list of
-    ``degree`` dicts with exactly the layout's names, local shapes and the full dtypes."""
-    if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
-        raise InvalidShards(f"expected a list of {degree} rank dicts, got {type(shards).__name__}")
-    if len(shards) != degree:
-        raise InvalidShards(f"expected {degree} rank dicts at t={degree}, got {len(shards)}")
-    out: list[Params] = []
-    for rank, params in enumerate(shards):
-        if not isinstance(params, Mapping):
-            raise InvalidShards(f"rank {rank}: expected a dict of tensors, got "
-                                f"{type(params).__name__}")
-        missing = [n for n in layout.names if n not in params]
-        extra = sorted(set(params) - set(layout.names))
-        if missing or extra:
-            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
-                [f"unexpected {', '.join(extra)}"] if extra else [])
-            raise InvalidShards(f"rank {rank}: {'; '.join(parts)}")
-        for spec in layout:
-            tensor = params[spec.name]
-            if not isinstance(tensor, torch.Tensor):
-                raise InvalidShards(f"rank {rank} {spec.name}: expected a Tensor, got "
-                                    f"{type(tensor).__name__}")
-            want = spec.local_shape(degree)
-            if tuple(tensor.shape) != want:
-                raise InvalidShards(f"rank {rank} {spec.name}: shape {list(tensor.shape)}, "
-                                    f"declared {list(want)} ({spec.placement} at t={degree})")
-            if tensor.dtype != full[spec.name].dtype:
-                raise InvalidShards(f"rank {rank} {spec.name}: dtype {tensor.dtype}, expected "
-                                    f"{full[spec.name].dtype}")
-        out.append(dict(params))
-    return out
 
 
 def mismatching(shards: list[Params], declared: list[Params], layout: LayoutTable) -> list[str]:
@@ -295,12 +266,30 @@ def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:
     return [(s, d) for s in degrees for d in degrees]
 
 
+BACKENDS = ("inprocess", "gloo")
+
+
+def checker_for(config: ModelConfig, *, seed: int = 0, backend: str = "inprocess",
+                threshold: float | None = None) -> Checker:
+    """A Checker whose sharded forward runs in this process (phase 1a, ``InProcessCollective``)
+    or one process per rank over gloo (phase 1b, the shared rank pool), with that phase's
+    threshold."""
+    if backend == "inprocess":
+        return Checker(config, seed=seed, threshold=threshold)
+    if backend == "gloo":
+        from weight_sync_bench.phase1b import gloo_forward  # rank processes start on first use
+
+        return Checker(config, seed=seed, threshold=threshold, phase="1b", forward=gloo_forward())
+    raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
 def sweep(config: ModelConfig, *, seed: int = 0, pairs: Iterable[tuple[int, int]] | None = None,
-          mutation: Mutation | None = None, checker: Checker | None = None) -> list[Verdict]:
+          mutation: Mutation | None = None, checker: Checker | None = None,
+          backend: str = "inprocess") -> list[Verdict]:
     """The invariant over degree pairs: ``reshard(split(full, src), dst)`` (mutated, if a
     mutation is given) checked against the reference. One reference forward, one declared
     forward per destination, one more forward per shard set that differs."""
-    checker = checker or Checker(config, seed=seed)
+    checker = checker or checker_for(config, seed=seed, backend=backend)
     verdicts = []
     for src, dst in (pairs if pairs is not None else degree_pairs(checker.layout)):
         shards = reshard(checker.declared(src), checker.layout, dst)
@@ -312,20 +301,20 @@ def sweep(config: ModelConfig, *, seed: int = 0, pairs: Iterable[tuple[int, int]
 
 
 def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
-                threshold: float | None = None) -> Verdict:
+                threshold: float | None = None, backend: str = "inprocess") -> Verdict:
     """Check a user's split function ``fn(full, degree) -> [rank-local dict] * degree``
     (the harness's parameter names) against the declared layout at ``degree``."""
-    checker = Checker(config, seed=seed, threshold=threshold)
+    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend)
     checker.layout.validate(degree)
     shards = fn({name: t.clone() for name, t in checker.full.items()}, degree)
     return checker.verdict(shards, dst=degree)
 
 
 def check_reshard(fn: ReshardFn, config: ModelConfig, src: int, dst: int, *, seed: int = 0,
-                  threshold: float | None = None) -> Verdict:
+                  threshold: float | None = None, backend: str = "inprocess") -> Verdict:
     """Check a user's reshard function ``fn(shards_at_src, dst) -> shards_at_dst`` starting
     from the declared split at ``src``."""
-    checker = Checker(config, seed=seed, threshold=threshold)
+    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend)
     checker.layout.validate(src)
     checker.layout.validate(dst)
     source = [{n: t.clone() for n, t in params.items()} for params in checker.declared(src)]
@@ -334,10 +323,10 @@ def check_reshard(fn: ReshardFn, config: ModelConfig, src: int, dst: int, *, see
 
 def format_verdicts(verdicts: Sequence[Verdict]) -> str:
     """A table: one row per verdict (config, route, error, threshold, ratio, forward, result)."""
-    rows = [["config", "src -> dst", "mutation", "max |error|", "threshold", "ratio", "forward",
-             "result"]]
+    rows = [["config", "src -> dst", "phase", "mutation", "max |error|", "threshold", "ratio",
+             "forward", "result"]]
     for v in verdicts:
-        rows.append([v.config, v.route, v.mutation or "-", f"{v.max_abs_error:.4g}",
+        rows.append([v.config, v.route, v.phase, v.mutation or "-", f"{v.max_abs_error:.4g}",
                      f"{v.threshold:g}", f"{v.ratio:.3g}x",
                      "own" if v.own_forward else "declared", "PASS" if v.passed else "FAIL"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

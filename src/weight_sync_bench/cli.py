@@ -1,6 +1,6 @@
 """``wsb``: the command line. The only module that prints.
 
-    wsb check [--config toy|toy_kv4|all] [--src S --dst D] [--seed N]
+    wsb check [--config toy|toy_kv4|all] [--src S --dst D] [--seed N] [--backend inprocess|gloo]
     wsb check --resharder module:function [--config ...] [--src S --dst D]
     wsb check --splitter module:function [--config ...] [--dst D]
     wsb layout --config NAME
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from weight_sync_bench.check import (Checker, Verdict, check_reshard, check_split,
-                                     degree_pairs, format_verdicts, sweep)
+from weight_sync_bench.check import (BACKENDS, Verdict, check_reshard, check_split, degree_pairs,
+                                     format_verdicts, sweep)
 from weight_sync_bench.config import CONFIGS, config_by_name
 from weight_sync_bench.errors import WsbError
 from weight_sync_bench.shardspec import layout_for
@@ -64,14 +64,15 @@ def cmd_check(args: argparse.Namespace) -> int:
         if args.splitter:
             fn = _load_function(args.splitter)
             for dst in ([args.dst] if args.dst is not None else degrees):
-                verdicts.append(check_split(fn, config, dst, seed=args.seed))
+                verdicts.append(check_split(fn, config, dst, seed=args.seed, backend=args.backend))
         elif args.resharder:
             fn = _load_function(args.resharder)
             for src, dst in _pairs(args, degrees):
-                verdicts.append(check_reshard(fn, config, src, dst, seed=args.seed))
+                verdicts.append(check_reshard(fn, config, src, dst, seed=args.seed,
+                                              backend=args.backend))
         else:
             pairs = _pairs(args, degrees) if (args.src or args.dst) else degree_pairs(layout)
-            verdicts.extend(sweep(config, pairs=pairs, checker=Checker(config, seed=args.seed)))
+            verdicts.extend(sweep(config, pairs=pairs, seed=args.seed, backend=args.backend))
     print(format_verdicts(verdicts))
     failed = [v for v in verdicts if not v.passed]
     for verdict in failed:
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--src", type=int, default=None, help="source degree (default: every supported)")
     check.add_argument("--dst", type=int, default=None, help="destination degree (default: every supported)")
     check.add_argument("--seed", type=int, default=0, help="model seed (tokens use 1000 + seed)")
+    check.add_argument("--backend", choices=BACKENDS, default="inprocess",
+                       help="inprocess: every rank in this process (phase 1a); gloo: one process "
+                            "per rank over gloo on 127.0.0.1 (phase 1b)")
     own = check.add_mutually_exclusive_group()
     own.add_argument("--resharder", metavar="MODULE:FUNCTION",
                      help="check fn(shards_at_src, dst) -> shards_at_dst against the declared layout")

@@ -7,16 +7,15 @@ inverse of ``split`` (``gather(split(x, t)) == x`` byte for byte), and
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from weight_sync_bench.errors import InvalidShards
+from weight_sync_bench.errors import InvalidShards, WrongShardShape
 from weight_sync_bench.shardspec import Replicate
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from weight_sync_bench.shardspec import LayoutTable, ShardSpec
 
 Params = dict[str, torch.Tensor]
@@ -124,6 +123,46 @@ def reshard(shards: list[Params], layout: LayoutTable, dst: int) -> list[Params]
         for rank, shard in enumerate(reshard_tensor([p[spec.name] for p in shards], spec, dst)):
             out[rank][spec.name] = shard
     return out
+
+
+def validate_shards(shards: object, layout: LayoutTable, degree: int,
+                       dtype: torch.dtype | Mapping[str, torch.dtype] = torch.float32) -> None:
+    """Raise unless ``shards`` is a list of ``degree`` dicts with exactly the layout's names,
+    local shapes and dtypes (``dtype``: one for all, or per parameter name).
+
+    ``InvalidShards`` for a wrong container, rank count or names; ``WrongShardShape``
+    (naming rank, parameter, expected and actual) for the first wrong shape or dtype.
+    """
+    layout.validate(degree)
+    if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
+        raise InvalidShards(f"expected a list of {degree} rank dicts, got {type(shards).__name__}")
+    if len(shards) != degree:
+        raise InvalidShards(f"expected {degree} rank dicts at t={degree}, got {len(shards)}")
+    for rank, params in enumerate(shards):
+        if not isinstance(params, Mapping):
+            raise InvalidShards(f"rank {rank}: expected a dict of tensors, got "
+                                f"{type(params).__name__}")
+        missing = [n for n in layout.names if n not in params]
+        extra = sorted(set(params) - set(layout.names))
+        if missing or extra:
+            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+                [f"unexpected {', '.join(extra)}"] if extra else [])
+            raise InvalidShards(f"rank {rank}: {'; '.join(parts)}")
+        for spec in layout:
+            x = params[spec.name]
+            if not isinstance(x, torch.Tensor):
+                raise InvalidShards(f"rank {rank} {spec.name}: expected a Tensor, got "
+                                    f"{type(x).__name__}")
+            want, actual = spec.local_shape(degree), tuple(x.shape)
+            if actual != want:
+                raise WrongShardShape(
+                    f"rank {rank} {spec.name}: shape {list(actual)}, declared {list(want)} "
+                    f"({spec.placement} at t={degree})",
+                    rank=rank, name=spec.name, expected=want, actual=actual)
+            expected = dtype if isinstance(dtype, torch.dtype) else dtype[spec.name]
+            if x.dtype != expected:
+                raise WrongShardShape(f"rank {rank} {spec.name}: dtype {x.dtype}, expected {expected}",
+                                      rank=rank, name=spec.name, expected=want, actual=actual)
 
 
 def _check_names(names: object, layout: LayoutTable, where: str) -> None:

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     runner = None
     if args.phase == "1b":
-        from weight_sync_bench.distributed import phase1b_runner  # the gloo launcher
+        from weight_sync_bench.phase1b import phase1b_runner  # the gloo launcher
         runner = phase1b_runner()
     artifact = measure(args.phase, repetitions=args.repetitions, runner=runner)
     path = args.out or artifact_path(args.phase)
