@@ -23,6 +23,7 @@ from weight_sync_bench.check import (BACKENDS, Verdict, check_reshard, check_spl
                                      format_verdicts, sweep)
 from weight_sync_bench.config import CONFIGS, config_by_name
 from weight_sync_bench.errors import WsbError
+from weight_sync_bench.cli_train import register as register_train
 from weight_sync_bench.shardspec import layout_for
 
 
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     layout = sub.add_parser("layout", help="print the declared layout table")
     layout.add_argument("--config", default="toy", choices=list(CONFIGS))
     layout.set_defaults(func=cmd_layout)
+
+    register_train(sub)
     return parser
 
 

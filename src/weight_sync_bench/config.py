@@ -36,13 +36,22 @@ class ModelConfig:
     seq_len: int = 16
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Variants that expose training bugs; each defaults to off, so TOY and TOY_KV4 (and their
+    # recorded geometry) are unchanged. See VARIANT_FIELDS.
+    vocab_multiple: int = 1  # pad the vocab-parallel tables to a multiple of this
+    tie_embeddings: bool = False  # lm_head reads tok_embeddings.weight
+    bias: bool = False  # a qkv bias and row-parallel o_proj and down biases
 
     def __post_init__(self) -> None:
         for field in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                      "ffn", "batch", "seq_len"):
+                      "ffn", "batch", "seq_len", "vocab_multiple"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidConfig(f"{self.name}: {field} must be a positive int, got {value!r}")
+        for field in ("tie_embeddings", "bias"):
+            if not isinstance(getattr(self, field), bool):
+                raise InvalidConfig(f"{self.name}: {field} must be a bool, "
+                                    f"got {getattr(self, field)!r}")
         if self.n_heads % self.n_kv_heads:
             raise InvalidConfig(
                 f"{self.name}: GQA needs n_heads % n_kv_heads == 0 "
@@ -66,21 +75,39 @@ class ModelConfig:
     def token_shape(self) -> tuple[int, int]:
         return (self.batch, self.seq_len)
 
+    @property
+    def padded_vocab(self) -> int:
+        """Rows of the vocab-parallel tables: vocab rounded up to ``vocab_multiple``. Rows
+        ``vocab..padded_vocab-1`` are padding, never a token and never a valid class."""
+        return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's full shape, in the order the forward consumes them."""
         d = self.d_model
-        shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (self.vocab, d)}
+        shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (self.padded_vocab, d)}
         for i in range(self.n_layers):
             p = f"layers.{i}."
             shapes[p + "attn_norm.weight"] = (d,)
             shapes[p + "qkv.weight"] = (self.qkv_rows, d)
+            if self.bias:
+                shapes[p + "qkv.bias"] = (self.qkv_rows,)
             shapes[p + "o_proj.weight"] = (d, self.q_rows)
+            if self.bias:
+                shapes[p + "o_proj.bias"] = (d,)
             shapes[p + "ffn_norm.weight"] = (d,)
             shapes[p + "gate_up.weight"] = (2 * self.ffn, d)
             shapes[p + "down.weight"] = (d, self.ffn)
+            if self.bias:
+                shapes[p + "down.bias"] = (d,)
         shapes["norm.weight"] = (d,)
-        shapes["lm_head.weight"] = (self.vocab, d)
+        if not self.tie_embeddings:
+            shapes["lm_head.weight"] = (self.padded_vocab, d)
         return shapes
+
+    @property
+    def head_name(self) -> str:
+        """The parameter the output projection reads (the embedding table when tied)."""
+        return "tok_embeddings.weight" if self.tie_embeddings else "lm_head.weight"
 
     @property
     def n_params(self) -> int:
@@ -93,13 +120,24 @@ class ModelConfig:
         return total
 
     def geometry(self) -> dict[str, int]:
-        """The fields the floor depends on, as recorded in tolerance artifacts."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name != "name" and isinstance(getattr(self, f.name), int)}
+        """The fields the floor depends on, as recorded in tolerance artifacts.
+
+        A variant field appears only where it differs from its default (bools as 0/1), so a
+        config without variants records exactly the geometry it always did.
+        """
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name != "name" and f.name not in VARIANT_FIELDS
+               and isinstance(getattr(self, f.name), int)}
+        for f in dataclasses.fields(self):
+            if f.name in VARIANT_FIELDS and getattr(self, f.name) != f.default:
+                out[f.name] = int(getattr(self, f.name))
+        return out
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+
+VARIANT_FIELDS = ("vocab_multiple", "tie_embeddings", "bias")
 
 TOY = ModelConfig(name="toy", vocab=32000, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2,
                   head_dim=32, ffn=704)  # 19,204,352 parameters

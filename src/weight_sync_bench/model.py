@@ -37,12 +37,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask of packed sequences, ``(B, 1, T, T)`` bool.
+
+    ``segments`` ``(B, T)`` gives each position's document id; ``-1`` marks padding.
+    Query q sees key k iff ``k <= q`` and both lie in the same document (not padding), so a
+    padding query sees no key at all: see ``attention`` for the neutral rule applied there.
+    """
+    t = segments.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()  # (T, T)
+    same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+    real = (segments >= 0)[:, :, None]  # (B, T, 1)
+    return (same & real & causal)[:, None]  # (B, 1, T, T)
+
+
 def attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
-              rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+              rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """Causal GQA attention over ``[Q | K | V]`` features for the heads given.
 
     qkv is ``(B, T, (n_heads + 2 * n_kv_heads) * head_dim)``; returns ``(B, T, n_heads * head_dim)``.
-    Query head h reads KV head ``h // (n_heads / n_kv_heads)``.
+    Query head h reads KV head ``h // (n_heads / n_kv_heads)``. Without ``mask`` attention is
+    plainly causal. With a ``(B, 1, T, T)`` bool mask (``document_mask``), a query row that
+    sees no key at all follows an explicit neutral rule instead of a 0/0 softmax: its output
+    is exactly zero, so it contributes nothing forward and receives no gradient.
     """
     b, t, _ = qkv.shape
     q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
@@ -52,8 +70,17 @@ def attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
     group = n_heads // n_kv_heads
     k = k.repeat_interleave(group, dim=2)  # (B, T, H, D)
     v = v.repeat_interleave(group, dim=2)  # (B, T, H, D)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True)  # (B, H, T, D)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)  # (B, H, T, D)
+    else:
+        sees_any = mask.any(dim=-1, keepdim=True)  # (B, 1, T, 1)
+        # A row with no visible key attends to itself (a defined softmax), then is zeroed.
+        eye = torch.eye(t, dtype=torch.bool)  # (T, T)
+        safe = mask | (~sees_any & eye)  # (B, 1, T, T)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=safe)  # (B, H, T, D)
+        out = out.masked_fill(~sees_any, 0.0)
     return out.transpose(1, 2).reshape(b, t, n_heads * head_dim)  # (B, T, H*D)
 
 
@@ -64,22 +91,40 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceModel:
-    """The unsharded model: ``ReferenceModel(config, full_params)(tokens) -> logits``."""
+    """The unsharded model: ``ReferenceModel(config, full_params)(tokens) -> logits``.
+
+    After each call ``embedding_output`` holds the embedding lookup ``(B, T, d)``, the point
+    input gradients are compared at (``retain_grad`` it before backward).
+    """
 
     def __init__(self, config: ModelConfig, params: Mapping[str, torch.Tensor]) -> None:
         self.config = config
         self.params = params
+        self.embedding_output: torch.Tensor | None = None
 
-    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens ``(B, T)`` int64 -> logits ``(B, T, vocab)`` fp32."""
+    def __call__(self, tokens: torch.Tensor, segments: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """tokens ``(B, T)`` int64 -> logits ``(B, T, vocab)`` fp32. ``segments`` ``(B, T)``
+        packs documents (see ``document_mask``); None is plain causal attention."""
         c, p = self.config, self.params
         rope = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
+        mask = document_mask(segments) if segments is not None else None
         h = F.embedding(tokens, p["tok_embeddings.weight"])  # (B, T, d)
+        self.embedding_output = h
         for i in range(c.n_layers):
             pre = f"layers.{i}."
             x = rms_norm(h, p[pre + "attn_norm.weight"], c.norm_eps)
-            a = attention(x @ p[pre + "qkv.weight"].T, c.n_heads, c.n_kv_heads, c.head_dim, rope)
-            h = h + a @ p[pre + "o_proj.weight"].T
+            qkv = x @ p[pre + "qkv.weight"].T
+            if c.bias:
+                qkv = qkv + p[pre + "qkv.bias"]
+            a = attention(qkv, c.n_heads, c.n_kv_heads, c.head_dim, rope, mask)
+            h = h + add_bias(a @ p[pre + "o_proj.weight"].T, p.get(pre + "o_proj.bias"))
             x = rms_norm(h, p[pre + "ffn_norm.weight"], c.norm_eps)
-            h = h + swiglu(x @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T
-        return rms_norm(h, p["norm.weight"], c.norm_eps) @ p["lm_head.weight"].T  # (B, T, V)
+            h = h + add_bias(swiglu(x @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T,
+                            p.get(pre + "down.bias"))
+        logits = rms_norm(h, p["norm.weight"], c.norm_eps) @ p[c.head_name].T  # (B, T, Vp)
+        return logits[..., :c.vocab] if c.padded_vocab != c.vocab else logits  # (B, T, V)
+
+
+def add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from weight_sync_bench.model import attention, rms_norm, rope_tables, swiglu
+from weight_sync_bench.model import (add_bias, attention, document_mask, rms_norm, rope_tables,
+                                     swiglu)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -111,35 +112,57 @@ class ShardedModel:
         self.config = config
         self.shards = list(shards)
         self.collective = collective
+        self.embedding_output: Tensors | None = None  # per local rank, set by each forward
 
-    def __call__(self, tokens: torch.Tensor) -> Tensors:
-        return self.forward(tokens)
+    def __call__(self, tokens: torch.Tensor, segments: torch.Tensor | None = None, *,
+                 gather_logits: bool = True) -> Tensors:
+        return self.forward(tokens, segments, gather_logits=gather_logits)
 
-    def forward(self, tokens: torch.Tensor) -> Tensors:
-        """tokens ``(B, T)`` -> per local rank, logits ``(B, T, vocab)``."""
+    def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None, *,
+                gather_logits: bool = True) -> Tensors:
+        """tokens ``(B, T)`` -> per local rank, logits ``(B, T, vocab)``.
+
+        ``segments`` packs documents as in ``ReferenceModel``. With ``gather_logits=False``
+        each rank keeps its own vocab slice ``(B, T, padded_vocab / t)``, padding columns
+        included, for a vocab-parallel loss (``weight_sync_bench.loss``).
+        """
         c, coll, shards = self.config, self.collective, self.shards
         t = coll.degree
         heads, kv_heads = c.n_heads // t, c.n_kv_heads // t
         rope = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
+        mask = document_mask(segments) if segments is not None else None
 
         h = coll.all_reduce([_vocab_parallel_embed(tokens, p["tok_embeddings.weight"], r)
                              for p, r in zip(shards, coll.ranks)], tag="tok_embeddings.weight")
+        self.embedding_output = h
         for i in range(c.n_layers):
             pre = f"layers.{i}."
             partial = []
             for hr, p in zip(h, shards):
                 x = rms_norm(hr, p[pre + "attn_norm.weight"], c.norm_eps)
-                a = attention(x @ p[pre + "qkv.weight"].T, heads, kv_heads, c.head_dim, rope)
+                qkv = x @ p[pre + "qkv.weight"].T
+                if c.bias:
+                    qkv = qkv + p[pre + "qkv.bias"]
+                a = attention(qkv, heads, kv_heads, c.head_dim, rope, mask)
                 partial.append(a @ p[pre + "o_proj.weight"].T)  # (B, T, d), a partial sum
-            h = [hr + o for hr, o in zip(h, coll.all_reduce(partial, tag=pre + "o_proj.weight"))]
+            h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "o_proj"))]
             partial = []
             for hr, p in zip(h, shards):
                 x = rms_norm(hr, p[pre + "ffn_norm.weight"], c.norm_eps)
                 partial.append(swiglu(x @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T)
-            h = [hr + o for hr, o in zip(h, coll.all_reduce(partial, tag=pre + "down.weight"))]
-        local_logits = [rms_norm(hr, p["norm.weight"], c.norm_eps) @ p["lm_head.weight"].T
-                        for hr, p in zip(h, shards)]  # (B, T, V/t)
-        return coll.all_gather(local_logits, dim=-1, tag="lm_head.weight")
+            h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "down"))]
+        local_logits = [rms_norm(hr, p["norm.weight"], c.norm_eps) @ p[c.head_name].T
+                        for hr, p in zip(h, shards)]  # (B, T, Vp/t)
+        if not gather_logits:
+            return local_logits
+        logits = coll.all_gather(local_logits, dim=-1, tag=c.head_name)  # (B, T, Vp)
+        return [x[..., :c.vocab] for x in logits] if c.padded_vocab != c.vocab else logits
+
+    def reduce_row_parallel(self, partial: Tensors, layer: str) -> Tensors:
+        """Sum a row-parallel layer's partial outputs over the group, then add its bias
+        (``layer + ".bias"``, replicated) once: after the sum, never once per rank."""
+        reduced = self.collective.all_reduce(partial, tag=layer + ".weight")
+        return [add_bias(o, p.get(layer + ".bias")) for o, p in zip(reduced, self.shards)]
 
 
 def _vocab_parallel_embed(tokens: torch.Tensor, table: torch.Tensor, rank: int) -> torch.Tensor:

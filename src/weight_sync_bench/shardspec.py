@@ -78,7 +78,8 @@ class HeadPartitioned:
     """Fused ``[Q | K | V]`` rows split per head: rank r holds Q heads
     ``[r*n_heads/t, (r+1)*n_heads/t)`` and the matching K and V heads, concatenated as
     ``[Q_r | K_r | V_r]``. Needs both head counts divisible by t: fewer KV heads than
-    ranks would mean replicating KV heads, which this placement does not state."""
+    ranks would mean replicating KV heads, which this placement does not state. Applies
+    to the fused weight and, 1-D, to its bias, whose rows are split alike."""
 
     n_heads: int
     n_kv_heads: int
@@ -91,7 +92,7 @@ class HeadPartitioned:
 
     def validate(self, shape: Shape, degree: int, name: str) -> None:
         _check_degree(name, degree)
-        _need(len(shape) == 2 and shape[0] == self.rows, name, self, degree,
+        _need(len(shape) in (1, 2) and shape[0] == self.rows, name, self, degree,
               "shape[0] == (n_heads + 2 * n_kv_heads) * head_dim",
               f"shape={list(shape)}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
               f"head_dim={self.head_dim}")
@@ -264,6 +265,8 @@ def layout_for(config: ModelConfig) -> LayoutTable:
 
     Column-parallel fused qkv and gate_up, row-parallel o_proj and down (split on the input
     dim, partial sums all-reduced), vocab-parallel embedding and lm_head, replicated norms.
+    Only the parameters ``config.param_shapes()`` has are laid out (no lm_head when tied,
+    biases only with ``config.bias``); the vocab tables have ``config.padded_vocab`` rows.
     """
     placements: dict[str, Placement] = {
         "tok_embeddings.weight": Shard(0), "norm.weight": Replicate(), "lm_head.weight": Shard(0)}
@@ -272,6 +275,11 @@ def layout_for(config: ModelConfig) -> LayoutTable:
         placements[p + "attn_norm.weight"] = Replicate()
         placements[p + "qkv.weight"] = HeadPartitioned(config.n_heads, config.n_kv_heads,
                                                        config.head_dim)
+        # Biases (config.bias): the qkv bias follows its rows; a row-parallel bias is
+        # replicated and added once, after the partial sums meet.
+        placements[p + "qkv.bias"] = placements[p + "qkv.weight"]
+        placements[p + "o_proj.bias"] = Replicate()
+        placements[p + "down.bias"] = Replicate()
         placements[p + "o_proj.weight"] = Shard(1)
         placements[p + "ffn_norm.weight"] = Replicate()
         placements[p + "gate_up.weight"] = FusedPaired(config.ffn, config.ffn)

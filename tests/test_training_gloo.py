@@ -1,0 +1,45 @@
+"""Training over gloo: one process per TP rank on the phase 1b rank pool, compared with the
+dense reference against the phase 1b training floor (tolerance/training_1b.json)."""
+
+import pytest
+
+from weight_sync_bench.errors import InvalidMesh, ToleranceMismatch
+from weight_sync_bench.rankpool import shared_pool
+from weight_sync_bench.training import Mesh, TrainingCase
+from weight_sync_bench.training_gloo import train_gloo
+from weight_sync_bench.training_mutations import training_mutation
+from weight_sync_bench.training_tolerance import (PACKED_WITH_EMPTY_ROW, SMALL_VARIANTS,
+                                                  artifact_path, load, thresholds_for)
+
+CONFIG = SMALL_VARIANTS[1]  # padded vocab, tied embeddings, biases
+GLOO = thresholds_for(CONFIG, phase="1b")
+
+
+@pytest.fixture(scope="module")
+def case_and_reference():
+    case = TrainingCase(CONFIG, Mesh(1, 4), seed=5, steps=2, spec=PACKED_WITH_EMPTY_ROW)
+    return case, case.reference()
+
+
+def test_a_tp_group_over_gloo_trains_like_the_reference(case_and_reference):
+    case, reference = case_and_reference
+    report = case.check(GLOO, reference=reference, trained=train_gloo(case, shared_pool(4)))
+    assert report.passed, [(c.quantity, c.deviation, c.threshold) for c in report.comparisons]
+
+
+@pytest.mark.parametrize("name", ["tp_ranks_as_examples", "row_bias_every_rank",
+                                  "extra_tp_averaging"])
+def test_tp_mutations_over_gloo_are_detected(case_and_reference, name):
+    case, reference = case_and_reference
+    mutation = training_mutation(name)
+    trained = train_gloo(case, shared_pool(4), mutation.recipe)
+    report = case.check(GLOO, reference=reference, trained=trained, mutation=name)
+    assert not report.passed and report.worst.ratio > 10
+
+
+def test_gloo_runs_one_tp_group_and_has_its_own_floor():
+    case = TrainingCase(CONFIG, Mesh(2, 2), spec=PACKED_WITH_EMPTY_ROW)
+    with pytest.raises(InvalidMesh, match="over gloo the mesh is one TP group, got dp=2"):
+        train_gloo(case, shared_pool(4))
+    with pytest.raises(ToleranceMismatch, match="records phase '1a', asked for '1b'"):
+        load(artifact_path("1a"), phase="1b")  # the in-process floor is not reused
