@@ -86,8 +86,9 @@ def environment() -> dict[str, Any]:
     """Versions and machine the measurement ran on, and the commit it measured."""
     root = Path(__file__).resolve().parents[2]
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+        commit = head.stdout.strip() if head.returncode == 0 and head.stdout.strip() else None
         dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root,
                                     capture_output=True, text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
