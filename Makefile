@@ -22,6 +22,14 @@ test: $(STAMP)
 	$(PY) -m pytest -n auto; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no test: that is a failure here" >&2; fi; exit $$rc
 
+# A user's fuzz run (MINUTES=5 by default); the nightly job's long run, same commands.
+fuzz: $(STAMP)
+	$(PY) -m weight_sync_bench fuzz --minutes $(or $(MINUTES),5)
+
+nightly: $(STAMP)
+	WSB_PROFILE=wsb-nightly $(PY) -m pytest -n auto
+	$(PY) -m weight_sync_bench fuzz --profile wsb-nightly --minutes $(or $(MINUTES),60)
+
 bench: $(STAMP)
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 

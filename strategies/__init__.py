@@ -1,1 +1,137 @@
-"""Hypothesis strategies for weight-sync-bench: geometries, TP degree pairs and seeds."""
+"""Hypothesis strategies for weight-sync-bench: geometries, TP degree pairs, seeds, cases.
+
+Every strategy reads its ranges from ``weight_sync_bench.domain.DOMAIN``, the one definition
+the floor samples also cover, and draws dependent values next to each other (``n_kv_heads``,
+then ``n_heads`` as a multiple of it, then degrees from the ones the layout supports) so no
+example is thrown away by ``assume`` or ``filter``. Everything shrinks toward t=1 and the
+smallest dimensions of the domain.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+
+from weight_sync_bench.case import Case
+from weight_sync_bench.config import ModelConfig
+from weight_sync_bench.domain import DOMAIN, FuzzDomain, IntRange
+from weight_sync_bench.mutations import mutation_by_name
+from weight_sync_bench.shardspec import layout_for
+
+__all__ = ["Rejection", "cases", "degree_pairs", "geometries", "in_range", "rejected_layouts",
+           "seeds"]
+
+
+@functools.cache  # one strategy per range: building it on every draw costs more than the draw
+def in_range(r: IntRange) -> st.SearchStrategy[int]:
+    """Members of ``r`` (``lo``, ``lo + step``, ... up to ``hi``); shrinks toward ``lo``."""
+    return st.integers(0, (r.top - r.lo) // r.step).map(lambda i: r.lo + i * r.step)
+
+
+@st.composite
+def geometries(draw: st.DrawFn, domain: FuzzDomain = DOMAIN) -> ModelConfig:
+    """A ModelConfig inside ``domain``: ``n_kv_heads`` first, then ``n_heads`` as a multiple
+    of it, ``ffn`` and ``vocab`` as multiples of it too (so every divisor of ``n_kv_heads`` is
+    a supported degree), then head_dim, d_model, depth and the token shape.
+
+    Shrinks toward ``domain.smallest()``: one KV head, one query head per group, the smallest
+    head_dim, d_model, ffn, vocab, depth, batch and sequence.
+    """
+    n_kv_heads = draw(in_range(domain.n_kv_heads))
+    group = draw(in_range(domain.group))
+    return domain.config(
+        n_kv_heads=n_kv_heads, group=group,
+        ffn_per_kv_head=draw(in_range(domain.ffn_per_kv_head)),
+        vocab_per_kv_head=draw(in_range(domain.vocab_per_kv_head)),
+        head_dim=draw(in_range(domain.head_dim)), d_model=draw(in_range(domain.d_model)),
+        n_layers=draw(in_range(domain.n_layers)), batch=draw(in_range(domain.batch)),
+        seq_len=draw(in_range(domain.seq_len)))
+
+
+def degree_pairs(config: ModelConfig, degrees: list[int] | None = None
+                 ) -> st.SearchStrategy[tuple[int, int]]:
+    """An ordered ``(src, dst)`` pair of the degrees ``layout_for(config)`` supports (or of
+    ``degrees``, a non-empty subset); ``src == dst`` included. Shrinks toward ``(1, 1)``."""
+    degrees = degrees if degrees is not None else layout_for(config).supported_degrees()
+    if not degrees:
+        raise ValueError(f"degree_pairs: degrees must be non-empty, got degrees={degrees!r}")
+    return st.tuples(st.sampled_from(degrees), st.sampled_from(degrees))
+
+
+def seeds(domain: FuzzDomain = DOMAIN) -> st.SearchStrategy[int]:
+    """A model seed (tokens use ``1000 + seed``); weights are built from it with a
+    ``torch.Generator``, never drawn as arrays. Shrinks toward 0."""
+    return in_range(domain.seed)
+
+
+@st.composite
+def cases(draw: st.DrawFn, mutation: str | None = None, phase: str = "1a",
+          domain: FuzzDomain = DOMAIN) -> Case:
+    """A check to run: a geometry, an ordered degree pair, a seed, and ``mutation`` applied
+    at the destination. With a mutation, ``dst`` is drawn from the degrees where it is not
+    the identity when there are any (so few examples are spent on no-ops); the identity
+    cases that remain check the mutation's identity declaration.
+
+    Shrinks as ``geometries`` does, then toward ``(1, 1)`` and seed 0.
+    """
+    config = draw(geometries(domain))
+    supported = layout_for(config).supported_degrees()
+    dsts = supported
+    if mutation is not None:
+        identity = mutation_by_name(mutation).identity_reason
+        live = [t for t in supported if identity(config, t) is None]
+        dsts = live or supported
+    src = draw(st.sampled_from(supported))
+    dst = draw(st.sampled_from(dsts))
+    return Case(config=config, src=src, dst=dst, seed=draw(seeds(domain)), mutation=mutation,
+                phase=phase)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A geometry with a degree its layout must reject, and what the error must name."""
+
+    config: ModelConfig
+    degree: int
+    parameter: str  # the first parameter (in layout order) whose placement rejects the degree
+    rule: str  # the rule the error message must quote
+
+
+_BREAKABLE = ("n_kv_heads", "ffn", "vocab")
+
+
+@st.composite
+def rejected_layouts(draw: st.DrawFn) -> Rejection:
+    """A geometry and a degree t >= 2 that break exactly one divisibility rule of the layout:
+
+    - ``n_kv_heads % t != 0`` (more ranks than KV heads, or a ragged split) with ``n_heads``
+      still divisible: ``layers.0.qkv.weight``, rule ``n_kv_heads % t == 0``;
+    - ``ffn % t != 0``: ``layers.0.gate_up.weight``, rule ``first % t == 0``;
+    - ``vocab % t != 0``: ``tok_embeddings.weight``, rule ``shape[0] % t == 0``.
+
+    (``n_heads % t`` cannot break alone: ``n_heads`` is a multiple of ``n_kv_heads``.)
+    Every other size is a multiple of t, so the rule named is the one broken. Shrinks toward
+    t=2, the KV-head rule, one KV head and the smallest sizes.
+    """
+    t = draw(st.integers(2, 8))
+    broken = draw(st.sampled_from(_BREAKABLE))
+    ragged = draw(st.integers(1, t - 1))  # the remainder that breaks the rule
+    if broken == "n_kv_heads":
+        n_kv_heads = t * draw(st.integers(0, 1)) + ragged
+        n_heads = math.lcm(n_kv_heads, t) * draw(st.integers(1, 2))
+    else:
+        n_kv_heads = t * draw(st.integers(1, 2))
+        n_heads = n_kv_heads * draw(st.integers(1, 2))
+    ffn = t * draw(st.integers(1, 8)) + (ragged if broken == "ffn" else 0)
+    vocab = t * draw(st.integers(2, 16)) + (ragged if broken == "vocab" else 0)
+    config = ModelConfig(name="rejected", vocab=vocab, d_model=8 * draw(st.integers(1, 4)),
+                         n_layers=draw(st.integers(1, 2)), n_heads=n_heads,
+                         n_kv_heads=n_kv_heads, head_dim=2 * draw(st.integers(1, 4)), ffn=ffn,
+                         batch=1, seq_len=4)
+    parameter, rule = {"n_kv_heads": ("layers.0.qkv.weight", "n_kv_heads % t == 0"),
+                       "ffn": ("layers.0.gate_up.weight", "first % t == 0"),
+                       "vocab": ("tok_embeddings.weight", "shape[0] % t == 0")}[broken]
+    return Rejection(config, t, parameter, rule)

@@ -21,9 +21,10 @@ import torch
 
 from weight_sync_bench.check import (BACKENDS, Verdict, check_reshard, check_split, degree_pairs,
                                      format_verdicts, sweep)
+from weight_sync_bench.cli_fuzz import register as register_fuzz
+from weight_sync_bench.cli_train import register as register_train
 from weight_sync_bench.config import CONFIGS, config_by_name
 from weight_sync_bench.errors import WsbError
-from weight_sync_bench.cli_train import register as register_train
 from weight_sync_bench.shardspec import layout_for
 
 
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     layout.set_defaults(func=cmd_layout)
 
     register_train(sub)
+    register_fuzz(sub)
     return parser
 
 

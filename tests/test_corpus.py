@@ -1,0 +1,142 @@
+"""The corpus: every committed entry replays as a test, writes are atomic and de-duplicated,
+replay classifies without touching a file, and a corrupt entry names its file and field."""
+
+import json
+import multiprocessing
+import shutil
+
+import pytest
+
+from weight_sync_bench.case import Case, run_case
+from weight_sync_bench.corpus import (classify, corpus_dir, entry_paths, load_corpus,
+                                      load_entry, make_entry, replay, versions, write_entry)
+from weight_sync_bench.domain import DOMAIN
+from weight_sync_bench.errors import CorruptCorpusEntry
+from weight_sync_bench.fuzz import corpus_examples, run_property
+
+COMMITTED = entry_paths()
+
+
+def test_the_committed_corpus_is_not_empty():
+    assert len(COMMITTED) >= 4
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=[p.stem for p in COMMITTED])
+def test_committed_entry_replays_with_the_projects_claim_holding(path):
+    (result,) = replay([load_entry(path)])
+    assert result.claim_holds, result.outcome.describe()
+    assert result.status != "fixed"  # born failing; "fixed" would mean a detection was lost
+
+
+def test_corpus_entries_are_fed_to_the_properties_as_explicit_examples():
+    by_mutation = {}
+    for entry in load_corpus():
+        by_mutation.setdefault(entry.case.mutation, []).append(entry.case)
+    for mutation, entries in by_mutation.items():
+        prop = "invariant" if mutation is None else "kill"
+        assert corpus_examples(prop, mutation) == entries
+    mutation = next(m for m in by_mutation if m is not None)
+    tally = run_property("kill", mutation, profile="wsb-replay")  # explicit examples only
+    assert tally.examples == len(by_mutation[mutation]) and tally.killed == tally.examples
+
+
+CASE = Case(DOMAIN.smallest().replace(n_kv_heads=2, n_heads=2, ffn=4, vocab=16), src=1, dst=2,
+            seed=0, mutation="lm_head_reversed")
+
+
+def _entry(outcome=None, **found):
+    outcome = outcome or run_case(CASE)
+    entry = make_entry("invariant", outcome, worst_deviation=outcome.deviation,
+                       worst_ratio=outcome.ratio, profile="wsb-test", hypothesis_seed=7,
+                       hypothesis_version="6.170.17")
+    entry["found"].update(found)
+    return entry
+
+
+def test_entry_records_case_measurement_and_provenance(tmp_path):
+    path, created = write_entry(_entry(), tmp_path)
+    data = json.loads(path.read_text())
+    assert created and data["schema"] == 1 and data["property"] == "invariant"
+    assert data["case"]["degrees"] == {"src": 1, "dst": 2}
+    assert data["case"]["seeds"] == {"param": 0, "token": 1000}
+    assert set(data["found"]["versions"]) == {"torch", "numpy", "hypothesis", "python", "platform"}
+    assert data["found"]["hypothesis_seed"] == 7 and data["found"]["profile"] == "wsb-test"
+    assert data["measured"]["ratio"] > 10
+    assert load_entry(path).case == Case(CASE.config.replace(name=f"corpus:{path.stem}"),
+                                         1, 2, 0, "lm_head_reversed")
+
+
+def test_the_same_case_written_twice_is_one_file_left_as_first_written(tmp_path):
+    first, created = write_entry(_entry(), tmp_path)
+    text = first.read_text()
+    second, again = write_entry(_entry(date="later"), tmp_path)
+    assert (second, created, again) == (first, True, False)
+    assert first.read_text() == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]  # no temp file left
+
+
+def _write_in_child(args):
+    entry, directory = args
+    return write_entry(entry, directory)[1]
+
+
+def test_concurrent_writers_of_one_case_create_exactly_one_file(tmp_path):
+    entry = _entry()
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        created = pool.map(_write_in_child, [(entry, tmp_path)] * 8)
+    assert sum(created) == 1 and len(list(tmp_path.iterdir())) == 1
+
+
+def test_replay_classifies_and_never_touches_the_file(tmp_path):
+    path, _ = write_entry(_entry(), tmp_path)
+    before = (path.read_bytes(), path.stat().st_mtime_ns)
+    (result,) = replay(load_corpus([path]))
+    assert result.status == "still failing" and result.claim_holds
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+    assert sorted(tmp_path.iterdir()) == [path]
+
+
+def test_classify_tells_fixed_drifted_and_environment_changed_apart(tmp_path):
+    outcome = run_case(CASE)
+    entry = load_entry(write_entry(_entry(outcome), tmp_path)[0])
+    assert classify(entry, outcome) == "still failing"
+    moved = entry.data | {"measured": entry.data["measured"] | {"deviation": 1.5}}
+    shifted = type(entry)(entry.path, moved, entry.case)
+    assert classify(shifted, outcome) == "drifted"
+    older = moved | {"found": moved["found"] | {"versions": versions() | {"torch": "2.4.0"}}}
+    assert classify(type(entry)(entry.path, older, entry.case), outcome) == "environment changed"
+    clean = run_case(Case(CASE.config, 1, 2, 0))  # the invariant holds without the mutation
+    assert classify(entry, clean) == "fixed"
+
+
+@pytest.mark.parametrize("edit, field, message", [
+    (lambda d: "{not json", None, r"not valid JSON"),
+    (lambda d: d | {"schema": 2}, "schema", r"field 'schema' is 2, this code reads 1"),
+    (lambda d: {k: v for k, v in d.items() if k != "property"}, "property",
+     r"missing field 'property'"),
+    (lambda d: d | {"case": d["case"] | {"degrees": {"src": 1, "dst": "2"}}},
+     "case.degrees.dst", r"field 'case.degrees.dst' is '2', expected int"),
+    (lambda d: d | {"case": d["case"] | {"mutation": "kv_swap"}}, "case.mutation",
+     r"field 'case.mutation': unknown mutation 'kv_swap'"),
+    (lambda d: d | {"case": d["case"] | {"seeds": {"param": 0, "token": 5}}}, "case.seeds.token",
+     r"field 'case.seeds.token' is 5, this code draws tokens from 1000 \+ param = 1000"),
+    (lambda d: d | {"case": d["case"] | {"geometry": d["case"]["geometry"] | {"head_dim": 3}}},
+     "case.geometry", r"field 'case.geometry': .*even head_dim"),
+], ids=["not-json", "schema", "missing-property", "wrong-type", "unknown-mutation",
+        "token-seed", "invalid-geometry"])
+def test_corrupt_entry_is_an_error_naming_the_file_and_the_field(tmp_path, edit, field, message):
+    good, _ = write_entry(_entry(), tmp_path)
+    data = edit(json.loads(good.read_text()))
+    bad = tmp_path / "bad.json"
+    bad.write_text(data if isinstance(data, str) else json.dumps(data))
+    with pytest.raises(CorruptCorpusEntry, match=message) as err:
+        load_corpus([good, bad])
+    assert str(err.value).startswith(str(bad)) and err.value.field == field
+
+
+def test_a_copied_corpus_directory_is_read_through_the_environment(tmp_path, monkeypatch):
+    for path in COMMITTED[:2]:
+        shutil.copy(path, tmp_path)
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path))
+    assert corpus_dir() == tmp_path and [e.path.name for e in load_corpus()] == [
+        p.name for p in COMMITTED[:2]]

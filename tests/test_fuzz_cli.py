@@ -1,0 +1,83 @@
+"""``wsb fuzz``, ``mutants``, ``floor`` and ``replay`` as a user runs them (through
+``cli_fuzz.register``, exactly as ``wsb``'s parser wires them in)."""
+
+import argparse
+import json
+
+import pytest
+
+from weight_sync_bench.cli_fuzz import register
+from weight_sync_bench.corpus import entry_paths
+from weight_sync_bench.errors import ToleranceMismatch, WsbError
+
+
+def wsb(*argv):
+    parser = argparse.ArgumentParser(prog="wsb")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_fuzz_prints_progress_to_stderr_and_a_closing_table_to_stdout(capsys, tmp_path,
+                                                                      monkeypatch):
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path))
+    assert wsb("fuzz", "--examples", "4", "--chunk", "2", "--seed", "1",
+               "--mutation", "kv_swapped") == 0
+    out, err = capsys.readouterr()
+    assert "examples/s" in err and "elapsed" in err and "failures" in err
+    assert out.splitlines()[0].split() == ["property", "examples", "identity", "failures",
+                                           "min", "ratio", "max", "ratio", "new", "corpus",
+                                           "entries"]
+    assert "kill[kv_swapped]  4" in out and "master seed 1" in out
+    assert list(tmp_path.iterdir()) == []  # nothing failed, nothing written
+
+
+def test_fuzz_time_budget_stops_and_reports(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path))
+    assert wsb("fuzz", "--minutes", "0.001", "--chunk", "1", "--seed", "2") == 0
+    out = capsys.readouterr().out
+    assert "invariant" in out and "0 failures" in out
+
+
+def test_mutants_prints_the_kill_matrix(capsys):
+    assert wsb("mutants", "--examples", "3", "--seed", "3", "--mutation", "lm_head_reversed",
+               "--mutation", "gate_up_swapped") == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[:5] == ["mutation", "tried", "identity", "killed",
+                                               "smallest"]
+    assert out.splitlines()[1].startswith("lm_head_reversed") and "x" in out.splitlines()[1]
+
+
+def test_find_smallest_writes_the_mutation_at_its_smallest_geometry(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path))
+    assert wsb("fuzz", "--find-smallest", "embedding_reversed") == 0
+    (path,) = tmp_path.iterdir()
+    entry = json.loads(path.read_text())
+    assert entry["case"]["mutation"] == "embedding_reversed" and entry["property"] == "invariant"
+    assert entry["case"]["geometry"]["d_model"] == 8 and entry["case"]["degrees"]["dst"] == 2
+    assert str(path) in capsys.readouterr().out
+
+
+def test_replay_prints_a_status_per_entry(capsys):
+    assert wsb("replay", *map(str, entry_paths()[:2])) == 0
+    out = capsys.readouterr().out
+    assert out.count("still failing") >= 2 and "claim holds on 2/2" in out
+
+
+def test_floor_writes_samples_rules_and_plot(capsys, tmp_path):
+    out_path = tmp_path / "floor.json"
+    assert wsb("floor", "--random", "3", "--seed", "5", "--out", str(out_path)) == 0
+    artifact = json.loads(out_path.read_text())
+    assert artifact["geometries"] == 3 and artifact["environment"]["torch"]
+    assert out_path.with_suffix(".png").stat().st_size > 1000
+    assert "chosen" in capsys.readouterr().out
+
+
+def test_unknown_profile_and_a_phase_without_floor_samples_are_errors(tmp_path, monkeypatch):
+    with pytest.raises(WsbError, match=r"unknown profile 'ci' \(from --profile\); known: wsb-test"):
+        wsb("fuzz", "--examples", "1", "--profile", "ci")
+    monkeypatch.setenv("WSB_TOLERANCE_DIR", str(tmp_path))  # no random_floor_1b.json there
+    with pytest.raises(ToleranceMismatch, match=r"random_floor_1b.json: no random-geometry "
+                                                r"floor; measure it with `wsb floor --random N "
+                                                r"--phase 1b`"):
+        wsb("fuzz", "--examples", "1", "--phase", "1b")

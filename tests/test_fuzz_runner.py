@@ -1,0 +1,55 @@
+"""The fuzz runner as a library: progress events, then one report; failures recorded and
+written to the corpus, never raised; budgets in examples or minutes."""
+
+import pytest
+
+from weight_sync_bench.errors import WsbError
+from weight_sync_bench.fuzz import FuzzReport, Progress, format_report, fuzz
+from weight_sync_bench.sharded import InProcessCollective, ShardedModel
+
+
+def _run(**kwargs):
+    events = list(fuzz(master_seed=4, **kwargs))
+    *progress, report = events
+    assert progress and all(isinstance(p, Progress) for p in progress)
+    assert isinstance(report, FuzzReport)
+    return progress, report
+
+
+def test_examples_budget_gives_every_property_that_many_and_counts_monotonically():
+    progress, report = _run(examples=6, chunk=4, mutations=["kv_swapped", "lm_head_reversed"])
+    assert [t.label for t in report.tallies] == ["invariant", "kill[kv_swapped]",
+                                                 "kill[lm_head_reversed]"]
+    assert all(t.examples == 6 for t in report.tallies) and not report.failures
+    counts = [p.examples for p in progress]
+    assert counts == sorted(counts) and counts[-1] == 18
+    assert "18 examples in" in format_report(report)
+
+
+def _dropped_lm_head_forward(config, shards, tokens):
+    broken = [{n: (x * 0 if n == "lm_head.weight" and r == len(shards) - 1 else x)
+               for n, x in p.items()} for r, p in enumerate(shards)]
+    return ShardedModel(config, broken, InProcessCollective(len(shards)))(tokens)[0]
+
+
+def test_a_failing_property_is_recorded_written_and_the_run_goes_on(tmp_path):
+    _, report = _run(examples=3, chunk=3, mutations=[], forward=_dropped_lm_head_forward,
+                     corpus_path=tmp_path)
+    (failure,) = report.failures
+    assert failure.prop == "invariant" and failure.outcome.ratio > 1
+    (tally,) = report.tallies
+    assert tally.failures == 1 and tally.new_entries == list(tmp_path.glob("*.json"))
+    assert "1 failures" in format_report(report)
+
+
+def test_exactly_one_budget_is_required():
+    with pytest.raises(WsbError, match="exactly one budget: minutes or examples"):
+        list(fuzz(minutes=1, examples=1))
+
+
+def test_the_replay_profile_runs_the_corpus_once_and_stops():
+    _, report = _run(examples=50, chunk=10, profile="wsb-replay", invariant=False,
+                     mutations=["contiguous_qkv", "gate_up_swapped"])
+    by_label = {t.label: t.examples for t in report.tallies}
+    assert by_label["kill[contiguous_qkv]"] >= 1  # its committed corpus entry
+    assert by_label["kill[gate_up_swapped]"] == 0  # no entry, nothing generated
