@@ -77,7 +77,7 @@ def test_unknown_profile_and_a_phase_without_floor_samples_are_errors(tmp_path, 
     with pytest.raises(WsbError, match=r"unknown profile 'ci' \(from --profile\); known: wsb-test"):
         wsb("fuzz", "--examples", "1", "--profile", "ci")
     monkeypatch.setenv("WSB_TOLERANCE_DIR", str(tmp_path))  # no random_floor_1b.json there
-    with pytest.raises(ToleranceMismatch, match=r"random_floor_1b.json: no random-geometry "
-                                                r"floor; measure it with `wsb floor --random N "
+    with pytest.raises(ToleranceMismatch, match=r"random_floor_1b.json: no such artifact; "
+                                                r"measure it with `wsb floor --random N "
                                                 r"--phase 1b`"):
         wsb("fuzz", "--examples", "1", "--phase", "1b")

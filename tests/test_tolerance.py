@@ -86,8 +86,8 @@ def test_a_small_measurement_records_every_cell_and_a_zero_floor_at_t1(tmp_path)
 @pytest.mark.parametrize("content, message", [
     ("{not json", "not valid JSON"),
     ('{"schema": 1}', "missing field 'phase'"),
-    ('{"schema": 99, "phase": "1a", "configs": {}, "cells": [], "worst_abs": 1}', "schema 99"),
-    ('{"schema": 1, "phase": "1b", "configs": {}, "cells": [], "worst_abs": 1}', "records phase '1b'"),
+    ('{"schema": 99, "phase": "1a", "configs": {}, "cells": [], "worst_abs": 1}', "field 'schema' is 99, this code reads 1"),
+    ('{"schema": 1, "phase": "1b", "configs": {}, "cells": [], "worst_abs": 1}', "field 'phase' records '1b', asked for '1a'"),
 ])
 def test_a_malformed_artifact_is_refused_naming_the_file_and_field(tmp_path, content, message):
     path = tmp_path / "phase1a.json"

@@ -41,7 +41,7 @@ from weight_sync_bench.domain import DOMAIN, FuzzDomain, fuzz_params, fuzz_token
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.mutations import MUTATIONS
 from weight_sync_bench.tolerance import (PHASES, SAFETY, derive_threshold, environment,
-                                         threshold_for, tolerance_dir)
+                                         read_artifact, threshold_for, tolerance_dir)
 
 SCHEMA = 1
 RULES = ("absolute_pow10", "relative_pow10", "relative")
@@ -212,24 +212,9 @@ def measure_random(cases: Iterable[tuple[ModelConfig, int]], *, phase: str = "1a
 
 
 def load_random_floor(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:
-    path = path or artifact_path(phase)
-    try:
-        artifact = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ToleranceMismatch(f"{path}: no random-geometry floor; measure it with "
-                                f"`wsb floor --random N --phase {phase}`") from None
-    except json.JSONDecodeError as exc:
-        raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
-    for name in ("schema", "phase", "domain", "samples", "chosen"):
-        if name not in artifact:
-            raise ToleranceMismatch(f"{path}: missing field {name!r}")
-    if artifact["schema"] != SCHEMA:
-        raise ToleranceMismatch(f"{path}: field 'schema' is {artifact['schema']!r}, "
-                                f"this code reads {SCHEMA}")
-    if artifact["phase"] != phase:
-        raise ToleranceMismatch(f"{path}: field 'phase' records {artifact['phase']!r}, "
-                                f"asked for {phase!r}")
-    return artifact
+    return read_artifact(path or artifact_path(phase), phase=phase, schema=SCHEMA,
+                         fields=("domain", "samples", "chosen"),
+                         remedy=f"wsb floor --random N --phase {phase}")
 
 
 def rule_from(artifact: dict[str, Any]) -> ThresholdRule:

@@ -41,11 +41,7 @@ def gather_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     violation that ``check`` reports; gather does not guess which copy is right).
     """
     degree = len(shards)
-    expected = spec.local_shape(degree)
-    for rank, shard in enumerate(shards):
-        if tuple(shard.shape) != expected:
-            raise InvalidShards(f"rank {rank} {spec.name}: shape {list(shard.shape)}, "
-                                f"expected {list(expected)} at t={degree}")
+    _check_local_shapes(shards, spec)
     if isinstance(spec.placement, Replicate):
         return shards[0].clone()
     full = torch.empty(spec.shape, dtype=shards[0].dtype)
@@ -85,11 +81,7 @@ def reshard_tensor(shards: list[torch.Tensor], spec: ShardSpec, dst: int) -> lis
     byte once: every destination range is cut straight from the source shards that hold it,
     without materialising the full tensor."""
     src = len(shards)
-    expected = spec.local_shape(src)
-    for rank, shard in enumerate(shards):
-        if tuple(shard.shape) != expected:
-            raise InvalidShards(f"rank {rank} {spec.name}: shape {list(shard.shape)}, "
-                                f"expected {list(expected)} at t={src}")
+    _check_local_shapes(shards, spec)
     if isinstance(spec.placement, Replicate):
         return [shards[0].clone() for _ in range(dst)]
     segments = []  # (global start, global stop, source rank, offset in that rank's shard)
@@ -163,6 +155,14 @@ def validate_shards(shards: object, layout: LayoutTable, degree: int,
             if x.dtype != expected:
                 raise WrongShardShape(f"rank {rank} {spec.name}: dtype {x.dtype}, expected {expected}",
                                       rank=rank, name=spec.name, expected=want, actual=actual)
+
+
+def _check_local_shapes(shards: list[torch.Tensor], spec: ShardSpec) -> None:
+    expected = spec.local_shape(len(shards))
+    for rank, shard in enumerate(shards):
+        if tuple(shard.shape) != expected:
+            raise InvalidShards(f"rank {rank} {spec.name}: shape {list(shard.shape)}, "
+                                f"expected {list(expected)} at t={len(shards)}")
 
 
 def _check_names(names: object, layout: LayoutTable, where: str) -> None:

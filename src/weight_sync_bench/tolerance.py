@@ -163,23 +163,35 @@ def write_artifact(artifact: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def load_artifact(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:
-    path = path or artifact_path(phase)
+def read_artifact(path: Path, *, phase: str, fields: Iterable[str], remedy: str,
+                  schema: int = SCHEMA) -> dict[str, Any]:
+    """A measured artifact read back, or ``ToleranceMismatch`` naming the file and what is
+    wrong: missing (with ``remedy``, the command that measures it), not JSON, a field
+    missing, another schema, or another phase (a floor is never reused across phases)."""
     try:
         artifact = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ToleranceMismatch(f"{path}: no tolerance artifact; measure it with "
-                                f"`python -m weight_sync_bench.tolerance --phase {phase}`") from None
+        raise ToleranceMismatch(f"{path}: no such artifact; measure it with `{remedy}`") from None
     except json.JSONDecodeError as exc:
         raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
-    for field in ("schema", "phase", "configs", "cells", "worst_abs"):
+    if not isinstance(artifact, dict):
+        raise ToleranceMismatch(f"{path}: expected a JSON object, got {type(artifact).__name__}")
+    for field in ("schema", "phase", *fields):
         if field not in artifact:
             raise ToleranceMismatch(f"{path}: missing field {field!r}")
-    if artifact["schema"] != SCHEMA:
-        raise ToleranceMismatch(f"{path}: schema {artifact['schema']!r}, this code reads {SCHEMA}")
+    if artifact["schema"] != schema:
+        raise ToleranceMismatch(f"{path}: field 'schema' is {artifact['schema']!r}, "
+                                f"this code reads {schema}")
     if artifact["phase"] != phase:
-        raise ToleranceMismatch(f"{path}: records phase {artifact['phase']!r}, asked for {phase!r}")
+        raise ToleranceMismatch(f"{path}: field 'phase' records {artifact['phase']!r}, "
+                                f"asked for {phase!r}")
     return artifact
+
+
+def load_artifact(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:
+    return read_artifact(path or artifact_path(phase), phase=phase,
+                         fields=("configs", "cells", "worst_abs"),
+                         remedy=f"python -m weight_sync_bench.tolerance --phase {phase}")
 
 
 def check_geometry(artifact: dict[str, Any], config: ModelConfig) -> None:
