@@ -18,7 +18,8 @@ from weight_sync_bench.config import ModelConfig, init_params
 from weight_sync_bench.shardspec import layout_for
 from weight_sync_bench.training import Mesh, TrainingCase
 
-__all__ = ["batch_specs", "meshes", "train_geometries", "training_cases"]
+__all__ = ["batch_specs", "meshes", "sequence_cases", "sequence_mesh_shapes",
+           "train_geometries", "training_cases", "uneven_sequence_meshes"]
 
 
 @st.composite
@@ -74,5 +75,45 @@ def training_cases(draw: st.DrawFn, steps: int = 2) -> TrainingCase:
     config = draw(train_geometries())
     spec = draw(batch_specs(config.batch, config.seq_len))
     mesh = draw(meshes(config, spec.rows))
+    seed = draw(st.integers(0, 2**16 - 1))
+    return TrainingCase(config, mesh, seed, steps, spec, init_params(config, seed))
+
+
+def sequence_mesh_shapes(config: ModelConfig, rows: int, seq_len: int
+                         ) -> st.SearchStrategy[Mesh]:
+    """A mesh that shards the sequence: CP from 1, 2, 4 where it divides ``seq_len`` (the
+    measured CP degrees), TP from the supported degrees, SP drawn, and where SP is on the TP degree
+    is drawn from those dividing the chunk, so every draw splits evenly (uneven splits are
+    rejected, see ``uneven_sequence_meshes``). Shrinks toward dp = tp = cp = 1, SP off."""
+    degrees = layout_for(config).supported_degrees()
+
+    @st.composite
+    def draw_mesh(draw: st.DrawFn) -> Mesh:
+        cp = draw(st.sampled_from([c for c in (1, 2, 4) if seq_len % c == 0]))
+        sp = draw(st.booleans())
+        fits = [t for t in degrees if not sp or (seq_len // cp) % t == 0]
+        return Mesh(draw(st.integers(1, rows)), draw(st.sampled_from(fits)), sp, cp)
+
+    return draw_mesh()
+
+
+def uneven_sequence_meshes(seq_len: int) -> st.SearchStrategy[Mesh]:
+    """A dp = tp = 1 mesh whose CP degree does not divide ``seq_len`` (the rejected case).
+    Shrinks toward the smallest such degree."""
+    return st.integers(2, 2 * seq_len).filter(lambda c: seq_len % c != 0).map(
+        lambda c: Mesh(1, 1, cp=c))
+
+
+@st.composite
+def sequence_cases(draw: st.DrawFn, steps: int = 1) -> TrainingCase:
+    """A training check on a sequence-sharding mesh: a small geometry with its sequence
+    length drawn from 8, 6, 4 (6: CP 4 does not divide it and is never drawn; tokens stay
+    inside the measured domain), a packed or unpacked batch whose documents cross chunk edges wherever their
+    cuts fall, and ``sequence_mesh_shapes``. Shrinks as ``training_cases`` does, toward
+    the shortest sequence and an unsharded mesh."""
+    config = draw(train_geometries())
+    config = config.replace(seq_len=draw(st.sampled_from([8, 6, 4])))
+    spec = draw(batch_specs(config.batch, config.seq_len))
+    mesh = draw(sequence_mesh_shapes(config, spec.rows, spec.seq_len))
     seed = draw(st.integers(0, 2**16 - 1))
     return TrainingCase(config, mesh, seed, steps, spec, init_params(config, seed))

@@ -3,9 +3,12 @@
     wsb train-check [--config NAME|all] [--dp D --tp T] [--steps K] [--batch unpacked|packed|both]
     wsb train-check --gloo [--config NAME] [--tp T] ...  # one process per TP rank, dp = 1
     wsb train-check --mutations [--config NAME] ...     # the training-mutation matrix
+    wsb train-check [--sp] [--cp C] ...                 # sequence / context parallel meshes
 
 Each compared quantity is printed with its deviation, its threshold (from
-tolerance/training.json) and the ratio. Exit status: 0 when every check passes (with
+tolerance/training.json, or tolerance/sequence.json for SP / CP meshes) and the ratio.
+With ``--sp`` or ``--cp`` the meshes are the sequence-sharding ones (``--sp``: SP on;
+``--cp C``: C context chunks), and ``--mutations`` adds the sequence mutations. Exit status: 0 when every check passes (with
 ``--mutations``: when every mutation that is not the identity is detected), 1 otherwise.
 """
 
@@ -19,7 +22,10 @@ from weight_sync_bench.config import CONFIGS, ModelConfig
 from weight_sync_bench.errors import InvalidConfig, InvalidMesh
 from weight_sync_bench.training import Mesh, TrainingCase
 from weight_sync_bench.training_compare import Trace, TrainingReport
-from weight_sync_bench.training_mutations import MatrixRow, mutation_matrix
+from weight_sync_bench.sequence_tolerance import load_sequence, sequence_meshes
+from weight_sync_bench.sequence_tolerance import thresholds_for as sequence_thresholds
+from weight_sync_bench.training_mutations import (ALL_TRAINING_MUTATIONS, TRAINING_MUTATIONS,
+                                                  MatrixRow, mutation_matrix)
 from weight_sync_bench.training_tolerance import (SMALL_VARIANTS, TOY_VARIANTS, load, meshes,
                                                   thresholds_for)
 
@@ -41,13 +47,22 @@ def _cases(args: argparse.Namespace) -> list[TrainingCase]:
     for config in _configs(args.config):
         for packed in packings:
             spec = default_spec(config, packed=packed)
-            shapes = [m for m in meshes(config, spec.rows)
-                      if args.dp in (None, m.dp) and args.tp in (None, m.tp)
+            if _sequence(args):
+                shapes = [m for m in sequence_meshes(config, spec.rows, spec.seq_len)
+                          if m.sp == args.sp and args.cp in (None, m.cp)]
+            else:
+                shapes = meshes(config, spec.rows)
+            shapes = [m for m in shapes if args.dp in (None, m.dp) and args.tp in (None, m.tp)
                       and not (args.gloo and m.dp != 1)]
-            if not shapes and (args.dp is not None or args.tp is not None):
-                shapes = [Mesh(args.dp or 1, args.tp or 1)]  # validated (and rejected) below
+            if not shapes and (args.dp is not None or args.tp is not None or _sequence(args)):
+                # validated (and rejected) below
+                shapes = [Mesh(args.dp or 1, args.tp or 1, args.sp, args.cp or 1)]
             cases += [TrainingCase(config, m, args.seed, args.steps, spec) for m in shapes]
     return cases
+
+
+def _sequence(args: argparse.Namespace) -> bool:
+    return bool(args.sp or args.cp is not None)
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -82,14 +97,24 @@ def format_matrix(rows: Sequence[MatrixRow]) -> str:
 
 def cmd_train_check(args: argparse.Namespace) -> int:
     phase = "1b" if args.gloo else "1a"
-    artifact = load(phase=phase)
     if args.gloo and args.mutations:
         raise InvalidMesh("--mutations runs in process; drop --gloo for the matrix")
+    if args.gloo and _sequence(args):
+        raise InvalidMesh("--sp and --cp run in process; drop --gloo")
+    artifact = load(phase=phase)
+    sequence_artifact = load_sequence() if _sequence(args) else None
+
+    def thresholds(case: TrainingCase) -> dict[str, float]:
+        if case.mesh.sp or case.mesh.cp > 1:  # the SP / CP floor, measured on its own
+            return sequence_thresholds(case.config, case.mesh, artifact=sequence_artifact)
+        return thresholds_for(case.config, artifact=artifact)
+
     cases = _cases(args)
     if args.mutations:
         rows = []
+        mutations = ALL_TRAINING_MUTATIONS if _sequence(args) else TRAINING_MUTATIONS
         for case in cases:
-            rows += mutation_matrix([case], thresholds_for(case.config, artifact=artifact))
+            rows += mutation_matrix([case], thresholds(case), mutations)
         print(format_matrix(rows))
         missed = [r for r in rows if r.detected is False]
         ran = [r for r in rows if r.report is not None]
@@ -97,8 +122,7 @@ def cmd_train_check(args: argparse.Namespace) -> int:
               f"{len(rows) - len(ran)} identity cells skipped")
         return 1 if missed else 0
     train = _gloo_trainer(cases) if args.gloo else (lambda case: None)
-    reports = [case.check(thresholds_for(case.config, artifact=artifact), trained=train(case))
-               for case in cases]
+    reports = [case.check(thresholds(case), trained=train(case)) for case in cases]
     print(format_reports(reports))
     failed = [r for r in reports if not r.passed]
     print(f"\n{len(reports) - len(failed)} passed, {len(failed)} failed "
@@ -129,6 +153,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--gloo", action="store_true",
                    help="train each TP group over gloo, one process per rank (dp = 1; "
                    "thresholds from tolerance/training_1b.json)")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism: the residual stream sharded along the sequence "
+                   "over each TP group (thresholds from tolerance/sequence.json)")
+    p.add_argument("--cp", type=int, default=None,
+                   help="context-parallel degree: the sequence split into CP chunks (default "
+                   "with --sp: 1, 2 and 4 where the sequence splits evenly)")
     p.add_argument("--mutations", action="store_true",
                    help="run the training-mutation matrix instead of the correct check")
     p.set_defaults(func=cmd_train_check)

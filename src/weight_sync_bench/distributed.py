@@ -11,7 +11,8 @@ implements the ``sharded.Collective`` protocol over ``torch.distributed``, so th
 runs the very ``ShardedModel.forward`` phase 1a runs. Both operations are autograd
 Functions: all-reduce's backward is an all-reduce, all-gather's backward is this rank's
 slice of the gradient summed over ranks (reduce-scatter semantics, done as an all-reduce
-and a slice because gloo has no reduce-scatter).
+and a slice because gloo has no reduce-scatter), and reduce-scatter (the same all-reduce
+and slice, traced as ``reduce_scatter``) has an all-gather as its backward.
 
 Faults are injected through the tracer (``Fault``, a test hook passed to ranks
 explicitly), so the code paths a fault test exercises are the real ones.
@@ -256,6 +257,13 @@ class GlooCollective:
         (x,) = self._one(xs, "all_gather", tag)
         return [_AllGather.apply(x, self._ctx, dim, tag)]
 
+    def reduce_scatter(self, xs: Tensors, dim: int, *, tag: str) -> Tensors:
+        (x,) = self._one(xs, "reduce_scatter", tag)
+        if x.shape[dim] % self._ctx.degree:
+            raise ValueError(f"reduce_scatter {tag}: dim {dim} of size {x.shape[dim]} does not "
+                             f"split evenly over degree {self._ctx.degree}")
+        return [_ReduceScatter.apply(x, self._ctx, dim, tag)]
+
     def _one(self, xs: Tensors, op: str, tag: str) -> Tensors:
         if len(xs) != 1:
             raise ValueError(f"{op} {tag}: GlooCollective holds rank {self._ctx.rank} only, "
@@ -282,21 +290,44 @@ class _AllReduce(torch.autograd.Function):
         return all_reduce_sum(grad, fctx.rank_ctx, fctx.tag), None, None
 
 
+def all_gather_cat(x: torch.Tensor, ctx: RankContext, dim: int, tag: str) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, traced as ``all_gather``."""
+    x = x.detach().contiguous()
+    parts = [torch.empty_like(x) for _ in range(ctx.degree)]
+    with ctx.tracer.collective("all_gather", tag):
+        dist.all_gather(parts, x, group=ctx.group)
+    return torch.cat(parts, dim=dim)
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(fctx, x: torch.Tensor, ctx: RankContext, dim: int, tag: str) -> torch.Tensor:  # type: ignore[override]
         fctx.rank_ctx, fctx.dim, fctx.tag, fctx.width = ctx, dim, tag, x.shape[dim]
-        x = x.detach().contiguous()
-        parts = [torch.empty_like(x) for _ in range(ctx.degree)]
-        with ctx.tracer.collective("all_gather", tag):
-            dist.all_gather(parts, x, group=ctx.group)
-        return torch.cat(parts, dim=dim)
+        return all_gather_cat(x, ctx, dim, tag)
 
     @staticmethod
     def backward(fctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         # Reduce-scatter: every rank's loss saw every slice; this rank's input owns one.
         total = all_reduce_sum(grad, fctx.rank_ctx, fctx.tag)
         return total.narrow(fctx.dim, fctx.rank_ctx.rank * fctx.width, fctx.width), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Sum over the group, keep this rank's chunk along ``dim`` (an all-reduce and a slice
+    on the wire: gloo has no reduce-scatter); backward all-gathers the chunks' gradients."""
+
+    @staticmethod
+    def forward(fctx, x: torch.Tensor, ctx: RankContext, dim: int, tag: str) -> torch.Tensor:  # type: ignore[override]
+        fctx.rank_ctx, fctx.dim, fctx.tag = ctx, dim, tag
+        out = x.detach().clone(memory_format=torch.contiguous_format)
+        with ctx.tracer.collective("reduce_scatter", tag):
+            dist.all_reduce(out, group=ctx.group)
+        width = x.shape[dim] // ctx.degree
+        return out.narrow(dim, ctx.rank * width, width).contiguous()
+
+    @staticmethod
+    def backward(fctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return all_gather_cat(grad, fctx.rank_ctx, fctx.dim, fctx.tag), None, None, None
 
 
 # -- messages between the parent and a rank: pickle, with CPU tensors as numpy arrays, copied

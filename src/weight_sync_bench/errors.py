@@ -109,3 +109,9 @@ class InvalidBatch(WsbError, ValueError):
 class InvalidMesh(WsbError, ValueError):
     """A data-parallel x tensor-parallel shape the config or the batch cannot take, e.g.
     ``dp=3 > batch rows 2`` or a TP degree the layout rejects."""
+
+
+class UnevenSequence(InvalidMesh):
+    """A sequence that a context- or sequence-parallel split cannot divide evenly. Names the
+    rule and the numbers: ``context parallelism needs seq_len % cp == 0 (seq_len=10, cp=4)``.
+    The harness rejects uneven splits rather than padding them."""

@@ -27,22 +27,28 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from weight_sync_bench.sharded import Collective, Tensors
 
 IGNORE_INDEX = -100  # a label that is not a valid token: padding, or ignored on purpose
 
 
-def vocab_parallel_token_losses(local_logits: Tensors, targets: torch.Tensor,
+def vocab_parallel_token_losses(local_logits: Tensors,
+                                targets: torch.Tensor | Sequence[torch.Tensor],
                                 collective: Collective, *, vocab: int,
                                 mask_padding: bool = True) -> Tensors:
     """Per-token cross-entropy ``(B, T)`` per local rank; exactly 0 where the label is ignored.
 
     ``local_logits[i]`` is rank ``collective.ranks[i]``'s vocab slice ``(B, T, w)``;
-    ``targets`` ``(B, T)`` holds global class ids or ``IGNORE_INDEX``. ``mask_padding=False``
-    leaves padded columns in the softmax: the bug ``padded_vocab_unmasked`` injects.
+    ``targets`` ``(B, T)`` holds global class ids or ``IGNORE_INDEX``: one tensor every rank
+    shares, or one per local rank (each context-parallel chunk its own labels).
+    ``mask_padding=False`` leaves padded columns in the softmax: the bug
+    ``padded_vocab_unmasked`` injects.
     """
     width = local_logits[0].shape[-1]
-    valid = targets != IGNORE_INDEX  # (B, T)
+    per_rank = ([targets] * len(local_logits) if isinstance(targets, torch.Tensor)
+                else list(targets))
     masked, local_max = [], []
     for z, rank in zip(local_logits, collective.ranks):
         start = rank * width
@@ -53,18 +59,19 @@ def vocab_parallel_token_losses(local_logits: Tensors, targets: torch.Tensor,
         local_max.append(z.detach().amax(dim=-1, keepdim=True))  # (B, T, 1)
     gathered = collective.all_gather(local_max, dim=-1, tag="loss.max")  # (B, T, t) each
     sum_exp, target_logit = [], []
-    for z, rank, m in zip(masked, collective.ranks, gathered):
+    valids = [t != IGNORE_INDEX for t in per_rank]  # (B, T) each
+    for z, rank, m, labels, valid in zip(masked, collective.ranks, gathered, per_rank, valids):
         start = rank * width
         z = z - m.amax(dim=-1, keepdim=True)  # (B, T, w), every entry <= 0
         sum_exp.append(z.exp().sum(dim=-1))  # (B, T)
-        local = targets - start
+        local = labels - start
         owned = valid & (local >= 0) & (local < width)  # (B, T)
         picked = z.gather(-1, local.clamp(0, width - 1).unsqueeze(-1)).squeeze(-1)  # (B, T)
         target_logit.append(torch.where(owned, picked, torch.zeros_like(picked)))
     sum_exp = collective.all_reduce(sum_exp, tag="loss.sum_exp")
     target_logit = collective.all_reduce(target_logit, tag="loss.target_logit")
     return [torch.where(valid, s.log() - z_t, torch.zeros_like(z_t))
-            for s, z_t in zip(sum_exp, target_logit)]
+            for s, z_t, valid in zip(sum_exp, target_logit, valids)]
 
 
 def valid_count(targets: torch.Tensor) -> int:

@@ -51,6 +51,38 @@ def document_mask(segments: torch.Tensor) -> torch.Tensor:
     return (same & real & causal)[:, None]  # (B, 1, T, T)
 
 
+def context_mask(segments: torch.Tensor | None, start: int, stop: int, seq_len: int
+                 ) -> torch.Tensor:
+    """The rows ``start:stop`` of the dense mask, ``(B or 1, 1, stop - start, seq_len)`` bool:
+    what the queries of one context-parallel chunk may see among all ``seq_len`` keys.
+
+    Positions are GLOBAL: query ``start + i`` sees key ``k`` iff ``k <= start + i`` (and,
+    packed, both lie in the same document, not padding), exactly the dense
+    ``document_mask(segments)[:, :, start:stop]`` (plain causal when ``segments`` is None).
+    """
+    q = torch.arange(start, stop)[:, None]  # (Tq, 1) global query positions
+    causal = torch.arange(seq_len)[None, :] <= q  # (Tq, T)
+    if segments is None:
+        return causal[None, None]  # (1, 1, Tq, T)
+    rows = segments[:, start:stop]  # (B, Tq)
+    same = rows[:, :, None] == segments[:, None, :]  # (B, Tq, T)
+    real = (rows >= 0)[:, :, None]  # (B, Tq, 1)
+    return (same & real & causal)[:, None]  # (B, 1, Tq, T)
+
+
+def split_heads(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+                rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[Q | K | V]`` features ``(B, T, (H + 2 Hkv) D)`` -> q ``(B, T, H, D)``, k and v
+    ``(B, T, Hkv, D)``, q and k rotated by ``rope`` (the tables of these T positions)."""
+    b, t, _ = qkv.shape
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.view(b, t, n_heads, head_dim), *rope)  # (B, T, H, D)
+    k = apply_rope(k.view(b, t, n_kv_heads, head_dim), *rope)  # (B, T, Hkv, D)
+    v = v.view(b, t, n_kv_heads, head_dim)  # (B, T, Hkv, D)
+    return q, k, v
+
+
 def attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
               rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
               ) -> torch.Tensor:
@@ -62,26 +94,35 @@ def attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
     sees no key at all follows an explicit neutral rule instead of a 0/0 softmax: its output
     is exactly zero, so it contributes nothing forward and receives no gradient.
     """
-    b, t, _ = qkv.shape
-    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.view(b, t, n_heads, head_dim), *rope)  # (B, T, H, D)
-    k = apply_rope(k.view(b, t, n_kv_heads, head_dim), *rope)  # (B, T, Hkv, D)
-    v = v.view(b, t, n_kv_heads, head_dim)  # (B, T, Hkv, D)
-    group = n_heads // n_kv_heads
-    k = k.repeat_interleave(group, dim=2)  # (B, T, H, D)
-    v = v.repeat_interleave(group, dim=2)  # (B, T, H, D)
+    return attend(*split_heads(qkv, n_heads, n_kv_heads, head_dim, rope), mask)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           *, q_offset: int = 0) -> torch.Tensor:
+    """Attention of q ``(B, Tq, H, D)`` over k, v ``(B, Tk, Hkv, D)``: ``(B, Tq, H * D)``.
+
+    ``mask`` None is plain causal (Tq == Tk). A bool mask ``(B, 1, Tq, Tk)`` says what each
+    query sees; a row that sees nothing follows the neutral rule (output exactly zero, no
+    gradient): it attends to its own position ``q_offset + i`` only to keep the softmax
+    defined, then is zeroed. Query ``i`` sits at key position ``q_offset + i``.
+    """
+    b, tq, n_heads, head_dim = q.shape
+    group = n_heads // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)  # (B, Tk, H, D)
+    v = v.repeat_interleave(group, dim=2)  # (B, Tk, H, D)
     if mask is None:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), is_causal=True)  # (B, H, T, D)
     else:
-        sees_any = mask.any(dim=-1, keepdim=True)  # (B, 1, T, 1)
+        sees_any = mask.any(dim=-1, keepdim=True)  # (B, 1, Tq, 1)
         # A row with no visible key attends to itself (a defined softmax), then is zeroed.
-        eye = torch.eye(t, dtype=torch.bool)  # (T, T)
-        safe = mask | (~sees_any & eye)  # (B, 1, T, T)
+        eye = (torch.arange(k.shape[1])[None, :]
+               == torch.arange(q_offset, q_offset + tq)[:, None])  # (Tq, Tk)
+        safe = mask | (~sees_any & eye)  # (B, 1, Tq, Tk)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), attn_mask=safe)  # (B, H, T, D)
+                                             v.transpose(1, 2), attn_mask=safe)  # (B, H, Tq, D)
         out = out.masked_fill(~sees_any, 0.0)
-    return out.transpose(1, 2).reshape(b, t, n_heads * head_dim)  # (B, T, H*D)
+    return out.transpose(1, 2).reshape(b, tq, n_heads * head_dim)  # (B, Tq, H*D)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,16 @@ Each gradient reduction is accounted for exactly once:
 3. every gradient is summed over the DP replicas (a sum, because step 1 already divided by
    the global count).
 
+Sequence and context parallelism are two more dimensions of the same mesh (``Mesh.sp``,
+``Mesh.cp``), not a second harness: a DP replica is ``cp x tp`` ranks; each CP rank holds
+one contiguous chunk of the sequence, its labels and its own copy of every parameter; SP
+shards each TP group's residual stream along the chunk (``sharded`` says how). Two more
+accountings, each once: with SP a replicated norm weight's copy sees only its sequence
+shard, a partial sum already covered by step 2; with CP every parameter's copy sees only
+its chunk's queries, so 2b. every gradient is summed over the CP group
+(``reduce_over_context``) before the DP sum. The objective needs nothing new: each chunk's
+token losses over the global valid count are shares of the same mean.
+
 Deviations are relative to the reference's own scale, per parameter (``deviation``), so
 one threshold serves parameters whose gradients differ by orders of magnitude
 (``training_compare``).
@@ -58,7 +68,8 @@ from weight_sync_bench.loss import (IGNORE_INDEX, local_objective, valid_count,
                                     vocab_parallel_token_losses)
 from weight_sync_bench.model import ReferenceModel
 from weight_sync_bench.reshard import gather, split
-from weight_sync_bench.sharded import InProcessCollective, ShardedModel
+from weight_sync_bench.sharded import (InProcessCollective, InProcessGroups, ShardedModel,
+                                      check_sequence_split)
 from weight_sync_bench.shardspec import Replicate, layout_for
 from weight_sync_bench.training_compare import (EXACT, QUANTITIES, Comparison, Trace,
                                                 TrainingReport, deviations)
@@ -94,25 +105,59 @@ class AdamW:
 
 @dataclass(frozen=True)
 class Mesh:
-    """``dp`` data-parallel replicas, each a tensor-parallel group of degree ``tp``."""
+    """``dp`` data-parallel replicas, each ``cp`` context-parallel ranks of a tensor-parallel
+    group of degree ``tp``; ``sp`` shards each TP group's residual stream along the sequence.
+
+    One replica's ``cp * tp`` ranks sit at flat positions ``e = j * tp + r`` (CP rank j, TP
+    rank r): TP groups are the rows ``{j * tp + r : r}``, CP groups the columns
+    ``{j * tp + r : j}``.
+    """
 
     dp: int
     tp: int
+    sp: bool = False
+    cp: int = 1
 
-    def validate(self, config: ModelConfig, rows: int) -> None:
+    def validate(self, config: ModelConfig, rows: int, seq_len: int | None = None) -> None:
         if not (isinstance(self.dp, int) and self.dp >= 1):
             raise InvalidMesh(f"{config.name}: dp must be a positive int, got dp={self.dp!r}")
         if self.dp > rows:
             raise InvalidMesh(f"{config.name}: dp({self.dp}) > batch rows({rows}): "
                               "a data-parallel rank would hold no rows")
         layout_for(config).validate(self.tp)
+        if not (isinstance(self.cp, int) and self.cp >= 1):
+            raise InvalidMesh(f"{config.name}: cp must be a positive int, got cp={self.cp!r}")
+        if seq_len is not None:
+            check_sequence_split(config.name, seq_len, self.cp, self.tp, self.sp)
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one DP replica: ``cp * tp``."""
+        return self.cp * self.tp
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[j * self.tp + r for r in range(self.tp)] for j in range(self.cp)]
+
+    def cp_groups(self) -> list[list[int]]:
+        return [[j * self.tp + r for j in range(self.cp)] for r in range(self.tp)]
 
     def row_blocks(self, rows: int) -> list[list[int]]:
         """DP rank d's rows: contiguous blocks, sizes differing by at most one."""
         return [block.tolist() for block in torch.arange(rows).tensor_split(self.dp)]
 
     def __str__(self) -> str:
-        return f"dp={self.dp} tp={self.tp}"
+        return (f"dp={self.dp} tp={self.tp}" + (" sp" if self.sp else "")
+                + (f" cp={self.cp}" if self.cp > 1 else ""))
+
+
+def mesh_groups(mesh: Mesh, collective: Callable[[int], Collective] = InProcessCollective
+                ) -> tuple[Collective, Collective | None]:
+    """One DP replica's TP group and CP group (None without CP), every rank in process.
+    Without CP: ``collective(tp)``. With CP: the TP groups (one per CP rank) and the CP
+    groups (one per TP rank), each side by side over the replica's flat positions."""
+    if mesh.cp == 1:
+        return collective(mesh.tp), None
+    return InProcessGroups(mesh.tp_groups()), InProcessGroups(mesh.cp_groups())
 
 
 # -- the recipe: every stage a mutation may replace -------------------------------------
@@ -156,6 +201,7 @@ class Recipe:
     count: Callable[[list[torch.Tensor], Mesh], int] = count_valid
     objective: Callable[[torch.Tensor, torch.Tensor, int, Mesh], torch.Tensor] = global_mean_share
     tp_reduce: Callable[[Tensors, Collective, str], Tensors] = sum_over_group
+    cp_reduce: Callable[[Tensors, Collective, str], Tensors] = sum_over_group
     mask_shift: Callable[[int, Mesh], int] = no_shift
     seed: Callable[[tuple[int, ...]], list[float]] = seed_group_rank0
 
@@ -205,12 +251,13 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
 
     ``collective(t)`` makes each TP group's collective (every rank in this process); any
     whose backward is its forward's adjoint trains the same."""
-    mesh.validate(config, batches[0].spec.rows)
+    mesh.validate(config, batches[0].spec.rows, batches[0].spec.seq_len)
     layout = layout_for(config)
     declared = split(params, layout, mesh.tp)
-    # replicas[d][r]: DP rank d, TP rank r, its own leaf tensors (a tied table is one leaf)
-    replicas = [[{n: s.clone().requires_grad_(True) for n, s in local.items()}
-                 for local in declared] for _ in range(mesh.dp)]
+    # replicas[d][e]: DP rank d, flat position e (CP rank e // tp, TP rank e % tp), its own
+    # leaf tensors (a tied table is one leaf)
+    replicas = [[{n: s.clone().requires_grad_(True) for n, s in declared[e % mesh.tp].items()}
+                 for e in range(mesh.replica_size)] for _ in range(mesh.dp)]
     optims = [[adamw.make(list(local.values())) for local in group] for group in replicas]
     replicated = [spec.name for spec in layout if isinstance(spec.placement, Replicate)]
     blocks = mesh.row_blocks(batches[0].spec.rows)
@@ -223,30 +270,53 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
         parts = [batch.rows(rows, shift=recipe.mask_shift(d, mesh))
                  for d, rows in enumerate(blocks)]
         total = recipe.count([part.targets for part in parts], mesh)
-        objectives, embedded = [], []
+        printed, embedded = [], []
         for part, group in zip(parts, replicas):
-            objective, h = group_backward(config, group, collective(mesh.tp), part, total, mesh,
-                                          recipe)
-            objectives.append(objective)
-            embedded.append(_distinct(h))
-        losses.append(sum(group[0].item() for group in objectives))
+            tp_group, cp_group = mesh_groups(mesh, collective)
+            objective, h, positions = group_backward(config, group, tp_group, part, total, mesh,
+                                                     recipe, cp_group)
+            # the group's share: one copy per context chunk (its TP rank 0's)
+            printed.append(sum(o.item() for o, r in zip(objective, tp_group.ranks) if r == 0))
+            embedded.append((h, positions, part.tokens.shape))
+        losses.append(sum(printed))
         with torch.no_grad():
             for group in replicas:
-                reduce_replicated(group, replicated, collective(mesh.tp), recipe)
+                tp_group, cp_group = mesh_groups(mesh, collective)
+                reduce_replicated(group, replicated, tp_group, recipe)
+                if cp_group is not None:
+                    reduce_over_context(group, cp_group, recipe)
             _reduce_over_dp(replicas, collective(mesh.dp))
         if step == 0:  # a rank's copy of the embedding output holds its share of the gradient
-            input_grad = torch.cat([sum(h.grad for h in group) for group in embedded], dim=0)
-            grads = gather([{n: p.grad for n, p in local.items()} for local in replicas[0]],
-                           layout)
-            spread = max(spread, _spread(replicas, replicated, lambda p: p.grad))
+            input_grad = torch.cat([_assemble(*e) for e in embedded], dim=0)
+            grads = gather([{n: p.grad for n, p in local.items()}
+                            for local in replicas[0][:mesh.tp]], layout)
+            spread = max(spread, _spread(replicas, replicated, mesh.tp, lambda p: p.grad))
         for group in optims:
             for optim in group:
                 optim.step()
-        spread = max(spread, _spread(replicas, replicated, lambda p: p))
-        after.append(gather([{n: p.detach() for n, p in local.items()} for local in replicas[0]],
-                            layout))
+        spread = max(spread, _spread(replicas, replicated, mesh.tp, lambda p: p))
+        after.append(gather([{n: p.detach() for n, p in local.items()}
+                             for local in replicas[0][:mesh.tp]], layout))
     return Trace(losses, input_grad.detach(), {n: g.detach() for n, g in grads.items()}, after,
                  spread)
+
+
+def _assemble(embedded: Tensors, positions: list[tuple[int, int]], shape: torch.Size
+              ) -> torch.Tensor:
+    """One DP rank's input gradient ``(B, T, d)`` from its ranks' embedding outputs: each
+    distinct tensor's gradient added at the global positions it holds (TP ranks without SP
+    share one tensor; SP and CP shards hold disjoint positions)."""
+    seen: dict[int, tuple[torch.Tensor, tuple[int, int]]] = {}
+    for h, where in zip(embedded, positions):
+        seen.setdefault(id(h), (h, where))
+    out = None
+    for h, (a, b) in seen.values():
+        g = h.grad if h.grad is not None else torch.zeros_like(h)
+        if out is None:
+            out = torch.zeros(*shape, g.shape[-1], dtype=g.dtype)  # (B, T, d)
+        out[:, a:b] += g
+    assert out is not None
+    return out
 
 
 def _distinct(xs: Tensors) -> Tensors:
@@ -258,24 +328,26 @@ def _distinct(xs: Tensors) -> Tensors:
 
 
 def group_backward(config: ModelConfig, group: list[Params], coll: Collective,
-                   batch: TrainBatch, total: int, mesh: Mesh, recipe: Recipe
-                   ) -> tuple[Tensors, Tensors]:
-    """One TP group's forward, vocab-parallel loss and backward on its rows, for the local
-    ranks ``coll`` holds (all of them in process, one over gloo). Returns each local rank's
-    objective (its copy of the group's share of the global mean) and embedding output,
-    whose gradient is kept."""
-    model = recipe.model(config, group, coll)
+                   batch: TrainBatch, total: int, mesh: Mesh, recipe: Recipe,
+                   context: Collective | None = None
+                   ) -> tuple[Tensors, Tensors, list[tuple[int, int]]]:
+    """One DP replica's forward, vocab-parallel loss and backward on its rows, for the local
+    ranks ``coll`` (TP) and ``context`` (CP, or None) hold (all of them in process, one over
+    gloo). Returns each local rank's objective (its copy of its TP group's share of the
+    global mean), its embedding output, whose gradient is kept, and the global positions
+    ``[start, stop)`` that output holds."""
+    model = recipe.model(config, group, coll, sequence_parallel=mesh.sp, context=context)
     local_logits = model(batch.tokens, batch.model_segments, gather_logits=False)
-    token_losses = vocab_parallel_token_losses(local_logits, batch.targets, coll,
-                                               vocab=config.vocab,
+    targets = [batch.targets[:, a:b] for a, b in model.chunks(batch.tokens.shape[1])]
+    token_losses = vocab_parallel_token_losses(local_logits, targets, coll, vocab=config.vocab,
                                                mask_padding=recipe.mask_padding)
-    objective = [recipe.objective(x, batch.targets, total, mesh) for x in token_losses]
-    assert model.embedding_output is not None
+    objective = [recipe.objective(x, y, total, mesh) for x, y in zip(token_losses, targets)]
+    assert model.embedding_output is not None and model.embedding_positions is not None
     for h in _distinct(model.embedding_output):
         h.retain_grad()
     seeds = list(zip(objective, recipe.seed(coll.ranks)))
     torch.autograd.backward([o for o, _ in seeds], [torch.tensor(w) for _, w in seeds])
-    return objective, model.embedding_output
+    return objective, model.embedding_output, model.embedding_positions
 
 
 def reduce_replicated(group: list[Params], replicated: list[str], coll: Collective,
@@ -284,6 +356,15 @@ def reduce_replicated(group: list[Params], replicated: list[str], coll: Collecti
     it over the group (``recipe.tp_reduce``; a sum) and give every rank the result."""
     for name in replicated:
         reduced = recipe.tp_reduce([_grad(local[name]) for local in group], coll, name)
+        for local, g in zip(group, reduced):
+            local[name].grad = g.clone()
+
+
+def reduce_over_context(group: list[Params], cp: Collective, recipe: Recipe) -> None:
+    """Every parameter is replicated over the CP group and each copy saw only its chunk's
+    queries: its gradient summed over the CP group (``recipe.cp_reduce``) exactly once."""
+    for name in group[0]:
+        reduced = recipe.cp_reduce([_grad(local[name]) for local in group], cp, name)
         for local, g in zip(group, reduced):
             local[name].grad = g.clone()
 
@@ -301,16 +382,18 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
-def _spread(replicas: list[list[Params]], replicated: list[str],
+def _spread(replicas: list[list[Params]], replicated: list[str], tp: int,
             get: Callable[[torch.Tensor], torch.Tensor]) -> float:
     """Max |a - b| over copies that must be equal: a replicated parameter's across TP ranks,
-    every parameter across DP replicas (NaN counts as infinitely far)."""
+    every parameter across CP ranks and DP replicas (NaN counts as infinitely far)."""
     worst = 0.0
     for d, group in enumerate(replicas):
-        for r, local in enumerate(group):
+        for e, local in enumerate(group):
+            r = e % tp  # TP rank; e - r is TP rank 0 of the same CP rank
             for name, p in local.items():
-                peers = ([replicas[0][r][name]] if d else []) + (
-                    [group[0][name]] if r and name in replicated else [])
+                peers = ([replicas[0][e][name]] if d else []) + (
+                    [group[e - r][name]] if r and name in replicated else []) + (
+                    [group[r][name]] if e >= tp else [])
                 for q in peers:
                     diff = float((get(p) - get(q)).detach().abs().max())
                     worst = max(worst, diff if diff == diff else float("inf"))
@@ -337,7 +420,7 @@ class TrainingCase:
         self.params = self.params if self.params is not None else init_params(self.config,
                                                                               self.seed)
         self.batches = batches_for(self.config, self.spec, self.seed, self.steps)
-        self.mesh.validate(self.config, self.spec.rows)
+        self.mesh.validate(self.config, self.spec.rows, self.spec.seq_len)
 
     def reference(self) -> Trace:
         assert self.params is not None

@@ -37,19 +37,21 @@ Params = dict[str, torch.Tensor]
 
 
 def train_rank_task(ctx: RankContext, *, config: ModelConfig, shards: Params,
-                    batches: list[TrainBatch], adamw: AdamW, recipe: Recipe) -> dict[str, Any]:
-    """One TP rank's training run, the in-process mesh's steps with dp = 1: per step
-    ``group_backward``, ``reduce_replicated``, AdamW. Returns the losses, the first step's
-    input-gradient share and gradients, and the parameters after every step."""
+                    batches: list[TrainBatch], adamw: AdamW, recipe: Recipe,
+                    sp: bool = False) -> dict[str, Any]:
+    """One TP rank's training run, the in-process mesh's steps with dp = 1 (and SP if
+    ``sp``): per step ``group_backward``, ``reduce_replicated``, AdamW. Returns the losses,
+    the first step's input-gradient share and the positions it holds, the gradients, and
+    the parameters after every step."""
     coll = GlooCollective(ctx)
     local = {n: s.clone().requires_grad_(True) for n, s in shards.items()}
     optim = adamw.make(list(local.values()))
     replicated = [s.name for s in layout_for(config) if isinstance(s.placement, Replicate)]
-    mesh = Mesh(1, ctx.degree)
+    mesh = Mesh(1, ctx.degree, sp=sp)
     out: dict[str, Any] = {"losses": [], "params": []}
     for step, batch in enumerate(batches):
         optim.zero_grad(set_to_none=True)
-        (objective,), (embedded,) = group_backward(config, [local], coll, batch,
+        (objective,), (embedded,), (where,) = group_backward(config, [local], coll, batch,
                                                    recipe.count([batch.targets], mesh), mesh,
                                                    recipe)
         with torch.no_grad():
@@ -57,6 +59,7 @@ def train_rank_task(ctx: RankContext, *, config: ModelConfig, shards: Params,
         out["losses"].append(objective.item())
         if step == 0:
             out["input_grad"] = embedded.grad.detach().clone()
+            out["positions"] = where
             out["grads"] = {n: p.grad.detach().clone() for n, p in local.items()}
         optim.step()
         out["params"].append({n: p.detach().clone() for n, p in local.items()})
@@ -65,22 +68,35 @@ def train_rank_task(ctx: RankContext, *, config: ModelConfig, shards: Params,
 
 def train_gloo(case: TrainingCase, pool: RankPool, recipe: Recipe = CORRECT) -> Trace:
     """``case`` trained over gloo on ``pool`` (``case.mesh.dp`` must be 1)."""
-    if case.mesh.dp != 1:
-        raise InvalidMesh(f"{case.config.name}: over gloo the mesh is one TP group, "
-                          f"got dp={case.mesh.dp} (data parallelism runs in process)")
+    if case.mesh.dp != 1 or case.mesh.cp != 1:
+        raise InvalidMesh(f"{case.config.name}: over gloo the mesh is one TP group, got "
+                          f"dp={case.mesh.dp} cp={case.mesh.cp} (data and context "
+                          "parallelism run in process)")
     assert case.params is not None
     layout = layout_for(case.config)
     shards = split(case.params, layout, case.mesh.tp)
     results = pool.run(train_rank_task, case.mesh.tp,
                        kwargs={"config": case.config, "batches": case.batches,
-                               "adamw": case.adamw, "recipe": recipe},
+                               "adamw": case.adamw, "recipe": recipe, "sp": case.mesh.sp},
                        rank_kwargs=[{"shards": s} for s in shards])
     return Trace(losses=results[0]["losses"],
-                 input_grad=sum(r["input_grad"] for r in results),
+                 input_grad=_input_grad(results),
                  grads=gather([r["grads"] for r in results], layout),
                  params=[gather([r["params"][k] for r in results], layout)
                          for k in range(len(case.batches))],
                  replica_spread=_spread(results, layout))
+
+
+def _input_grad(results: list[dict[str, Any]]) -> torch.Tensor:
+    """Each rank's input-gradient share added at the positions it holds: the whole
+    sequence on every rank without SP (a sum over ranks), disjoint slices with SP."""
+    first = results[0]["input_grad"]
+    b, d = first.shape[0], first.shape[-1]
+    out = torch.zeros(b, max(r["positions"][1] for r in results), d, dtype=first.dtype)
+    for r in results:
+        start, stop = r["positions"]
+        out[:, start:stop] += r["input_grad"]
+    return out
 
 
 def _spread(results: list[dict[str, Any]], layout: Any) -> float:

@@ -122,16 +122,21 @@ def _with_mesh(case: TrainingCase, mesh: Mesh) -> TrainingCase:
     return out
 
 
-def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a"
-            ) -> dict[str, Any]:
-    """Run every case of the domain correctly and record the worst of each quantity. Phase
-    1b trains over gloo on a rank pool, on the cases with dp = 1."""
+Groups = list[tuple[str, str, list[TrainingCase]]]  # (regime, label, cases sharing a reference)
+
+
+def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a", *,
+            groups: Groups | None = None, kind: str = "training") -> dict[str, Any]:
+    """Run every case of the domain (``groups``, default the DP x TP one) correctly and
+    record the worst of each quantity. Phase 1b trains over gloo on a rank pool, on the
+    cases with dp = 1. ``kind`` names the artifact (``sequence_tolerance`` measures the
+    SP / CP domain into one of its own)."""
     train = _trainer(phase)
     worst = {regime: {q: {"worst": 0.0, "case": "", "where": ""} for q in QUANTITIES}
              for regime in REGIMES}
     cells, domain = [], {f: 0 for f in DOMAIN_FIELDS}
     never = dict.fromkeys(QUANTITIES, float("inf"))
-    for regime, label, cases in _cases(repetitions, steps):
+    for regime, label, cases in (groups if groups is not None else _cases(repetitions, steps)):
         cases = [c for c in cases if phase == "1a" or c.mesh.dp == 1]
         reference = cases[0].reference()
         for case in cases:
@@ -151,7 +156,7 @@ def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a
             for f, v in domain_of(case.config).items():
                 domain[f] = max(domain[f], v)
     return {
-        "schema": SCHEMA, "kind": "training", "phase": phase, "repetitions": repetitions,
+        "schema": SCHEMA, "kind": kind, "phase": phase, "repetitions": repetitions,
         "steps": steps,
         "rule": f"per quantity: smallest power of ten >= {SAFETY} x worst",
         "deviation": {"loss, input_grad, param_grad, kv_grad":
@@ -181,7 +186,7 @@ def _trainer(phase: str) -> Callable[[TrainingCase], Trace | None]:
     return lambda case: train_gloo(case, pool)
 
 
-def load(path: Path | None = None, phase: str = "1a") -> dict[str, Any]:
+def load(path: Path | None = None, phase: str = "1a", kind: str = "training") -> dict[str, Any]:
     path = path or artifact_path(phase)
     try:
         artifact = json.loads(path.read_text())
@@ -190,8 +195,8 @@ def load(path: Path | None = None, phase: str = "1a") -> dict[str, Any]:
                                 "`python -m weight_sync_bench.training_tolerance`") from None
     except json.JSONDecodeError as exc:
         raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
-    if artifact.get("schema") != SCHEMA or artifact.get("kind") != "training":
-        raise ToleranceMismatch(f"{path}: not a schema-{SCHEMA} training artifact")
+    if artifact.get("schema") != SCHEMA or artifact.get("kind") != kind:
+        raise ToleranceMismatch(f"{path}: not a schema-{SCHEMA} {kind} artifact")
     if artifact.get("phase") != phase:
         raise ToleranceMismatch(f"{path}: records phase {artifact.get('phase')!r}, asked for "
                                 f"{phase!r}: a floor is not reused across phases")
