@@ -53,3 +53,17 @@ def test_the_replay_profile_runs_the_corpus_once_and_stops():
     by_label = {t.label: t.examples for t in report.tallies}
     assert by_label["kill[contiguous_qkv]"] >= 1  # its committed corpus entry
     assert by_label["kill[gate_up_swapped]"] == 0  # no entry, nothing generated
+
+
+def test_the_invariant_and_a_kill_hold_over_gloo_through_the_rank_pool(tmp_path):
+    """Phase 1b fuzzing: random geometries through the shared rank pool, each judged by the
+    phase-1b rule (tolerance/random_floor_1b.json), never phase 1a's."""
+    from weight_sync_bench.phase1b import gloo_forward
+    from weight_sync_bench.rankpool import shared_pool
+
+    _, report = _run(examples=4, chunk=4, phase="1b", forward=gloo_forward(shared_pool(4)),
+                     mutations=["o_proj_reversed"], corpus_path=tmp_path)
+    assert not report.failures and not list(tmp_path.glob("*.json"))
+    # at least the budget (the corpus's explicit examples come on top)
+    assert {t.label for t in report.tallies} == {"invariant", "kill[o_proj_reversed]"}
+    assert all(t.examples >= 4 for t in report.tallies)
