@@ -1,6 +1,7 @@
 """The training floors under sequence and context parallelism, measured; thresholds derived.
 
-    python -m weight_sync_bench.sequence_tolerance    # tolerance/sequence.json
+    python -m weight_sync_bench.sequence_tolerance              # tolerance/sequence.json
+    python -m weight_sync_bench.sequence_tolerance --phase 1b   # tolerance/sequence_1b.json
 
 The same quantities, deviations and rule as ``training_tolerance`` (the smallest power of
 ten at or above 100x the worst, per quantity and regime), over the meshes that shard the
@@ -11,6 +12,8 @@ the sequence splits evenly, dp of 1 and 2; the plain DP x TP shapes are training
 The "cancelling" regime repeats the adversarial cancelling partial sums under SP and CP.
 A floor is not reused across meshes that reorder different sums: this artifact is the
 SP / CP one, and ``thresholds_for`` reads it for every mesh with ``sp`` or ``cp > 1``.
+Nor across phases: phase 1b (SP over gloo, one process per TP rank, dp = 1; CP has no gloo
+path) has ``sequence_1b.json``, measured on the same domain's SP meshes with cp = 1.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ KIND = "sequence"
 CP_DEGREES = (1, 2, 4)
 
 
-def artifact_path() -> Path:
-    return tolerance_dir() / "sequence.json"
+def artifact_path(phase: str = "1a") -> Path:
+    return tolerance_dir() / ("sequence.json" if phase == "1a" else f"sequence_{phase}.json")
 
 
 def sequence_meshes(config: ModelConfig, rows: int, seq_len: int,
@@ -57,7 +60,7 @@ def sequence_meshes(config: ModelConfig, rows: int, seq_len: int,
     return out
 
 
-def _groups(repetitions: int, steps: int) -> Groups:
+def _groups(repetitions: int, steps: int, phase: str = "1a") -> Groups:
     groups: Groups = []
     for config in (TOY, TOY_KV4, TOY_VARIANTS, *SMALL_VARIANTS):
         specs = [default_spec(config, packed=False), default_spec(config, packed=True)]
@@ -68,45 +71,58 @@ def _groups(repetitions: int, steps: int) -> Groups:
             label = f"{config.name} {'packed' if spec.packed else 'unpacked'} seed={seed}"
             groups.append(("plain", label,
                            [TrainingCase(config, m, seed, steps, spec, params)
-                            for m in sequence_meshes(config, spec.rows, spec.seq_len)]))
+                            for m in sequence_meshes(config, spec.rows, spec.seq_len)
+                            if _over(phase, m)]))
     for config, seed in itertools.product(SMALL_VARIANTS, range(repetitions)):
         spec = default_spec(config, packed=True)
         for t in (d for d in layout_for(config).supported_degrees() if d >= 2 and d % 2 == 0):
             cancel = adversarial.cancelling(config, init_params(config, seed), t)
-            ms = [m for m in sequence_meshes(config, spec.rows, spec.seq_len) if m.tp == t]
+            ms = [m for m in sequence_meshes(config, spec.rows, spec.seq_len)
+                  if m.tp == t and _over(phase, m)]
             groups.append(("cancelling", f"{config.name} cancelling t={t} seed={seed}",
                            [TrainingCase(config, m, seed, steps, spec, cancel) for m in ms]))
     return groups
 
 
-def measure_sequence(repetitions: int = REPETITIONS, steps: int = STEPS) -> dict[str, Any]:
-    return measure(repetitions, steps, groups=_groups(repetitions, steps), kind=KIND)
+def _over(phase: str, mesh: Mesh) -> bool:
+    """Whether a phase can train this mesh: all in process; over gloo dp = 1, cp = 1."""
+    return phase == "1a" or (mesh.dp == 1 and mesh.cp == 1)
 
 
-def load_sequence(path: Path | None = None) -> dict[str, Any]:
-    return load(path or artifact_path(), kind=KIND)
+def measure_sequence(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a"
+                     ) -> dict[str, Any]:
+    groups = [g for g in _groups(repetitions, steps, phase) if g[2]]
+    return measure(repetitions, steps, phase, groups=groups, kind=KIND)
+
+
+def load_sequence(path: Path | None = None, phase: str = "1a") -> dict[str, Any]:
+    return load(path or artifact_path(phase), phase=phase, kind=KIND)
 
 
 def thresholds_for(config: ModelConfig, mesh: Mesh, regime: str = "plain",
-                   artifact: dict[str, Any] | None = None) -> dict[str, float]:
-    """The thresholds for a case: from sequence.json when the mesh shards the sequence (sp
-    or cp > 1), else from training.json; ToleranceMismatch outside the measured domain."""
+                   artifact: dict[str, Any] | None = None, phase: str = "1a"
+                   ) -> dict[str, float]:
+    """The thresholds for a case: from sequence[_1b].json when the mesh shards the sequence
+    (sp or cp > 1), else from training[_1b].json; ToleranceMismatch outside the measured
+    domain."""
     if not (mesh.sp or mesh.cp > 1):
-        return _thresholds_for(config, regime, artifact)
-    return _thresholds_for(config, regime, artifact if artifact is not None else load_sequence())
+        return _thresholds_for(config, regime, artifact, phase=phase)
+    return _thresholds_for(config, regime,
+                           artifact if artifact is not None else load_sequence(phase=phase))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m weight_sync_bench.sequence_tolerance",
                                      description="Measure the SP / CP training floors and "
                                                  "write tolerance/sequence.json.")
+    parser.add_argument("--phase", choices=("1a", "1b"), default="1a")
     parser.add_argument("--repetitions", type=int, default=REPETITIONS)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    artifact = measure_sequence(args.repetitions, args.steps)
-    path = args.out or artifact_path()
+    artifact = measure_sequence(args.repetitions, args.steps, args.phase)
+    path = args.out or artifact_path(args.phase)
     write_artifact(artifact, path)
     print(format_table(artifact))
     print(f"{len(artifact['cells'])} cells; wrote {path}")
