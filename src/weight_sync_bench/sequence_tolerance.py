@@ -18,23 +18,20 @@ path) has ``sequence_1b.json``, measured on the same domain's SP meshes with cp 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from weight_sync_bench import adversarial
 from weight_sync_bench.batches import default_spec
 from weight_sync_bench.config import TOY, TOY_KV4, ModelConfig, init_params
 from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.tolerance import tolerance_dir, write_artifact
+from weight_sync_bench.tolerance import tolerance_dir
 from weight_sync_bench.training import Mesh, TrainingCase
 from weight_sync_bench.training_tolerance import (PACKED_WITH_EMPTY_ROW, REPETITIONS,
                                                   SMALL_VARIANTS, STEPS, TOY_VARIANTS, Groups,
-                                                  format_table, load, measure)
+                                                  load, measure, measure_main)
 from weight_sync_bench.training_tolerance import thresholds_for as _thresholds_for
 
 KIND = "sequence"
@@ -112,21 +109,10 @@ def thresholds_for(config: ModelConfig, mesh: Mesh, regime: str = "plain",
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m weight_sync_bench.sequence_tolerance",
-                                     description="Measure the SP / CP training floors and "
-                                                 "write tolerance/sequence.json.")
-    parser.add_argument("--phase", choices=("1a", "1b"), default="1a")
-    parser.add_argument("--repetitions", type=int, default=REPETITIONS)
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    artifact = measure_sequence(args.repetitions, args.steps, args.phase)
-    path = args.out or artifact_path(args.phase)
-    write_artifact(artifact, path)
-    print(format_table(artifact))
-    print(f"{len(artifact['cells'])} cells; wrote {path}")
-    return 0
+    return measure_main(argv, prog="python -m weight_sync_bench.sequence_tolerance",
+                        description="Measure the SP / CP training floors and write "
+                                    "tolerance/sequence[_1b].json.",
+                        measure_fn=measure_sequence, path_fn=artifact_path)
 
 
 if __name__ == "__main__":

@@ -239,22 +239,30 @@ def format_table(artifact: dict[str, Any]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m weight_sync_bench.training_tolerance",
-                                     description="Measure the training floors and write "
-                                                 "tolerance/training.json.")
+def measure_main(argv: list[str] | None, *, prog: str, description: str,
+                 measure_fn: Callable[[int, int, str], dict[str, Any]],
+                 path_fn: Callable[[str], Path]) -> int:
+    """The command line of a training-floor measurement: measure, write atomically, print."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--phase", choices=PHASES, default="1a")
     parser.add_argument("--repetitions", type=int, default=REPETITIONS)
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    artifact = measure(args.repetitions, args.steps, args.phase)
-    path = args.out or artifact_path(args.phase)
+    artifact = measure_fn(args.repetitions, args.steps, args.phase)
+    path = args.out or path_fn(args.phase)
     write_artifact(artifact, path)
     print(format_table(artifact))
     print(f"{len(artifact['cells'])} cells; wrote {path}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return measure_main(argv, prog="python -m weight_sync_bench.training_tolerance",
+                        description="Measure the training floors and write "
+                                    "tolerance/training[_1b].json.",
+                        measure_fn=measure, path_fn=artifact_path)
 
 
 if __name__ == "__main__":
