@@ -19,8 +19,17 @@ import time
 
 import torch
 
-from weight_sync_bench import (TOY, TOY_KV4, Checker, ReferenceModel, gather, layout_for, reshard,
-                               split, sweep)
+from weight_sync_bench import (
+    TOY,
+    TOY_KV4,
+    Checker,
+    ReferenceModel,
+    gather,
+    layout_for,
+    reshard,
+    split,
+    sweep,
+)
 from weight_sync_bench.check import inprocess_forward
 from weight_sync_bench.config import init_params, make_tokens
 from weight_sync_bench.tolerance import TOKEN_SEED_OFFSET

@@ -3,8 +3,18 @@
 import pytest
 import torch
 
-from weight_sync_bench import (TOY, TOY_KV4, Checker, InvalidShards, check_reshard, check_split,
-                               gather, layout_for, reshard, split)
+from weight_sync_bench import (
+    TOY,
+    TOY_KV4,
+    Checker,
+    InvalidShards,
+    check_reshard,
+    check_split,
+    gather,
+    layout_for,
+    reshard,
+    split,
+)
 from weight_sync_bench.check import format_indices, inprocess_forward
 from weight_sync_bench.mutations import MUTATIONS
 

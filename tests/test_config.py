@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from weight_sync_bench.config import TOY, TOY_KV4, InvalidConfig, ModelConfig, init_params, make_tokens
+from weight_sync_bench.config import (
+    TOY,
+    TOY_KV4,
+    InvalidConfig,
+    ModelConfig,
+    init_params,
+    make_tokens,
+)
 
 
 def test_toy_has_the_specified_parameter_count():

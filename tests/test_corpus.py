@@ -8,8 +8,17 @@ import shutil
 import pytest
 
 from weight_sync_bench.case import Case, run_case
-from weight_sync_bench.corpus import (classify, corpus_dir, entry_paths, load_corpus,
-                                      load_entry, make_entry, replay, versions, write_entry)
+from weight_sync_bench.corpus import (
+    classify,
+    corpus_dir,
+    entry_paths,
+    load_corpus,
+    load_entry,
+    make_entry,
+    replay,
+    versions,
+    write_entry,
+)
 from weight_sync_bench.domain import DOMAIN
 from weight_sync_bench.errors import CorruptCorpusEntry
 from weight_sync_bench.fuzz import corpus_examples, run_property

@@ -9,9 +9,18 @@ import torch
 
 from weight_sync_bench.config import TOY, TOY_KV4
 from weight_sync_bench.domain import DOMAIN, fuzz_init, is_builtin
-from weight_sync_bench.floor import (ThresholdRule, artifact_path, candidate_rules,
-                                     choose_rule, evaluate_rule, fuzz_threshold_rule,
-                                     load_random_floor, measure_random, plot_path, rule_from)
+from weight_sync_bench.floor import (
+    ThresholdRule,
+    artifact_path,
+    candidate_rules,
+    choose_rule,
+    evaluate_rule,
+    fuzz_threshold_rule,
+    load_random_floor,
+    measure_random,
+    plot_path,
+    rule_from,
+)
 from weight_sync_bench.mutations import KILL_MARGIN, MUTATIONS
 from weight_sync_bench.tolerance import SAFETY, threshold_for
 

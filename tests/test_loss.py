@@ -5,8 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weight_sync_bench.loss import (IGNORE_INDEX, local_objective, valid_count,
-                                    vocab_parallel_token_losses)
+from weight_sync_bench.loss import (
+    IGNORE_INDEX,
+    local_objective,
+    valid_count,
+    vocab_parallel_token_losses,
+)
 from weight_sync_bench.sharded import InProcessCollective
 from weight_sync_bench.training import Mesh, global_mean_share
 from weight_sync_bench.training_mutations import training_mutation

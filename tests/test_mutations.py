@@ -7,8 +7,13 @@ import torch
 from weight_sync_bench.check import Checker, locate
 from weight_sync_bench.domain import DOMAIN, fuzz_params
 from weight_sync_bench.errors import UnknownMutation
-from weight_sync_bench.mutations import (BUG_CLASS_MUTATIONS, MUTATIONS, SEED_MUTATIONS,
-                                         interleaved_qkv_order, mutation_by_name)
+from weight_sync_bench.mutations import (
+    BUG_CLASS_MUTATIONS,
+    MUTATIONS,
+    SEED_MUTATIONS,
+    interleaved_qkv_order,
+    mutation_by_name,
+)
 from weight_sync_bench.reshard import split
 
 # n_kv_heads 2 (degrees 1, 2), and n_kv_heads 4 (degrees 1, 2, 4); head_dim 2, tiny widths

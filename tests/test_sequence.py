@@ -16,15 +16,18 @@ from weight_sync_bench.config import TOY, TOY_KV4, init_params
 from weight_sync_bench.errors import UnevenSequence
 from weight_sync_bench.model import attend, context_mask, document_mask
 from weight_sync_bench.reshard import split
-from weight_sync_bench.sequence_tolerance import (artifact_path, load_sequence, sequence_meshes,
-                                                  thresholds_for)
+from weight_sync_bench.sequence_tolerance import (
+    artifact_path,
+    load_sequence,
+    sequence_meshes,
+    thresholds_for,
+)
 from weight_sync_bench.sharded import ShardedModel
 from weight_sync_bench.shardspec import layout_for
 from weight_sync_bench.tolerance import derive_threshold
 from weight_sync_bench.training import CORRECT, Mesh, TrainingCase, mesh_groups
 from weight_sync_bench.training_compare import QUANTITIES
-from weight_sync_bench.training_mutations import (SEQUENCE_MUTATIONS, full_mask,
-                                                  training_mutation)
+from weight_sync_bench.training_mutations import SEQUENCE_MUTATIONS, full_mask, training_mutation
 from weight_sync_bench.training_tolerance import PACKED_WITH_EMPTY_ROW, SMALL, SMALL_VARIANTS
 from weight_sync_bench.training_tolerance import thresholds_for as training_thresholds
 

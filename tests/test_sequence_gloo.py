@@ -7,10 +7,10 @@ across phases nor across meshes; the twin below shows the check is not vacuous."
 import pytest
 
 from weight_sync_bench.rankpool import shared_pool
+from weight_sync_bench.sequence_tolerance import thresholds_for
 from weight_sync_bench.training import Mesh, TrainingCase
 from weight_sync_bench.training_gloo import train_gloo
 from weight_sync_bench.training_mutations import training_mutation
-from weight_sync_bench.sequence_tolerance import thresholds_for
 from weight_sync_bench.training_tolerance import PACKED_WITH_EMPTY_ROW, SMALL_VARIANTS
 
 CONFIG = SMALL_VARIANTS[1]  # padded vocab, tied embeddings, biases

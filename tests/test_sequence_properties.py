@@ -6,14 +6,13 @@ does not declare itself the identity; uneven splits are rejected by rule."""
 import pytest
 from hypothesis import event, given, settings
 
+from strategies.training import sequence_cases, uneven_sequence_meshes
 from weight_sync_bench import adversarial
 from weight_sync_bench.errors import UnevenSequence
 from weight_sync_bench.sequence_tolerance import thresholds_for
 from weight_sync_bench.training import Mesh, TrainingCase
 from weight_sync_bench.training_mutations import SEQUENCE_MUTATIONS
 from weight_sync_bench.training_tolerance import SMALL
-
-from strategies.training import sequence_cases, uneven_sequence_meshes
 
 PLAIN = thresholds_for(SMALL, Mesh(1, 1, cp=2))
 PER_MUTATION = max(5, settings.default.max_examples // 20)

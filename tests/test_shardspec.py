@@ -2,8 +2,17 @@ import re
 
 import pytest
 
-from weight_sync_bench import (TOY, TOY_KV4, FusedPaired, HeadPartitioned, Replicate, Shard,
-                               ShardSpec, UnsupportedLayout, layout_for)
+from weight_sync_bench import (
+    TOY,
+    TOY_KV4,
+    FusedPaired,
+    HeadPartitioned,
+    Replicate,
+    Shard,
+    ShardSpec,
+    UnsupportedLayout,
+    layout_for,
+)
 
 
 def test_supported_degrees_are_probed_from_the_placements():

@@ -4,8 +4,16 @@ import pytest
 
 from weight_sync_bench import TOY, TOY_KV4, ToleranceMismatch
 from weight_sync_bench.config import ModelConfig
-from weight_sync_bench.tolerance import (ULP, check_geometry, derive_threshold, load_artifact,
-                                         measure, threshold_for, threshold_from, write_artifact)
+from weight_sync_bench.tolerance import (
+    ULP,
+    check_geometry,
+    derive_threshold,
+    load_artifact,
+    measure,
+    threshold_for,
+    threshold_from,
+    write_artifact,
+)
 
 
 @pytest.mark.parametrize("worst, threshold", [

@@ -18,9 +18,16 @@ from weight_sync_bench.shardspec import layout_for
 from weight_sync_bench.tolerance import derive_threshold
 from weight_sync_bench.training import Mesh, TrainingCase
 from weight_sync_bench.training_compare import EXACT, QUANTITIES
-from weight_sync_bench.training_tolerance import (PACKED_WITH_EMPTY_ROW, SMALL, SMALL_VARIANTS,
-                                                  artifact_path, load, meshes, thresholds_for,
-                                                  thresholds_from)
+from weight_sync_bench.training_tolerance import (
+    PACKED_WITH_EMPTY_ROW,
+    SMALL,
+    SMALL_VARIANTS,
+    artifact_path,
+    load,
+    meshes,
+    thresholds_for,
+    thresholds_from,
+)
 
 PLAIN = thresholds_for(TOY)
 CANCELLING = thresholds_for(SMALL, "cancelling")

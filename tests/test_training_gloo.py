@@ -8,8 +8,13 @@ from weight_sync_bench.rankpool import shared_pool
 from weight_sync_bench.training import Mesh, TrainingCase
 from weight_sync_bench.training_gloo import train_gloo
 from weight_sync_bench.training_mutations import training_mutation
-from weight_sync_bench.training_tolerance import (PACKED_WITH_EMPTY_ROW, SMALL_VARIANTS,
-                                                  artifact_path, load, thresholds_for)
+from weight_sync_bench.training_tolerance import (
+    PACKED_WITH_EMPTY_ROW,
+    SMALL_VARIANTS,
+    artifact_path,
+    load,
+    thresholds_for,
+)
 
 CONFIG = SMALL_VARIANTS[1]  # padded vocab, tied embeddings, biases
 GLOO = thresholds_for(CONFIG, phase="1b")

@@ -9,10 +9,17 @@ from weight_sync_bench.batches import BatchSpec, default_spec
 from weight_sync_bench.config import TOY, init_params
 from weight_sync_bench.loss import valid_count
 from weight_sync_bench.training import Mesh, TrainingCase
-from weight_sync_bench.training_mutations import (TRAINING_MUTATIONS, mutation_matrix,
-                                                  training_mutation)
-from weight_sync_bench.training_tolerance import (PACKED_WITH_EMPTY_ROW, SMALL, SMALL_VARIANTS,
-                                                  thresholds_for)
+from weight_sync_bench.training_mutations import (
+    TRAINING_MUTATIONS,
+    mutation_matrix,
+    training_mutation,
+)
+from weight_sync_bench.training_tolerance import (
+    PACKED_WITH_EMPTY_ROW,
+    SMALL,
+    SMALL_VARIANTS,
+    thresholds_for,
+)
 
 PLAIN = thresholds_for(TOY)
 NAMES = [m.name for m in TRAINING_MUTATIONS]

@@ -8,12 +8,11 @@ the long run); the mutation properties take a tenth of it each, being seven."""
 import pytest
 from hypothesis import event, given, settings
 
+from strategies.training import training_cases
 from weight_sync_bench import adversarial
 from weight_sync_bench.config import TOY
 from weight_sync_bench.training_mutations import TRAINING_MUTATIONS
 from weight_sync_bench.training_tolerance import thresholds_for
-
-from strategies.training import training_cases
 
 PLAIN = thresholds_for(TOY)
 PER_MUTATION = max(10, settings.default.max_examples // 10)

@@ -13,9 +13,8 @@ from weight_sync_bench.config import TOY, TOY_KV4, init_params
 from weight_sync_bench.errors import InvalidShards, WrongShardShape
 from weight_sync_bench.phase1b import run_phase1b
 from weight_sync_bench.rankpool import shared_pool
-from weight_sync_bench.reshard import split
+from weight_sync_bench.reshard import split, validate_shards
 from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.reshard import validate_shards
 from weight_sync_bench.transport import ParamSink, SyncRecord, Transport
 
 

@@ -6,13 +6,25 @@ compare it with the dense reference, within a tolerance derived from a measured 
 
 from weight_sync_bench.check import Checker, Verdict, check_reshard, check_split, sweep
 from weight_sync_bench.config import TOY, TOY_KV4, ModelConfig, init_params, make_tokens
-from weight_sync_bench.errors import (InvalidConfig, InvalidShards, ToleranceMismatch,
-                                      UnsupportedLayout, WsbError)
+from weight_sync_bench.errors import (
+                                      InvalidConfig,
+                                      InvalidShards,
+                                      ToleranceMismatch,
+                                      UnsupportedLayout,
+                                      WsbError,
+)
 from weight_sync_bench.model import ReferenceModel
 from weight_sync_bench.reshard import gather, reshard, split
 from weight_sync_bench.sharded import Collective, InProcessCollective, ShardedModel
-from weight_sync_bench.shardspec import (FusedPaired, HeadPartitioned, LayoutTable, Replicate,
-                                         Shard, ShardSpec, layout_for)
+from weight_sync_bench.shardspec import (
+                                      FusedPaired,
+                                      HeadPartitioned,
+                                      LayoutTable,
+                                      Replicate,
+                                      Shard,
+                                      ShardSpec,
+                                      layout_for,
+)
 
 __all__ = [
     "TOY", "TOY_KV4", "Checker", "Collective", "FusedPaired", "HeadPartitioned",

@@ -25,11 +25,10 @@ import numpy as np
 import torch
 
 from weight_sync_bench.config import ModelConfig, init_params, make_tokens
-from weight_sync_bench.errors import InvalidShards
 from weight_sync_bench.model import ReferenceModel
 from weight_sync_bench.reshard import reshard, split, validate_shards
-from weight_sync_bench.shardspec import format_ranges, layout_for
 from weight_sync_bench.sharded import InProcessCollective, ShardedModel
+from weight_sync_bench.shardspec import format_ranges, layout_for
 from weight_sync_bench.tolerance import TOKEN_SEED_OFFSET, threshold_for
 
 if TYPE_CHECKING:

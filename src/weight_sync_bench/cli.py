@@ -19,8 +19,15 @@ from typing import Any
 
 import torch
 
-from weight_sync_bench.check import (BACKENDS, Verdict, check_reshard, check_split, degree_pairs,
-                                     format_verdicts, sweep)
+from weight_sync_bench.check import (
+    BACKENDS,
+    Verdict,
+    check_reshard,
+    check_split,
+    degree_pairs,
+    format_verdicts,
+    sweep,
+)
 from weight_sync_bench.cli_fuzz import register as register_fuzz
 from weight_sync_bench.cli_train import register as register_train
 from weight_sync_bench.config import CONFIGS, config_by_name

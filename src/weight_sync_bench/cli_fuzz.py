@@ -101,8 +101,14 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def cmd_floor(args: argparse.Namespace) -> int:
-    from weight_sync_bench.floor import (SampleProgress, artifact_path, format_rules,
-                                         measure_random, plot, plot_path)
+    from weight_sync_bench.floor import (
+        SampleProgress,
+        artifact_path,
+        format_rules,
+        measure_random,
+        plot,
+        plot_path,
+    )
     from weight_sync_bench.fuzz import draw_floor_cases, search_worst_floors
 
     if args.random < 2:

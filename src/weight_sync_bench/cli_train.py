@@ -8,8 +8,9 @@
 Each compared quantity is printed with its deviation, its threshold (from
 tolerance/training.json, or tolerance/sequence.json for SP / CP meshes) and the ratio.
 With ``--sp`` or ``--cp`` the meshes are the sequence-sharding ones (``--sp``: SP on;
-``--cp C``: C context chunks), and ``--mutations`` adds the sequence mutations. Exit status: 0 when every check passes (with
-``--mutations``: when every mutation that is not the identity is detected), 1 otherwise.
+``--cp C``: C context chunks), and ``--mutations`` adds the sequence mutations.
+Exit status: 0 when every check passes (with ``--mutations``: when every mutation that is
+not the identity is detected), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -20,14 +21,23 @@ from collections.abc import Callable, Sequence
 from weight_sync_bench.batches import default_spec
 from weight_sync_bench.config import CONFIGS, ModelConfig
 from weight_sync_bench.errors import InvalidConfig, InvalidMesh
-from weight_sync_bench.training import Mesh, TrainingCase
-from weight_sync_bench.training_compare import Trace, TrainingReport
 from weight_sync_bench.sequence_tolerance import load_sequence, sequence_meshes
 from weight_sync_bench.sequence_tolerance import thresholds_for as sequence_thresholds
-from weight_sync_bench.training_mutations import (ALL_TRAINING_MUTATIONS, TRAINING_MUTATIONS,
-                                                  MatrixRow, mutation_matrix)
-from weight_sync_bench.training_tolerance import (SMALL_VARIANTS, TOY_VARIANTS, load, meshes,
-                                                  thresholds_for)
+from weight_sync_bench.training import Mesh, TrainingCase
+from weight_sync_bench.training_compare import Trace, TrainingReport
+from weight_sync_bench.training_mutations import (
+    ALL_TRAINING_MUTATIONS,
+    TRAINING_MUTATIONS,
+    MatrixRow,
+    mutation_matrix,
+)
+from weight_sync_bench.training_tolerance import (
+    SMALL_VARIANTS,
+    TOY_VARIANTS,
+    load,
+    meshes,
+    thresholds_for,
+)
 
 TRAIN_CONFIGS: dict[str, ModelConfig] = {
     **CONFIGS, TOY_VARIANTS.name: TOY_VARIANTS, **{c.name: c for c in SMALL_VARIANTS}}

@@ -21,8 +21,16 @@ from typing import TYPE_CHECKING
 
 from weight_sync_bench.reshard import split
 from weight_sync_bench.shardspec import Replicate, layout_for
-from weight_sync_bench.training import (CORRECT, Mesh, Recipe, TrainingCase, group_backward,
-                                        mesh_groups, reduce_over_context, reduce_replicated)
+from weight_sync_bench.training import (
+    CORRECT,
+    Mesh,
+    Recipe,
+    TrainingCase,
+    group_backward,
+    mesh_groups,
+    reduce_over_context,
+    reduce_replicated,
+)
 
 if TYPE_CHECKING:
     from weight_sync_bench.config import ModelConfig

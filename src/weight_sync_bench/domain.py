@@ -30,8 +30,14 @@ from typing import Any
 
 import torch
 
-from weight_sync_bench.config import (CONFIGS, DEFAULT_INIT, Init, ModelConfig, init_params,
-                                      make_tokens)
+from weight_sync_bench.config import (
+    CONFIGS,
+    DEFAULT_INIT,
+    Init,
+    ModelConfig,
+    init_params,
+    make_tokens,
+)
 from weight_sync_bench.errors import InvalidConfig
 from weight_sync_bench.tolerance import TOKEN_SEED_OFFSET
 

@@ -26,7 +26,6 @@ TOY and TOY_KV4 keep the seed's rule and ``tolerance/phase1a.json``.
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -40,8 +39,15 @@ from weight_sync_bench.config import ModelConfig
 from weight_sync_bench.domain import DOMAIN, FuzzDomain, fuzz_params, fuzz_tokens, is_builtin
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.mutations import MUTATIONS
-from weight_sync_bench.tolerance import (PHASES, SAFETY, derive_threshold, environment,
-                                         read_artifact, threshold_for, tolerance_dir)
+from weight_sync_bench.tolerance import (
+    PHASES,
+    SAFETY,
+    derive_threshold,
+    environment,
+    read_artifact,
+    threshold_for,
+    tolerance_dir,
+)
 
 SCHEMA = 1
 RULES = ("absolute_pow10", "relative_pow10", "relative")

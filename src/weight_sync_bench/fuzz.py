@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings, targ
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
+from strategies import cases, geometries, seeds
 from weight_sync_bench.case import Case, Outcome, run_case
 from weight_sync_bench.check import Forward, ThresholdRule, inprocess_forward
 from weight_sync_bench.config import ModelConfig
@@ -37,8 +38,6 @@ from weight_sync_bench.corpus import load_corpus, make_entry, write_entry
 from weight_sync_bench.errors import WsbError
 from weight_sync_bench.floor import fuzz_threshold_rule
 from weight_sync_bench.mutations import MUTATIONS
-
-from strategies import cases, geometries, seeds
 
 PROFILE_ENV = "WSB_PROFILE"
 DEFAULT_PROFILE = "wsb-test"

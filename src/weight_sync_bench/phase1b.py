@@ -27,9 +27,9 @@ from weight_sync_bench.config import init_params, make_tokens
 from weight_sync_bench.distributed import GlooCollective
 from weight_sync_bench.model import ReferenceModel
 from weight_sync_bench.rankpool import RankPool, shared_pool
+from weight_sync_bench.reshard import split, validate_shards
 from weight_sync_bench.sharded import ShardedModel
 from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.reshard import split, validate_shards
 from weight_sync_bench.transport import GlooTransport, ParamSink, SyncRecord
 
 if TYPE_CHECKING:

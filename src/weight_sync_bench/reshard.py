@@ -30,7 +30,8 @@ def split_tensor(x: torch.Tensor, spec: ShardSpec, degree: int) -> list[torch.Te
     for rank in range(degree):
         dim, ranges = spec.ranges(degree, rank)
         pieces = [x.narrow(dim, start, stop - start) for start, stop in ranges]
-        shards.append(torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0].clone(memory_format=torch.contiguous_format))
+        shards.append(torch.cat(pieces, dim=dim) if len(pieces) > 1
+                      else pieces[0].clone(memory_format=torch.contiguous_format))
     return shards
 
 

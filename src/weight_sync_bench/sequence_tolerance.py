@@ -29,9 +29,17 @@ from weight_sync_bench.config import TOY, TOY_KV4, ModelConfig, init_params
 from weight_sync_bench.shardspec import layout_for
 from weight_sync_bench.tolerance import tolerance_dir
 from weight_sync_bench.training import Mesh, TrainingCase
-from weight_sync_bench.training_tolerance import (PACKED_WITH_EMPTY_ROW, REPETITIONS,
-                                                  SMALL_VARIANTS, STEPS, TOY_VARIANTS, Groups,
-                                                  load, measure, measure_main)
+from weight_sync_bench.training_tolerance import (
+    PACKED_WITH_EMPTY_ROW,
+    REPETITIONS,
+    SMALL_VARIANTS,
+    STEPS,
+    TOY_VARIANTS,
+    Groups,
+    load,
+    measure,
+    measure_main,
+)
 from weight_sync_bench.training_tolerance import thresholds_for as _thresholds_for
 
 KIND = "sequence"

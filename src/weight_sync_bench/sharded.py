@@ -35,8 +35,17 @@ import torch
 import torch.nn.functional as F
 
 from weight_sync_bench.errors import UnevenSequence
-from weight_sync_bench.model import (add_bias, attend, attention, context_mask, document_mask,
-                                     rms_norm, rope_tables, split_heads, swiglu)
+from weight_sync_bench.model import (
+    add_bias,
+    attend,
+    attention,
+    context_mask,
+    document_mask,
+    rms_norm,
+    rope_tables,
+    split_heads,
+    swiglu,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence

@@ -36,8 +36,8 @@ from weight_sync_bench.config import TOY, TOY_KV4, ModelConfig, init_params, mak
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.model import ReferenceModel
 from weight_sync_bench.reshard import split
-from weight_sync_bench.shardspec import layout_for
 from weight_sync_bench.sharded import InProcessCollective, ShardedModel
+from weight_sync_bench.shardspec import layout_for
 
 SCHEMA = 1
 ULP = 2.0 ** -23  # the unit deviations are recorded in

@@ -64,15 +64,29 @@ import torch.nn.functional as F
 from weight_sync_bench.batches import BatchSpec, TrainBatch, default_spec, make_batch
 from weight_sync_bench.config import ModelConfig, init_params
 from weight_sync_bench.errors import InvalidMesh
-from weight_sync_bench.loss import (IGNORE_INDEX, local_objective, valid_count,
-                                    vocab_parallel_token_losses)
+from weight_sync_bench.loss import (
+    IGNORE_INDEX,
+    local_objective,
+    valid_count,
+    vocab_parallel_token_losses,
+)
 from weight_sync_bench.model import ReferenceModel
 from weight_sync_bench.reshard import gather, split
-from weight_sync_bench.sharded import (InProcessCollective, InProcessGroups, ShardedModel,
-                                      check_sequence_split)
+from weight_sync_bench.sharded import (
+    InProcessCollective,
+    InProcessGroups,
+    ShardedModel,
+    check_sequence_split,
+)
 from weight_sync_bench.shardspec import Replicate, layout_for
-from weight_sync_bench.training_compare import (EXACT, QUANTITIES, Comparison, Trace,
-                                                TrainingReport, deviations)
+from weight_sync_bench.training_compare import (
+    EXACT,
+    QUANTITIES,
+    Comparison,
+    Trace,
+    TrainingReport,
+    deviations,
+)
 
 if TYPE_CHECKING:
     from weight_sync_bench.sharded import Collective, Tensors

@@ -23,8 +23,15 @@ from weight_sync_bench.distributed import GlooCollective
 from weight_sync_bench.errors import InvalidMesh
 from weight_sync_bench.reshard import gather, split
 from weight_sync_bench.shardspec import Replicate, layout_for
-from weight_sync_bench.training import (CORRECT, AdamW, Mesh, Recipe, TrainingCase,
-                                        group_backward, reduce_replicated)
+from weight_sync_bench.training import (
+    CORRECT,
+    AdamW,
+    Mesh,
+    Recipe,
+    TrainingCase,
+    group_backward,
+    reduce_replicated,
+)
 from weight_sync_bench.training_compare import Trace
 
 if TYPE_CHECKING:

@@ -35,8 +35,13 @@ from weight_sync_bench.batches import BatchSpec, default_spec
 from weight_sync_bench.config import TOY, TOY_KV4, ModelConfig, init_params
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.tolerance import SAFETY, derive_threshold, environment, tolerance_dir
-from weight_sync_bench.tolerance import write_artifact
+from weight_sync_bench.tolerance import (
+    SAFETY,
+    derive_threshold,
+    environment,
+    tolerance_dir,
+    write_artifact,
+)
 from weight_sync_bench.training import Mesh, TrainingCase
 from weight_sync_bench.training_compare import EXACT, QUANTITIES, Trace
 
