@@ -4,7 +4,8 @@
 
 "bare" is the minimum any sweep needs: parameters from the seed, one reference forward, and
 per destination degree the declared split and one sharded forward. "sweep" is `sweep()` over
-every ordered pair: the same, plus one reshard and one byte comparison per pair. The pair
+every ordered pair: the same, plus per pair one reshard and one bit-exact comparison with
+the destination's declared split (streamed one parameter at a time). The pair
 work is data movement of the whole model (74 MiB), independent of the token count, so the
 overhead is shown at the floor's token shape (2 x 16) and at longer sequences. Rounds are
 interleaved (bare, sweep, bare, sweep, ...) so machine noise hits both alike; medians shown.
