@@ -139,3 +139,16 @@ def test_diagnosis_round_trips_through_gather():
 def test_format_indices_compresses_runs_and_marks_unknown_slices():
     assert format_indices([0, 1, 2, 7, None, None, 9]) == "0-2, 7, ? x2, 9"
     assert format_indices([5, 4]) == "5, 4"
+
+
+def test_byte_comparison_is_bitwise_not_numeric():
+    from weight_sync_bench.check import _bit_equal
+
+    zero, neg_zero, nan = torch.tensor([0.0]), torch.tensor([-0.0]), torch.tensor([float("nan")])
+    assert not _bit_equal(zero, neg_zero)  # numerically equal, different bytes
+    assert _bit_equal(nan, nan.clone())  # numerically unequal, same bytes
+    x = torch.randn(4, 3, dtype=torch.bfloat16)
+    assert _bit_equal(x.t(), x.t().contiguous()) and not _bit_equal(x, x.to(torch.float16))
+    y = x.clone()
+    y.view(torch.int16)[2, 1] ^= 1
+    assert not _bit_equal(x, y)
