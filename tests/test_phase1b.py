@@ -7,13 +7,12 @@ The threshold is phase 1b's own, never phase 1a's (the seed explains why): read 
 from __future__ import annotations
 
 import inspect
-import os
 import textwrap
 
 import pytest
 import torch
 
-from weight_sync_bench import sharded
+from weight_sync_bench import phase1b, sharded
 from weight_sync_bench.check import check_split
 from weight_sync_bench.config import TOY, TOY_KV4, init_params, make_tokens
 from weight_sync_bench.errors import InvalidShards, UnsupportedLayout
@@ -121,27 +120,32 @@ def test_gloo_forward_is_a_checker_forward():
     assert (logits - reference).abs().max().item() <= threshold_for(TOY_KV4, "1b")
 
 
-def test_a_one_off_pool_leaves_no_rank_process():
-    """``pool=None``: ranks are started for the one check and gone after it."""
-    def children():
-        out = set()
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                try:
-                    with open(f"/proc/{pid}/stat") as f:
-                        fields = f.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(fields[1]) == os.getpid() and fields[0] != "Z":
-                    out.add(int(pid))
-        return out
+def test_a_one_off_pool_leaves_no_rank_process(monkeypatch):
+    """``pool=None``: ranks are started for the one check and gone after it (checked by the
+    pids of the pool the check really started; ranks are the forkserver's children, not ours)."""
+    started: list[tuple[int, ...]] = []
 
-    before = children()
+    class Recorded(phase1b.RankPool):
+        def start(self, **kwargs):
+            super().start(**kwargs)
+            started.append(self.pids)
+
+    monkeypatch.setattr(phase1b, "RankPool", Recorded)
     config = TOY.replace(name="tiny", vocab=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
                          head_dim=8, ffn=48)
     logits = phase1b_logits(config, 2, param_seed=0, token_seed=0)
     assert logits.shape == (config.batch, config.seq_len, config.vocab)
-    assert children() <= before
+    (pids,) = started
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not merely a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _naive_qkv(full, degree):

@@ -35,6 +35,7 @@ from weight_sync_bench.check import Forward, ThresholdRule, inprocess_forward
 from weight_sync_bench.config import ModelConfig
 from weight_sync_bench.errors import CorruptCorpusEntry, InvalidConfig, UnknownMutation
 from weight_sync_bench.mutations import mutation_by_name
+from weight_sync_bench.shardspec import layout_for
 from weight_sync_bench.tolerance import PHASES, TOKEN_SEED_OFFSET, environment
 
 SCHEMA = 1
@@ -164,9 +165,16 @@ def case_from(entry: Any, path: Path) -> Case:
                                  f"draws tokens from {TOKEN_SEED_OFFSET} + param = "
                                  f"{TOKEN_SEED_OFFSET + seed}", path=str(path),
                                  field="case.seeds.token")
-    return Case(config=config, src=_field(entry, "case.degrees.src", int, path),
-                dst=_field(entry, "case.degrees.dst", int, path), seed=seed, mutation=mutation,
-                phase=phase)
+    supported = layout_for(config).supported_degrees()
+    degrees = {}
+    for end in ("src", "dst"):
+        degrees[end] = _field(entry, f"case.degrees.{end}", int, path)
+        if degrees[end] not in supported:
+            raise CorruptCorpusEntry(
+                f"{path}: field 'case.degrees.{end}' is {degrees[end]}, the geometry supports "
+                f"t in {supported}", path=str(path), field=f"case.degrees.{end}")
+    return Case(config=config, src=degrees["src"], dst=degrees["dst"], seed=seed,
+                mutation=mutation, phase=phase)
 
 
 @dataclass(frozen=True)
@@ -187,8 +195,11 @@ class Entry:
 def load_entry(path: Path) -> Entry:
     try:
         data = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptCorpusEntry(f"{path}: not valid JSON ({exc})", path=str(path)) from None
+    except OSError as exc:
+        raise CorruptCorpusEntry(f"{path}: cannot be read ({exc.strerror or exc})",
+                                 path=str(path)) from None
     case = case_from(data, Path(path))
     _field(data, "measured.deviation", (int, float, str), Path(path))
     _field(data, "found.versions", dict, Path(path))
@@ -203,7 +214,10 @@ def entry_paths(directory: Path | None = None) -> list[Path]:
 def load_corpus(paths: Iterable[Path] | None = None) -> list[Entry]:
     """Every entry (of ``paths``, or of the corpus directory), all checked before any is
     used: one corrupt file stops the load with its name and field."""
-    return [load_entry(p) for p in (entry_paths() if paths is None else paths)]
+    if paths is None:
+        return [load_entry(p) for p in entry_paths()]
+    files = [q for p in paths for q in (entry_paths(Path(p)) if Path(p).is_dir() else [Path(p)])]
+    return [load_entry(p) for p in files]
 
 
 @dataclass(frozen=True)
