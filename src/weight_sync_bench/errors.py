@@ -36,9 +36,12 @@ class WrongShardShape(InvalidShards):
 
     def __init__(self, message: str, *, rank: int | None = None, name: str | None = None,
                  expected: tuple[int, ...] | None = None,
-                 actual: tuple[int, ...] | None = None) -> None:
+                 actual: tuple[int, ...] | None = None, expected_dtype: object = None,
+                 actual_dtype: object = None) -> None:
         super().__init__(message)
         self.rank, self.name, self.expected, self.actual = rank, name, expected, actual
+        # set only when the dtype is what differs (then expected/actual, the shapes, are None)
+        self.expected_dtype, self.actual_dtype = expected_dtype, actual_dtype
 
 
 class RankFailure(WsbError, RuntimeError):

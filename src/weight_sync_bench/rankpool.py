@@ -59,10 +59,11 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
 _FORKSERVER = multiprocessing.get_context("forkserver")
-# Imported once by the forkserver, not once per rank: torch and the whole forward. The
-# "__main__" entry is multiprocessing's own default: a script using the pool needs the usual
-# `if __name__ == "__main__":` guard, as with any start method but fork.
-_FORKSERVER.set_forkserver_preload(["__main__", "weight_sync_bench.phase1b"])
+# Imported once by the forkserver, not once per rank: torch and the whole forward. Set when a
+# pool first starts, not at import, so merely importing this module changes nothing of the
+# caller's multiprocessing. The "__main__" entry is multiprocessing's own default: a script
+# using the pool needs the usual `if __name__ == "__main__":` guard.
+_PRELOAD = ["__main__", "weight_sync_bench.phase1b"]
 
 
 # -- the parent side
@@ -161,6 +162,7 @@ class RankPool:
         its subgroups. A no-op when running. ``fault`` is a test hook (rendezvous faults)."""
         if self._ranks:
             return
+        _FORKSERVER.set_forkserver_preload(_PRELOAD)
         self._dir = Path(tempfile.mkdtemp(prefix="wsb-ranks-"))
         self._live.dirs.append(self._dir)
         self._board = BreadcrumbBoard(self._dir / "breadcrumbs", self.size, create=True)
@@ -289,9 +291,11 @@ class RankPool:
         if not failed and not pending:
             return [replies[r.rank].value for r in ranks]
         where = f"task {name} at t={len(ranks)}"
+        # every rank stopped at the same point, none inside a collective: the process group
+        # is consistent, so the pool is kept (a failure inside one would leave it broken)
         if failed and not pending and len({rep.seq for rep in replies.values()}) == 1 \
-                and all(rep.kind != "crash" for rep in failed):
-            raise self._agreed_error(failed)  # every rank stopped at the same point: keep the pool
+                and all(rep.kind != "crash" and not rep.value["inside"] for rep in failed):
+            raise self._agreed_error(failed)
         try:
             if failed:
                 crashes = [rep for rep in failed if rep.kind == "crash"]

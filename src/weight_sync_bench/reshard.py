@@ -154,8 +154,9 @@ def validate_shards(shards: object, layout: LayoutTable, degree: int,
                     rank=rank, name=spec.name, expected=want, actual=actual)
             expected = dtype if isinstance(dtype, torch.dtype) else dtype[spec.name]
             if x.dtype != expected:
-                raise WrongShardShape(f"rank {rank} {spec.name}: dtype {x.dtype}, expected {expected}",
-                                      rank=rank, name=spec.name, expected=want, actual=actual)
+                raise WrongShardShape(f"rank {rank} {spec.name}: dtype {x.dtype}, expected "
+                                      f"{expected}", rank=rank, name=spec.name,
+                                      expected_dtype=expected, actual_dtype=x.dtype)
 
 
 def _check_local_shapes(shards: list[torch.Tensor], spec: ShardSpec) -> None:
