@@ -12,9 +12,19 @@ def test_wsb_check_prints_every_pair_with_deviation_and_threshold(capsys):
     assert out.count("PASS") == 4 and "4 passed, 0 failed" in out
 
 
-def test_wsb_check_rejects_an_unsupported_degree_with_the_rule(capsys):
+def test_wsb_check_rejects_an_unsupported_degree_with_the_config_and_the_rule(capsys):
     assert main(["check", "--config", "toy", "--src", "1", "--dst", "4"]) == 2
-    assert "HeadPartitioned needs n_kv_heads % t == 0 (n_kv_heads=2, t=4)" in capsys.readouterr().err
+    assert ("toy: layers.0.qkv.weight: HeadPartitioned needs n_kv_heads % t == 0 "
+            "(n_kv_heads=2, t=4)") in capsys.readouterr().err
+
+
+def test_wsb_check_over_all_configs_checks_a_degree_where_it_applies_and_says_where_not(capsys):
+    assert main(["check", "--src", "2", "--dst", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "toy_kv4  2 -> 4" in out and "1 passed, 0 failed" in out
+    assert "skipped toy: layers.0.qkv.weight: HeadPartitioned needs n_kv_heads % t == 0" in out
+    assert main(["check", "--dst", "8"]) == 2
+    assert "no config supports the requested degrees" in capsys.readouterr().err
 
 
 def test_wsb_layout_prints_the_table(capsys):

@@ -81,3 +81,11 @@ def test_unknown_profile_and_a_phase_without_floor_samples_are_errors(tmp_path, 
                                                 r"measure it with `wsb floor --random N "
                                                 r"--phase 1b`"):
         wsb("fuzz", "--examples", "1", "--phase", "1b")
+
+
+@pytest.mark.parametrize("argv", [["mutants", "--examples", "0"], ["fuzz", "--examples", "-3"],
+                                  ["fuzz", "--minutes", "0"], ["floor", "--random", "0"]])
+def test_a_budget_of_nothing_is_refused_rather_than_passed(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        wsb(*argv)
+    assert exit_.value.code == 2 and "must be > 0" in capsys.readouterr().err

@@ -31,7 +31,7 @@ from weight_sync_bench.check import (
 from weight_sync_bench.cli_fuzz import register as register_fuzz
 from weight_sync_bench.cli_train import register as register_train
 from weight_sync_bench.config import CONFIGS, config_by_name
-from weight_sync_bench.errors import WsbError
+from weight_sync_bench.errors import UnsupportedLayout, WsbError
 from weight_sync_bench.shardspec import layout_for
 
 
@@ -62,13 +62,23 @@ def _pairs(args: argparse.Namespace, degrees: list[int]) -> list[tuple[int, int]
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.splitter and args.src is not None:
+        raise WsbError("--src has no meaning with --splitter (a split starts from the full "
+                       "model); give --dst")
     verdicts: list[Verdict] = []
+    skipped: list[str] = []
     for name in _configs(args.config):
         config = config_by_name(name)
         layout = layout_for(config)
-        for degree in (args.src, args.dst):
-            if degree is not None:
-                layout.validate(degree)
+        try:
+            for degree in (args.src, args.dst):
+                if degree is not None:
+                    layout.validate(degree)
+        except UnsupportedLayout as exc:
+            if args.config != "all":
+                raise WsbError(f"{name}: {exc}") from None
+            skipped.append(f"skipped {name}: {exc}")  # --config all: check where it applies
+            continue
         degrees = layout.supported_degrees()
         if args.splitter:
             fn = _load_function(args.splitter)
@@ -82,7 +92,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         else:
             pairs = _pairs(args, degrees) if (args.src or args.dst) else degree_pairs(layout)
             verdicts.extend(sweep(config, pairs=pairs, seed=args.seed, backend=args.backend))
+    if not verdicts:
+        raise WsbError("no config supports the requested degrees:\n  " + "\n  ".join(skipped))
     print(format_verdicts(verdicts))
+    for line in skipped:
+        print(line)
     failed = [v for v in verdicts if not v.passed]
     for verdict in failed:
         print()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from weight_sync_bench.check import Forward, inprocess_forward
@@ -64,6 +65,19 @@ def _run_fuzz(args: argparse.Namespace, **kwargs: object):  # -> FuzzReport
     line.close()
     assert report is not None
     return report
+
+
+def _positive(kind: type) -> Callable[[str], int | float]:
+    """An argparse type: a number > 0 (a budget of 0 examples would "pass" having tried none)."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
@@ -168,14 +182,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="wsb-test, wsb-nightly, wsb-replay, wsb-generate (default: "
                             "$WSB_PROFILE, else wsb-test)")
         p.add_argument("--seed", type=int, default=None, help="master seed (default: random)")
-        p.add_argument("--chunk", type=int, default=25, help="examples per round")
+        p.add_argument("--chunk", type=_positive(int), default=25, help="examples per round")
         p.add_argument("--mutation", action="append", choices=list(MUTATIONS), default=None,
                        help="only this mutation (repeatable)")
 
     fuzz = subparsers.add_parser("fuzz", help="fuzz every property; failures land in corpus/")
     budget = fuzz.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=float, default=None, help="time budget (default 1)")
-    budget.add_argument("--examples", type=int, default=None, help="examples per property")
+    budget.add_argument("--minutes", type=_positive(float), default=None,
+                        help="time budget (default 1)")
+    budget.add_argument("--examples", type=_positive(int), default=None,
+                        help="examples per property")
     budget.add_argument("--find-smallest", action="append", choices=list(MUTATIONS),
                         metavar="MUTATION", help="shrink the invariant's failure under this "
                         "mutation to its smallest geometry and write it to corpus/")
@@ -183,12 +199,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     fuzz.set_defaults(func=cmd_fuzz)
 
     mutants = subparsers.add_parser("mutants", help="the mutation kill matrix")
-    mutants.add_argument("--examples", type=int, default=40, help="examples per mutation")
+    mutants.add_argument("--examples", type=_positive(int), default=40,
+                         help="examples per mutation")
     common(mutants)
     mutants.set_defaults(func=cmd_mutants)
 
     floor = subparsers.add_parser("floor", help="floor samples on random geometries")
-    floor.add_argument("--random", type=int, required=True, metavar="N",
+    floor.add_argument("--random", type=_positive(int), required=True, metavar="N",
                        help="number of geometries to sample")
     floor.add_argument("--search", type=int, default=0, metavar="M",
                        help="also search M examples (Hypothesis target phase) for the largest "
