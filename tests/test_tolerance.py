@@ -63,6 +63,7 @@ def test_the_threshold_is_read_from_the_artifact_through_the_pure_rule():
 @pytest.mark.parametrize("changes, field", [
     ({"seq_len": 32}, "seq_len recorded 16 running 32 \\(the token shape"),  # more draws widen the tail statistic silently
     ({"d_model": 512, "ffn": 704}, "d_model recorded 256 running 512"),  # longer reductions
+    ({"rope_theta": 5e5}, "running numerics differ .* rope_theta recorded 10000.0 running"),
 ])
 def test_a_geometry_other_than_the_recorded_one_is_refused(changes, field):
     with pytest.raises(ToleranceMismatch, match=field):
@@ -72,7 +73,8 @@ def test_a_geometry_other_than_the_recorded_one_is_refused(changes, field):
 def test_an_unrecorded_config_is_refused_by_name():
     other = ModelConfig("mine", vocab=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1,
                         head_dim=16, ffn=48)
-    with pytest.raises(ToleranceMismatch, match="no floor recorded for config 'mine'"):
+    with pytest.raises(ToleranceMismatch, match="no floor recorded for config 'mine' .*pass "
+                                                "threshold= explicitly"):
         threshold_for(other)
 
 

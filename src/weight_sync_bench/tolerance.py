@@ -148,8 +148,8 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
         "seeds": {"param": f"0..{repetitions - 1}",
                   "token": f"{TOKEN_SEED_OFFSET}..{TOKEN_SEED_OFFSET + repetitions - 1}"},
         "rule": f"smallest power of ten >= {SAFETY} x worst_abs",
-        "configs": {c.name: {"geometry": c.geometry(), "token_shape": list(c.token_shape)}
-                    for c in configs},
+        "configs": {c.name: {"geometry": c.geometry(), "token_shape": list(c.token_shape),
+                             "numerics": numerics(c)} for c in configs},
         "cells": cells, "worst_abs": worst, "threshold": derive_threshold(worst),
         "environment": environment(),
     }
@@ -200,8 +200,10 @@ def check_geometry(artifact: dict[str, Any], config: ModelConfig) -> None:
     if recorded is None:
         raise ToleranceMismatch(
             f"phase {artifact['phase']}: no floor recorded for config {config.name!r} "
-            f"(recorded: {', '.join(artifact['configs'])})")
-    if recorded["geometry"] != config.geometry() or tuple(recorded["token_shape"]) != config.token_shape:
+            f"(recorded: {', '.join(artifact['configs'])}); pass threshold= explicitly, or for "
+            "a geometry inside the fuzz domain threshold_rule=floor.fuzz_threshold_rule()")
+    if (recorded["geometry"] != config.geometry()
+            or tuple(recorded["token_shape"]) != config.token_shape):
         diff = {k: (recorded["geometry"].get(k), v) for k, v in config.geometry().items()
                 if recorded["geometry"].get(k) != v}
         why = (" (the token shape sets how many logits the max is taken over: a larger one "
@@ -210,6 +212,18 @@ def check_geometry(artifact: dict[str, Any], config: ModelConfig) -> None:
             f"{config.name}: running geometry differs from the phase {artifact['phase']} "
             "floor's: " + ", ".join(f"{k} recorded {a} running {b}" for k, (a, b) in diff.items())
             + why)
+    recorded_numerics = recorded.get("numerics")
+    if recorded_numerics is not None and recorded_numerics != numerics(config):
+        diff = {k: (recorded_numerics.get(k), v) for k, v in numerics(config).items()
+                if recorded_numerics.get(k) != v}
+        raise ToleranceMismatch(
+            f"{config.name}: running numerics differ from the phase {artifact['phase']} "
+            "floor's: " + ", ".join(f"{k} recorded {a} running {b}" for k, (a, b) in diff.items()))
+
+
+def numerics(config: ModelConfig) -> dict[str, float]:
+    """The float fields that move the floor without changing any shape."""
+    return {"rope_theta": config.rope_theta, "norm_eps": config.norm_eps}
 
 
 def threshold_from(artifact: dict[str, Any]) -> float:
