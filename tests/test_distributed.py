@@ -28,7 +28,13 @@ from weight_sync_bench.distributed import (
     RankContext,
     Tracer,
 )
-from weight_sync_bench.errors import RankCrash, RankFailure, RankTimeout, WrongShardShape
+from weight_sync_bench.errors import (
+    RankCrash,
+    RankFailure,
+    RankTimeout,
+    WrongShardShape,
+)
+from weight_sync_bench.floor import fuzz_threshold_rule
 from weight_sync_bench.phase1b import run_phase1b
 from weight_sync_bench.rankpool import RankPool, shared_pool
 from weight_sync_bench.reshard import split
@@ -39,6 +45,12 @@ from weight_sync_bench.transport import GlooTransport, ParamSink
 # Small enough that a check costs milliseconds; every placement still splits at t=2.
 TINY = TOY.replace(name="tiny", vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                    head_dim=8, ffn=48)
+
+
+def _within_phase1b_floor(result) -> bool:
+    """TINY lies inside the fuzz domain: the measured phase-1b rule for such geometries."""
+    threshold = fuzz_threshold_rule("1b")(TINY, result.reference)
+    return (result.logits - result.reference).abs().max().item() <= threshold
 
 
 def _alive(pid: int) -> bool:
@@ -57,7 +69,7 @@ def _assert_healthy_again(pool: RankPool, old_pids: tuple[int, ...]) -> None:
     result = run_phase1b(TINY, 2, param_seed=1, token_seed=2, pool=pool, reference=True)
     assert pool.starts == starts + 1
     assert set(pool.pids).isdisjoint(old_pids)
-    assert (result.logits - result.reference).abs().max().item() < 1e-3
+    assert _within_phase1b_floor(result)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +203,7 @@ def test_two_pools_started_at_once_do_not_collide():
         (pids_a, a), (pids_b, b) = threads.map(one_check, (7, 8))
     assert set(pids_a).isdisjoint(pids_b)
     for result in (a, b):
-        assert (result.logits - result.reference).abs().max().item() < 1e-3
+        assert _within_phase1b_floor(result)
     assert not torch.equal(a.logits, b.logits)  # two different checks, not one seen twice
     assert not any(_alive(p) for p in pids_a + pids_b)
 
@@ -305,4 +317,4 @@ def test_wrong_shaped_shard_is_refused_by_name_before_any_scatter(pool):
     assert "after collective #1 broadcast(transport go/no-go)" in "".join(error.__notes__)
     assert pool.pids == pids  # the ranks agreed, nothing to restart
     result = run_phase1b(TINY, 2, param_seed=0, token_seed=0, pool=pool, reference=True)
-    assert (result.logits - result.reference).abs().max().item() < 1e-3
+    assert _within_phase1b_floor(result)
