@@ -159,7 +159,7 @@ class Init:
 
     Linear and embedding weights are N(0, std). Norm weights are 1 + N(0, norm_spread):
     near one but never all equal, so a permuted norm changes the output. Detection margins
-    depend on these two numbers (bench/init_scale.py measures how).
+    depend on these two numbers (bench/bench_init_scale.py measures how).
     """
 
     std: float = 0.02

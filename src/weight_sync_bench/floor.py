@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,7 +317,7 @@ def plot(artifact: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"phase {artifact['phase']} floor over {len(samples)} samples with t > 1; "
                  f"rule {rule}")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")  # concurrent runs never clash
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     tmp.replace(path)
