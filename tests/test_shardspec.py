@@ -72,9 +72,10 @@ def test_placements_print_compactly_and_repr_machine_readably():
     assert repr(Shard(1)) == "Shard(dim=1)"
 
 
-def test_degree_must_be_positive():
-    with pytest.raises(UnsupportedLayout, match="degree must be a positive int, got t=0"):
-        ShardSpec("w", (4,), Replicate()).validate(0)
+@pytest.mark.parametrize("degree", [0, -2, True, 2.0])
+def test_degree_must_be_a_positive_int(degree):
+    with pytest.raises(UnsupportedLayout, match=f"degree must be a positive int, got t={degree}"):
+        ShardSpec("w", (4,), Replicate()).validate(degree)
 
 
 def test_layout_table_prints_placement_and_local_shape_per_degree():

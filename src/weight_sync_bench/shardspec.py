@@ -37,7 +37,7 @@ def _need(ok: bool, name: str, placement: Placement, degree: int, rule: str, val
 
 
 def _check_degree(name: str, degree: int) -> None:
-    if not isinstance(degree, int) or degree < 1:
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
         raise UnsupportedLayout(f"{name}: degree must be a positive int, got t={degree!r}")
 
 
