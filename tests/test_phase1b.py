@@ -11,13 +11,19 @@ import textwrap
 
 import pytest
 import torch
+from test_distributed import _alive
 
 from weight_sync_bench import phase1b, sharded
 from weight_sync_bench.check import check_split
 from weight_sync_bench.config import TOY, TOY_KV4, init_params, make_tokens
 from weight_sync_bench.errors import InvalidShards, UnsupportedLayout
 from weight_sync_bench.model import ReferenceModel
-from weight_sync_bench.phase1b import code_fingerprint, gloo_forward, phase1b_logits, run_phase1b
+from weight_sync_bench.phase1b import (
+    code_fingerprint,
+    gloo_forward,
+    phase1b_logits,
+    run_phase1b,
+)
 from weight_sync_bench.rankpool import shared_pool
 from weight_sync_bench.reshard import split
 from weight_sync_bench.sharded import ShardedModel
@@ -137,15 +143,6 @@ def test_a_one_off_pool_leaves_no_rank_process(monkeypatch):
     assert logits.shape == (config.batch, config.seq_len, config.vocab)
     (pids,) = started
     assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
-
-
-def _alive(pid: int) -> bool:
-    """Running, not merely a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _naive_qkv(full, degree):
