@@ -32,15 +32,11 @@ def test_sequence_mutations_are_detected_on_fuzzed_cases(mutation):
     @settings(max_examples=PER_MUTATION)
     @given(case=sequence_cases())
     def prop(case):
-        case.params = adversarial.loud_biases(case.config, case.params) if case.config.bias \
-            else case.params
-        reason = mutation.identity_reason(case)
-        event("identity" if reason else "not identity")
-        report = mutation.check(case, PLAIN)
-        if reason:
-            assert report.passed, f"declared identity ({reason}) but {report.worst}"
-        else:
-            assert not report.passed
+        if case.config.bias:  # biases of weight size hide under the residual of a tiny model
+            case.params = adversarial.loud_biases(case.config, case.params)
+        event("identity" if mutation.identity_reason(case) else "not identity")
+        broken = mutation.broken_claim(case, PLAIN)
+        assert broken is None, broken
 
     prop()
 

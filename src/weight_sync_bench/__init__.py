@@ -15,7 +15,7 @@ from typing import Any
 
 # Eager, and after any lazy path could run: importing the submodule ``reshard`` binds the
 # package attribute ``reshard`` to the module, which this import rebinds to the function.
-from weight_sync_bench.reshard import gather, reshard, split
+from weight_sync_bench.reshard import gather, reshard, split  # noqa: F401 (exported)
 
 _EXPORTS = {
     "weight_sync_bench.check": ("Checker", "Verdict", "check_reshard", "check_split",

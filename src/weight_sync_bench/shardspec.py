@@ -17,7 +17,6 @@ Every placement divides evenly or is rejected: an uneven split is an ``Unsupport
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, assert_never
 
@@ -285,7 +284,3 @@ def layout_for(config: ModelConfig) -> LayoutTable:
         placements[p + "gate_up.weight"] = FusedPaired(config.ffn, config.ffn)
         placements[p + "down.weight"] = Shard(1)
     return LayoutTable.from_mapping(config.param_shapes(), placements)
-
-
-def n_elements(shape: Shape) -> int:
-    return math.prod(shape)

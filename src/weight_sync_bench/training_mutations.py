@@ -168,6 +168,17 @@ class TrainingMutation:
         return case.check(thresholds, recipe=self.recipe, mutation=self.name,
                           **kwargs)  # type: ignore[arg-type]
 
+    def broken_claim(self, case: TrainingCase, thresholds: dict[str, float]) -> str | None:
+        """Why the mutation's claim fails on ``case`` (a declared identity that the check
+        flags, or a real change it misses), or None where the claim holds."""
+        reason = self.identity_reason(case)
+        report = self.check(case, thresholds)
+        if reason and not report.passed:
+            return f"{self.name}: declared identity ({reason}) but {report.worst}"
+        if not reason and report.passed:
+            return f"{self.name}: not the identity, yet undetected (worst {report.worst})"
+        return None
+
 
 TRAINING_MUTATIONS: tuple[TrainingMutation, ...] = (
     TrainingMutation("equal_average_local_means",
