@@ -22,16 +22,16 @@ from pathlib import Path
 
 import torch
 from hypothesis import strategies as st
+from weight_sync_bench.fuzz.strategies import cases
 
-from strategies import cases
-from weight_sync_bench.case import Case
-from weight_sync_bench.check import inprocess_forward
-from weight_sync_bench.config import TOY
-from weight_sync_bench.domain import fuzz_params, fuzz_tokens
-from weight_sync_bench.fuzz import Tally, run_property
-from weight_sync_bench.model import ReferenceModel
-from weight_sync_bench.reshard import split
-from weight_sync_bench.shardspec import layout_for
+from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.fuzz.case import Case
+from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
+from weight_sync_bench.fuzz.runner import Tally, run_property
+from weight_sync_bench.layout.reshard import split
+from weight_sync_bench.model.config import TOY
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.reference import ReferenceModel
 
 
 class Recording(Tally):

@@ -18,12 +18,13 @@ import time
 
 import torch
 
-from weight_sync_bench.config import TOY, init_params, make_tokens
-from weight_sync_bench.phase1b import run_phase1b
-from weight_sync_bench.rankpool import RankPool
-from weight_sync_bench.reshard import split
-from weight_sync_bench.sharded import InProcessCollective, ShardedModel
-from weight_sync_bench.shardspec import layout_for
+from weight_sync_bench.check.forwards import run_phase1b
+from weight_sync_bench.collectives.gloo.pool import RankPool
+from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.layout.reshard import split
+from weight_sync_bench.model.config import TOY, init_params, make_tokens
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.sharded import ShardedModel
 
 DEGREE = 2
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from weight_sync_bench import TOY_KV4, Checker, sweep
-from weight_sync_bench.config import Init, init_params
-from weight_sync_bench.mutations import SEED_MUTATIONS
+from weight_sync_bench.check.mutations import SEED_MUTATIONS
+from weight_sync_bench.model.config import Init, init_params
 
 SCALES = [Init(0.02, 0.1), Init(0.005, 0.1), Init(0.05, 0.1), Init(0.2, 0.1), Init(1.0, 0.1),
           Init(0.02, 0.01), Init(0.02, 0.3)]

@@ -31,9 +31,9 @@ from weight_sync_bench import (
     split,
     sweep,
 )
-from weight_sync_bench.check import inprocess_forward
-from weight_sync_bench.config import init_params, make_tokens
-from weight_sync_bench.tolerance import TOKEN_SEED_OFFSET
+from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.model.config import init_params, make_tokens
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
 
 
 def bare(config, with_reshards=False):

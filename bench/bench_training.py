@@ -19,10 +19,11 @@ import time
 
 import torch
 
-from weight_sync_bench.batches import default_spec
-from weight_sync_bench.config import TOY, TOY_KV4
-from weight_sync_bench.training import Mesh, TrainingCase
-from weight_sync_bench.training_tolerance import SMALL_VARIANTS, thresholds_for
+from weight_sync_bench.model.config import TOY, TOY_KV4
+from weight_sync_bench.training.batches import default_spec
+from weight_sync_bench.training.floor import SMALL_VARIANTS, thresholds_for
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.step import TrainingCase
 
 
 def timed(fn) -> float:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from weight_sync_bench.case import Case
-from weight_sync_bench.config import ModelConfig
-from weight_sync_bench.domain import DOMAIN, FuzzDomain, IntRange
-from weight_sync_bench.mutations import mutation_by_name
-from weight_sync_bench.shardspec import layout_for
+from weight_sync_bench.check.mutations import mutation_by_name
+from weight_sync_bench.fuzz.case import Case
+from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain, IntRange
+from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.model.plan import layout_for
 
 __all__ = ["Rejection", "cases", "degree_pairs", "geometries", "in_range", "rejected_layouts",
            "seeds"]

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from weight_sync_bench.batches import BatchSpec
-from weight_sync_bench.config import ModelConfig, init_params
-from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.training import Mesh, TrainingCase
+from weight_sync_bench.model.config import ModelConfig, init_params
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.training.batches import BatchSpec
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.step import TrainingCase
 
 __all__ = ["batch_specs", "meshes", "sequence_cases", "sequence_mesh_shapes",
            "train_geometries", "training_cases", "uneven_sequence_meshes"]

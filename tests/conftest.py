@@ -4,7 +4,7 @@
 import torch
 from hypothesis import settings
 
-from weight_sync_bench.fuzz import profile_name  # registers the wsb-* profiles
+from weight_sync_bench.fuzz.runner import profile_name  # registers the wsb-* profiles
 
 torch.set_num_threads(1)
 settings.load_profile(profile_name())

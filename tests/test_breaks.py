@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from weight_sync_bench import TOY, TOY_KV4, Checker, sweep
-from weight_sync_bench.check import degree_pairs
-from weight_sync_bench.mutations import SEED_MUTATIONS
-from weight_sync_bench.sharded import InProcessCollective, ShardedModel
+from weight_sync_bench.check.checker import degree_pairs
+from weight_sync_bench.check.mutations import SEED_MUTATIONS
+from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.model.sharded import ShardedModel
 
 BREAKS = [(c, m, t) for c in (TOY, TOY_KV4) for m in SEED_MUTATIONS
           for t in (2,) + ((4,) if c is TOY_KV4 else ())]

@@ -15,8 +15,9 @@ from weight_sync_bench import (
     reshard,
     split,
 )
-from weight_sync_bench.check import format_indices, inprocess_forward
-from weight_sync_bench.mutations import MUTATIONS
+from weight_sync_bench.check.diagnosis import format_indices
+from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.check.mutations import MUTATIONS
 
 LAYOUT = layout_for(TOY)
 
@@ -142,7 +143,7 @@ def test_format_indices_compresses_runs_and_marks_unknown_slices():
 
 
 def test_byte_comparison_is_bitwise_not_numeric():
-    from weight_sync_bench.check import _bit_equal
+    from weight_sync_bench.check.diagnosis import _bit_equal
 
     zero, neg_zero, nan = torch.tensor([0.0]), torch.tensor([-0.0]), torch.tensor([float("nan")])
     assert not _bit_equal(zero, neg_zero)  # numerically equal, different bytes

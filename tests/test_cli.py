@@ -1,8 +1,8 @@
 import textwrap
 
-from weight_sync_bench.cli import main
-from weight_sync_bench.config import TOY_KV4
-from weight_sync_bench.tolerance import threshold_for
+from weight_sync_bench.cli.main import main
+from weight_sync_bench.model.config import TOY_KV4
+from weight_sync_bench.tolerance.rules import threshold_for
 
 
 def test_wsb_check_prints_every_pair_with_deviation_and_threshold(capsys):

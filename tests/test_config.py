@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from weight_sync_bench.config import (
+from weight_sync_bench.errors import InvalidConfig
+from weight_sync_bench.model.config import (
     TOY,
     TOY_KV4,
-    InvalidConfig,
     ModelConfig,
     init_params,
     make_tokens,

@@ -7,8 +7,9 @@ import shutil
 
 import pytest
 
-from weight_sync_bench.case import Case, run_case
-from weight_sync_bench.corpus import (
+from weight_sync_bench.errors import CorruptCorpusEntry
+from weight_sync_bench.fuzz.case import Case, run_case
+from weight_sync_bench.fuzz.corpus import (
     classify,
     corpus_dir,
     entry_paths,
@@ -19,9 +20,8 @@ from weight_sync_bench.corpus import (
     versions,
     write_entry,
 )
-from weight_sync_bench.domain import DOMAIN
-from weight_sync_bench.errors import CorruptCorpusEntry
-from weight_sync_bench.fuzz import corpus_examples, run_property
+from weight_sync_bench.fuzz.domain import DOMAIN
+from weight_sync_bench.fuzz.runner import corpus_examples, run_property
 
 COMMITTED = entry_paths()
 

@@ -20,27 +20,25 @@ import time
 import pytest
 import torch
 
-from weight_sync_bench.config import TOY, init_params, make_tokens
-from weight_sync_bench.distributed import (
-    Breadcrumb,
-    Fault,
-    GlooCollective,
-    RankContext,
-    Tracer,
-)
+from weight_sync_bench.check.forwards import run_phase1b
+from weight_sync_bench.collectives.gloo.breadcrumbs import Breadcrumb, Fault, Tracer
+from weight_sync_bench.collectives.gloo.collective import GlooCollective
+from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
+from weight_sync_bench.collectives.gloo.rank import RankContext
+from weight_sync_bench.collectives.gloo.transport import GlooTransport, ParamSink
+from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.collectives.protocol import Collective
 from weight_sync_bench.errors import (
     RankCrash,
     RankFailure,
     RankTimeout,
     WrongShardShape,
 )
-from weight_sync_bench.floor import fuzz_threshold_rule
-from weight_sync_bench.phase1b import run_phase1b
-from weight_sync_bench.rankpool import RankPool, shared_pool
-from weight_sync_bench.reshard import split
-from weight_sync_bench.sharded import Collective, InProcessCollective, ShardedModel
-from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.transport import GlooTransport, ParamSink
+from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
+from weight_sync_bench.layout.reshard import split
+from weight_sync_bench.model.config import TOY, init_params, make_tokens
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.sharded import ShardedModel
 
 # Small enough that a check costs milliseconds; every placement still splits at t=2.
 TINY = TOY.replace(name="tiny", vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -212,7 +210,7 @@ def test_ranks_of_a_parent_killed_without_cleanup_exit_on_their_own():
     """SIGKILL leaves no finalizer to run: the forkserver sees its owner gone and exits,
     and each rank, finding itself orphaned, exits within a second."""
     script = ("import os, signal, multiprocessing.forkserver as fs\n"
-              "from weight_sync_bench.rankpool import RankPool\n"
+              "from weight_sync_bench.collectives.gloo.pool import RankPool\n"
               "pool = RankPool(2)\npool.start()\n"
               "print(pool.directory, *pool.pids, fs._forkserver._forkserver_pid, flush=True)\n"
               "os.kill(os.getpid(), signal.SIGKILL)\n")

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from weight_sync_bench.cli_fuzz import register
-from weight_sync_bench.corpus import entry_paths
+from weight_sync_bench.cli.fuzz import register
 from weight_sync_bench.errors import ToleranceMismatch, WsbError
+from weight_sync_bench.fuzz.corpus import entry_paths
 
 
 def wsb(*argv):

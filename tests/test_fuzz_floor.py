@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 
-from weight_sync_bench.config import TOY, TOY_KV4
-from weight_sync_bench.domain import DOMAIN, fuzz_init, is_builtin
-from weight_sync_bench.floor import (
+from weight_sync_bench.check.mutations import KILL_MARGIN, MUTATIONS
+from weight_sync_bench.fuzz.domain import DOMAIN, fuzz_init, is_builtin
+from weight_sync_bench.fuzz.floor import (
     ThresholdRule,
-    artifact_path,
     candidate_rules,
     choose_rule,
     evaluate_rule,
@@ -21,8 +20,9 @@ from weight_sync_bench.floor import (
     plot_path,
     rule_from,
 )
-from weight_sync_bench.mutations import KILL_MARGIN, MUTATIONS
-from weight_sync_bench.tolerance import SAFETY, threshold_for
+from weight_sync_bench.model.config import TOY, TOY_KV4
+from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.rules import SAFETY, threshold_for
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def artifact():
 def test_committed_artifact_records_environment_samples_and_its_plot(artifact):
     assert artifact["environment"]["torch"] and artifact["environment"]["python"]
     assert artifact["geometries"] >= 200 and len(artifact["samples"]) > artifact["geometries"]
-    assert plot_path().exists() and plot_path().parent == artifact_path().parent
+    assert plot_path().exists() and plot_path().parent == artifact_path(kind="random_floor").parent
 
 
 def test_chosen_rule_is_rederived_from_the_samples_not_read_from_the_figures(artifact):

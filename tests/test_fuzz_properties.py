@@ -10,18 +10,24 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
+from weight_sync_bench.fuzz.strategies import (
+    degree_pairs,
+    geometries,
+    rejected_layouts,
+    seeds,
+)
 
-from strategies import degree_pairs, geometries, rejected_layouts, seeds
-from weight_sync_bench.case import Case, run_case
-from weight_sync_bench.check import Checker, sweep
-from weight_sync_bench.domain import DOMAIN, fuzz_params
+from weight_sync_bench.check.checker import Checker, sweep
+from weight_sync_bench.check.mutations import MUTATIONS
+from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.errors import UnsupportedLayout
-from weight_sync_bench.floor import fuzz_threshold_rule
-from weight_sync_bench.fuzz import PropertyFailed, run_property
-from weight_sync_bench.mutations import MUTATIONS
-from weight_sync_bench.reshard import gather, reshard, split
-from weight_sync_bench.sharded import InProcessCollective, ShardedModel
-from weight_sync_bench.shardspec import layout_for
+from weight_sync_bench.fuzz.case import Case, run_case
+from weight_sync_bench.fuzz.domain import DOMAIN, fuzz_params
+from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
+from weight_sync_bench.fuzz.runner import PropertyFailed, run_property
+from weight_sync_bench.layout.reshard import gather, reshard, split
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.sharded import ShardedModel
 
 INVARIANT_WEIGHT = 3  # the invariant gets 3x the profile's examples: it is the claim itself
 GENERATES = Phase.generate in settings().phases  # False under wsb-replay (corpus only)

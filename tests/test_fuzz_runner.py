@@ -3,9 +3,10 @@ written to the corpus, never raised; budgets in examples or minutes."""
 
 import pytest
 
+from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.errors import WsbError
-from weight_sync_bench.fuzz import FuzzReport, Progress, format_report, fuzz
-from weight_sync_bench.sharded import InProcessCollective, ShardedModel
+from weight_sync_bench.fuzz.runner import FuzzReport, Progress, format_report, fuzz
+from weight_sync_bench.model.sharded import ShardedModel
 
 
 def _run(**kwargs):
@@ -58,8 +59,8 @@ def test_the_replay_profile_runs_the_corpus_once_and_stops():
 def test_the_invariant_and_a_kill_hold_over_gloo_through_the_rank_pool(tmp_path):
     """Phase 1b fuzzing: random geometries through the shared rank pool, each judged by the
     phase-1b rule (tolerance/random_floor_1b.json), never phase 1a's."""
-    from weight_sync_bench.phase1b import gloo_forward
-    from weight_sync_bench.rankpool import shared_pool
+    from weight_sync_bench.check.forwards import gloo_forward
+    from weight_sync_bench.collectives.gloo.pool import shared_pool
 
     _, report = _run(examples=4, chunk=4, phase="1b", forward=gloo_forward(shared_pool(4)),
                      mutations=["o_proj_reversed"], corpus_path=tmp_path)

@@ -4,8 +4,9 @@ within the measured phase-1a threshold, for every ordered pair of supported degr
 import pytest
 
 from weight_sync_bench import TOY, TOY_KV4, Checker, layout_for, sweep
-from weight_sync_bench.check import degree_pairs, inprocess_forward
-from weight_sync_bench.tolerance import threshold_for
+from weight_sync_bench.check.checker import degree_pairs
+from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.tolerance.rules import threshold_for
 
 PAIRS = [(TOY, s, d) for s in (1, 2) for d in (1, 2)] + [
     (TOY_KV4, s, d) for s in (1, 2, 4) for d in (1, 2, 4)]  # 4 + 9 ordered pairs

@@ -5,15 +5,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from weight_sync_bench.loss import (
+from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.training.loss import (
     IGNORE_INDEX,
     local_objective,
     valid_count,
     vocab_parallel_token_losses,
 )
-from weight_sync_bench.sharded import InProcessCollective
-from weight_sync_bench.training import Mesh, global_mean_share
-from weight_sync_bench.training_mutations import training_mutation
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.mutations import training_mutation
+from weight_sync_bench.training.step import global_mean_share
 
 EQUAL_AVERAGE = training_mutation("equal_average_local_means").recipe.objective
 

@@ -4,17 +4,18 @@ and each new bug class doing what its name says on a case small enough to read."
 import pytest
 import torch
 
-from weight_sync_bench.check import Checker, locate
-from weight_sync_bench.domain import DOMAIN, fuzz_params
-from weight_sync_bench.errors import UnknownMutation
-from weight_sync_bench.mutations import (
+from weight_sync_bench.check.checker import Checker
+from weight_sync_bench.check.diagnosis import locate
+from weight_sync_bench.check.mutations import (
     BUG_CLASS_MUTATIONS,
     MUTATIONS,
     SEED_MUTATIONS,
     interleaved_qkv_order,
     mutation_by_name,
 )
-from weight_sync_bench.reshard import split
+from weight_sync_bench.errors import UnknownMutation
+from weight_sync_bench.fuzz.domain import DOMAIN, fuzz_params
+from weight_sync_bench.layout.reshard import split
 
 # n_kv_heads 2 (degrees 1, 2), and n_kv_heads 4 (degrees 1, 2, 4); head_dim 2, tiny widths
 KV2 = DOMAIN.config(n_kv_heads=2, group=2, head_dim=2, d_model=8, ffn_per_kv_head=2,

@@ -13,22 +13,23 @@ import pytest
 import torch
 from test_distributed import _alive
 
-from weight_sync_bench import phase1b, sharded
-from weight_sync_bench.check import check_split
-from weight_sync_bench.config import TOY, TOY_KV4, init_params, make_tokens
-from weight_sync_bench.errors import InvalidShards, UnsupportedLayout
-from weight_sync_bench.model import ReferenceModel
-from weight_sync_bench.phase1b import (
+from weight_sync_bench.check import forwards as phase1b
+from weight_sync_bench.check.checker import check_split
+from weight_sync_bench.check.forwards import (
     code_fingerprint,
     gloo_forward,
     phase1b_logits,
     run_phase1b,
 )
-from weight_sync_bench.rankpool import shared_pool
-from weight_sync_bench.reshard import split
-from weight_sync_bench.sharded import ShardedModel
-from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.tolerance import threshold_for
+from weight_sync_bench.collectives.gloo.pool import shared_pool
+from weight_sync_bench.errors import InvalidShards, UnsupportedLayout
+from weight_sync_bench.layout.reshard import split
+from weight_sync_bench.model import sharded
+from weight_sync_bench.model.config import TOY, TOY_KV4, init_params, make_tokens
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.tolerance.rules import threshold_for
 
 CELLS = [(config, t) for config in (TOY, TOY_KV4) for t in layout_for(config).supported_degrees()]
 SEEDS = (0, 1)

@@ -1,8 +1,16 @@
 import pytest
 import torch
 
-from weight_sync_bench import TOY, TOY_KV4, InvalidShards, gather, layout_for, reshard, split
-from weight_sync_bench.config import init_params
+from weight_sync_bench import (
+    TOY,
+    TOY_KV4,
+    InvalidShards,
+    gather,
+    layout_for,
+    reshard,
+    split,
+)
+from weight_sync_bench.model.config import init_params
 
 
 def _arange_params(config):

@@ -9,27 +9,40 @@ from dataclasses import replace
 import pytest
 import torch
 
-from weight_sync_bench import adversarial
-from weight_sync_bench.batches import BatchSpec, default_spec, segments_from_documents
-from weight_sync_bench.collective_counts import count_collectives, expected_counts
-from weight_sync_bench.config import TOY, TOY_KV4, init_params
 from weight_sync_bench.errors import UnevenSequence
-from weight_sync_bench.model import attend, context_mask, document_mask
-from weight_sync_bench.reshard import split
-from weight_sync_bench.sequence_tolerance import (
-    artifact_path,
+from weight_sync_bench.layout.reshard import split
+from weight_sync_bench.model.config import TOY, TOY_KV4, init_params
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.reference import attend, context_mask, document_mask
+from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.rules import derive_threshold
+from weight_sync_bench.training import adversarial
+from weight_sync_bench.training.batches import (
+    BatchSpec,
+    default_spec,
+    segments_from_documents,
+)
+from weight_sync_bench.training.compare import QUANTITIES
+from weight_sync_bench.training.counts import count_collectives, expected_counts
+from weight_sync_bench.training.floor import (
+    PACKED_WITH_EMPTY_ROW,
+    SMALL,
+    SMALL_VARIANTS,
+)
+from weight_sync_bench.training.floor import thresholds_for as training_thresholds
+from weight_sync_bench.training.mesh import Mesh, mesh_groups
+from weight_sync_bench.training.mutations import (
+    SEQUENCE_MUTATIONS,
+    full_mask,
+    training_mutation,
+)
+from weight_sync_bench.training.sequence_floor import (
     load_sequence,
     sequence_meshes,
     thresholds_for,
 )
-from weight_sync_bench.sharded import ShardedModel
-from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.tolerance import derive_threshold
-from weight_sync_bench.training import CORRECT, Mesh, TrainingCase, mesh_groups
-from weight_sync_bench.training_compare import QUANTITIES
-from weight_sync_bench.training_mutations import SEQUENCE_MUTATIONS, full_mask, training_mutation
-from weight_sync_bench.training_tolerance import PACKED_WITH_EMPTY_ROW, SMALL, SMALL_VARIANTS
-from weight_sync_bench.training_tolerance import thresholds_for as training_thresholds
+from weight_sync_bench.training.step import CORRECT, TrainingCase
 
 TIED_BIASED = SMALL_VARIANTS[1]  # padded vocab 50 -> 52, tied embeddings, biases
 SP_CP = Mesh(2, 2, sp=True, cp=2)
@@ -71,7 +84,7 @@ def test_every_sequence_mesh_of_every_variant_trains_like_the_reference(config, 
 
 def test_thresholds_come_from_the_sequence_artifact_by_the_project_rule():
     artifact = load_sequence()
-    assert artifact["kind"] == "sequence" and artifact_path().name == "sequence.json"
+    assert artifact["kind"] == "sequence" and artifact_path(kind="sequence").name == "sequence.json"
     for q in QUANTITIES:
         assert PLAIN[q] == derive_threshold(artifact["regimes"]["plain"][q]["worst"])
     # the plain DP x TP shape keeps training.json's thresholds

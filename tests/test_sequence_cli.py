@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from weight_sync_bench.cli_train import register
+from weight_sync_bench.cli.train import register
 from weight_sync_bench.errors import InvalidMesh, UnevenSequence
 
 

@@ -6,12 +6,13 @@ across phases nor across meshes; the twin below shows the check is not vacuous."
 
 import pytest
 
-from weight_sync_bench.rankpool import shared_pool
-from weight_sync_bench.sequence_tolerance import thresholds_for
-from weight_sync_bench.training import Mesh, TrainingCase
-from weight_sync_bench.training_gloo import train_gloo
-from weight_sync_bench.training_mutations import training_mutation
-from weight_sync_bench.training_tolerance import PACKED_WITH_EMPTY_ROW, SMALL_VARIANTS
+from weight_sync_bench.collectives.gloo.pool import shared_pool
+from weight_sync_bench.training.floor import PACKED_WITH_EMPTY_ROW, SMALL_VARIANTS
+from weight_sync_bench.training.gloo import train_gloo
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.mutations import training_mutation
+from weight_sync_bench.training.sequence_floor import thresholds_for
+from weight_sync_bench.training.step import TrainingCase
 
 CONFIG = SMALL_VARIANTS[1]  # padded vocab, tied embeddings, biases
 GLOO = thresholds_for(CONFIG, Mesh(1, 2, sp=True), phase="1b")

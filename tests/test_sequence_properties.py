@@ -5,14 +5,18 @@ does not declare itself the identity; uneven splits are rejected by rule."""
 
 import pytest
 from hypothesis import event, given, settings
+from weight_sync_bench.fuzz.strategies.training import (
+    sequence_cases,
+    uneven_sequence_meshes,
+)
 
-from strategies.training import sequence_cases, uneven_sequence_meshes
-from weight_sync_bench import adversarial
 from weight_sync_bench.errors import UnevenSequence
-from weight_sync_bench.sequence_tolerance import thresholds_for
-from weight_sync_bench.training import Mesh, TrainingCase
-from weight_sync_bench.training_mutations import SEQUENCE_MUTATIONS
-from weight_sync_bench.training_tolerance import SMALL
+from weight_sync_bench.training import adversarial
+from weight_sync_bench.training.floor import SMALL
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.mutations import SEQUENCE_MUTATIONS
+from weight_sync_bench.training.sequence_floor import thresholds_for
+from weight_sync_bench.training.step import TrainingCase
 
 PLAIN = thresholds_for(SMALL, Mesh(1, 1, cp=2))
 PER_MUTATION = max(5, settings.default.max_examples // 20)

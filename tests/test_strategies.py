@@ -3,12 +3,18 @@ supported degrees, and shrink toward t=1 and the smallest dimensions."""
 
 import pytest
 from hypothesis import find, given
+from weight_sync_bench.fuzz.strategies import (
+    cases,
+    degree_pairs,
+    geometries,
+    rejected_layouts,
+    seeds,
+)
 
-from strategies import cases, degree_pairs, geometries, rejected_layouts, seeds
-from weight_sync_bench.domain import DOMAIN, FuzzDomain, IntRange, fuzz_tokens
 from weight_sync_bench.errors import InvalidConfig, ToleranceMismatch
-from weight_sync_bench.floor import fuzz_threshold_rule, load_random_floor
-from weight_sync_bench.shardspec import layout_for
+from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain, IntRange, fuzz_tokens
+from weight_sync_bench.fuzz.floor import fuzz_threshold_rule, load_random_floor
+from weight_sync_bench.model.plan import layout_for
 
 
 def test_the_floor_samples_were_drawn_over_this_domain():
@@ -102,9 +108,10 @@ def test_fuzz_tokens_read_every_ranks_vocab_slice_at_every_supported_degree(conf
 def test_core_modules_never_import_hypothesis_or_the_strategies():
     import subprocess
     import sys
-    core = ["config", "shardspec", "reshard", "model", "sharded", "check", "tolerance",
-            "mutations", "domain", "floor", "corpus", "case"]
+    core = ["model.config", "layout.placements", "layout.reshard", "model.reference",
+            "model.sharded", "check.checker", "tolerance.rules", "check.mutations",
+            "fuzz.domain", "fuzz.floor", "fuzz.corpus", "fuzz.case"]
     code = ("import sys\n" + "".join(f"import weight_sync_bench.{m}\n" for m in core)
-            + "print(sorted(m for m in ('hypothesis', 'strategies') if m in sys.modules))")
+            + "print(sorted(m for m in ('hypothesis', 'weight_sync_bench.fuzz.strategies') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -3,16 +3,16 @@ import json
 import pytest
 
 from weight_sync_bench import TOY, TOY_KV4, ToleranceMismatch
-from weight_sync_bench.config import ModelConfig
-from weight_sync_bench.tolerance import (
+from weight_sync_bench.check.floor import measure
+from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.tolerance.artifacts import write_artifact
+from weight_sync_bench.tolerance.rules import (
     ULP,
     check_geometry,
     derive_threshold,
     load_artifact,
-    measure,
     threshold_for,
     threshold_from,
-    write_artifact,
 )
 
 

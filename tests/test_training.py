@@ -6,28 +6,40 @@ import json
 import pytest
 import torch
 
-from weight_sync_bench import adversarial
-from weight_sync_bench.batches import BatchSpec, default_spec, make_batch
-from weight_sync_bench.config import TOY, TOY_KV4, init_params
-from weight_sync_bench.errors import InvalidBatch, InvalidMesh, ToleranceMismatch, UnsupportedLayout
-from weight_sync_bench.loss import IGNORE_INDEX
-from weight_sync_bench.model import ReferenceModel, attention, document_mask, rope_tables
-from weight_sync_bench.reshard import split
-from weight_sync_bench.sharded import InProcessCollective, ShardedModel
-from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.tolerance import derive_threshold
-from weight_sync_bench.training import Mesh, TrainingCase
-from weight_sync_bench.training_compare import EXACT, QUANTITIES
-from weight_sync_bench.training_tolerance import (
+from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.errors import (
+    InvalidBatch,
+    InvalidMesh,
+    ToleranceMismatch,
+    UnsupportedLayout,
+)
+from weight_sync_bench.layout.reshard import split
+from weight_sync_bench.model.config import TOY, TOY_KV4, init_params
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.reference import (
+    ReferenceModel,
+    attention,
+    document_mask,
+    rope_tables,
+)
+from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.rules import derive_threshold
+from weight_sync_bench.training import adversarial
+from weight_sync_bench.training.batches import BatchSpec, default_spec, make_batch
+from weight_sync_bench.training.compare import EXACT, QUANTITIES
+from weight_sync_bench.training.floor import (
     PACKED_WITH_EMPTY_ROW,
     SMALL,
     SMALL_VARIANTS,
-    artifact_path,
     load,
     meshes,
     thresholds_for,
     thresholds_from,
 )
+from weight_sync_bench.training.loss import IGNORE_INDEX
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.step import TrainingCase
 
 PLAIN = thresholds_for(TOY)
 CANCELLING = thresholds_for(SMALL, "cancelling")
@@ -132,7 +144,7 @@ def test_document_mask_is_block_diagonal_and_causal():
 
 def test_variants_add_parameters_only_when_on_and_leave_toy_untouched():
     assert TOY.n_params == 19_204_352
-    recorded = json.loads((artifact_path().parent / "phase1a.json").read_text())
+    recorded = json.loads((artifact_path(kind="training").parent / "phase1a.json").read_text())
     assert recorded["configs"]["toy"]["geometry"] == TOY.geometry()
     tied = SMALL.replace(tie_embeddings=True, bias=True)
     names = set(tied.param_shapes())
@@ -215,7 +227,7 @@ class PerRankCollective:
 
 
 def test_seeding_group_rank_zero_is_right_for_one_output_per_rank_and_seeding_all_is_not():
-    from weight_sync_bench.training_mutations import training_mutation
+    from weight_sync_bench.training.mutations import training_mutation
     case = TrainingCase(SMALL_VARIANTS[1], Mesh(2, 4), spec=PACKED_WITH_EMPTY_ROW)
     reference = case.reference()
     _assert_passes(case.check(PLAIN, reference=reference, collective=PerRankCollective))

@@ -5,9 +5,9 @@ import argparse
 
 import pytest
 
-from weight_sync_bench.cli_train import register
+from weight_sync_bench.cli.train import register
 from weight_sync_bench.errors import InvalidConfig, InvalidMesh
-from weight_sync_bench.training_compare import EXACT, QUANTITIES
+from weight_sync_bench.training.compare import EXACT, QUANTITIES
 
 
 def _run(argv):

@@ -3,18 +3,19 @@ dense reference against the phase 1b training floor (tolerance/training_1b.json)
 
 import pytest
 
+from weight_sync_bench.collectives.gloo.pool import shared_pool
 from weight_sync_bench.errors import InvalidMesh, ToleranceMismatch
-from weight_sync_bench.rankpool import shared_pool
-from weight_sync_bench.training import Mesh, TrainingCase
-from weight_sync_bench.training_gloo import train_gloo
-from weight_sync_bench.training_mutations import training_mutation
-from weight_sync_bench.training_tolerance import (
+from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.training.floor import (
     PACKED_WITH_EMPTY_ROW,
     SMALL_VARIANTS,
-    artifact_path,
     load,
     thresholds_for,
 )
+from weight_sync_bench.training.gloo import train_gloo
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.mutations import training_mutation
+from weight_sync_bench.training.step import TrainingCase
 
 CONFIG = SMALL_VARIANTS[1]  # padded vocab, tied embeddings, biases
 GLOO = thresholds_for(CONFIG, phase="1b")
@@ -47,4 +48,4 @@ def test_gloo_runs_one_tp_group_and_has_its_own_floor():
     with pytest.raises(InvalidMesh, match="over gloo the mesh is one TP group, got dp=2"):
         train_gloo(case, shared_pool(4))
     with pytest.raises(ToleranceMismatch, match="records phase '1a', asked for '1b'"):
-        load(artifact_path("1a"), phase="1b")  # the in-process floor is not reused
+        load(artifact_path("1a", kind="training"), phase="1b")  # the in-process floor is not reused

@@ -4,22 +4,23 @@ running it really changes nothing."""
 
 import pytest
 
-from weight_sync_bench import adversarial
-from weight_sync_bench.batches import BatchSpec, default_spec
-from weight_sync_bench.config import TOY, init_params
-from weight_sync_bench.loss import valid_count
-from weight_sync_bench.training import Mesh, TrainingCase
-from weight_sync_bench.training_mutations import (
-    TRAINING_MUTATIONS,
-    mutation_matrix,
-    training_mutation,
-)
-from weight_sync_bench.training_tolerance import (
+from weight_sync_bench.model.config import TOY, init_params
+from weight_sync_bench.training import adversarial
+from weight_sync_bench.training.batches import BatchSpec, default_spec
+from weight_sync_bench.training.floor import (
     PACKED_WITH_EMPTY_ROW,
     SMALL,
     SMALL_VARIANTS,
     thresholds_for,
 )
+from weight_sync_bench.training.loss import valid_count
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.mutations import (
+    TRAINING_MUTATIONS,
+    mutation_matrix,
+    training_mutation,
+)
+from weight_sync_bench.training.step import TrainingCase
 
 PLAIN = thresholds_for(TOY)
 NAMES = [m.name for m in TRAINING_MUTATIONS]

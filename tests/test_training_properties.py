@@ -7,12 +7,12 @@ the long run); the mutation properties take a tenth of it each, being seven."""
 
 import pytest
 from hypothesis import event, given, settings
+from weight_sync_bench.fuzz.strategies.training import training_cases
 
-from strategies.training import training_cases
-from weight_sync_bench import adversarial
-from weight_sync_bench.config import TOY
-from weight_sync_bench.training_mutations import TRAINING_MUTATIONS
-from weight_sync_bench.training_tolerance import thresholds_for
+from weight_sync_bench.model.config import TOY
+from weight_sync_bench.training import adversarial
+from weight_sync_bench.training.floor import thresholds_for
+from weight_sync_bench.training.mutations import TRAINING_MUTATIONS
 
 PLAIN = thresholds_for(TOY)
 PER_MUTATION = max(10, settings.default.max_examples // 10)

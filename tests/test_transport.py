@@ -9,13 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weight_sync_bench.config import TOY, TOY_KV4, init_params
+from weight_sync_bench.check.forwards import run_phase1b
+from weight_sync_bench.collectives.gloo.pool import shared_pool
+from weight_sync_bench.collectives.gloo.transport import (
+    ParamSink,
+    SyncRecord,
+    Transport,
+)
 from weight_sync_bench.errors import InvalidShards, WrongShardShape
-from weight_sync_bench.phase1b import run_phase1b
-from weight_sync_bench.rankpool import shared_pool
-from weight_sync_bench.reshard import split, validate_shards
-from weight_sync_bench.shardspec import layout_for
-from weight_sync_bench.transport import ParamSink, SyncRecord, Transport
+from weight_sync_bench.layout.reshard import split, validate_shards
+from weight_sync_bench.model.config import TOY, TOY_KV4, init_params
+from weight_sync_bench.model.plan import layout_for
 
 
 def first_bit_difference(got, want):
@@ -124,8 +128,9 @@ def test_a_sink_refuses_a_parameter_twice():
 
 
 def test_gloo_transport_is_a_transport():
-    from weight_sync_bench.distributed import RankContext, Tracer
-    from weight_sync_bench.transport import GlooTransport
+    from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
+    from weight_sync_bench.collectives.gloo.rank import RankContext
+    from weight_sync_bench.collectives.gloo.transport import GlooTransport
 
     ctx = RankContext(rank=0, degree=1, group=None, tracer=Tracer(0))
     assert isinstance(GlooTransport(ctx, layout_for(TOY)), Transport)

@@ -13,21 +13,27 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Eager, and after any lazy path could run: importing the submodule ``reshard`` binds the
-# package attribute ``reshard`` to the module, which this import rebinds to the function.
-from weight_sync_bench.reshard import gather, reshard, split  # noqa: F401 (exported)
+# Eager: the three data-movement functions, cheap and the most used.
+from weight_sync_bench.layout.reshard import gather, reshard, split  # noqa: F401 (exported)
 
 _EXPORTS = {
-    "weight_sync_bench.check": ("Checker", "Verdict", "check_reshard", "check_split",
-                                "checker_for", "sweep"),
-    "weight_sync_bench.config": ("TOY", "TOY_KV4", "ModelConfig", "init_params", "make_tokens"),
+    "weight_sync_bench.check.checker": ("Checker", "Verdict", "check_reshard", "check_split",
+                                        "checker_for", "sweep"),
+    "weight_sync_bench.model.config": ("TOY", "TOY_KV4", "ModelConfig", "init_params",
+                                       "make_tokens"),
     "weight_sync_bench.errors": ("InvalidConfig", "InvalidShards", "ToleranceMismatch",
                                  "UnsupportedLayout", "WsbError"),
-    "weight_sync_bench.model": ("ReferenceModel",),
-    "weight_sync_bench.sharded": ("Collective", "InProcessCollective", "ShardedModel"),
-    "weight_sync_bench.shardspec": ("FusedPaired", "HeadPartitioned", "LayoutTable", "Replicate",
-                                    "Shard", "ShardSpec", "layout_for"),
-    "weight_sync_bench.training": ("AdamW", "Mesh", "TrainingCase"),
+    "weight_sync_bench.model.reference": ("ReferenceModel",),
+    "weight_sync_bench.collectives.protocol": ("Collective",),
+    "weight_sync_bench.collectives.inprocess": ("InProcessCollective",),
+    "weight_sync_bench.model.sharded": ("ShardedModel",),
+    "weight_sync_bench.layout.placements": ("FusedPaired", "HeadPartitioned", "Replicate",
+                                            "Shard"),
+    "weight_sync_bench.layout.table": ("LayoutTable", "ShardSpec"),
+    "weight_sync_bench.model.plan": ("layout_for",),
+    "weight_sync_bench.training.optimizer": ("AdamW",),
+    "weight_sync_bench.training.mesh": ("Mesh",),
+    "weight_sync_bench.training.step": ("TrainingCase",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -1,5 +1,5 @@
 import sys
 
-from weight_sync_bench.cli import main
+from weight_sync_bench.cli.main import main
 
 sys.exit(main())

@@ -118,3 +118,8 @@ class UnevenSequence(InvalidMesh):
     """A sequence that a context- or sequence-parallel split cannot divide evenly. Names the
     rule and the numbers: ``context parallelism needs seq_len % cp == 0 (seq_len=10, cp=4)``.
     The harness rejects uneven splits rather than padding them."""
+
+
+class MissingArtifacts(WsbError, FileNotFoundError):
+    """The harness's committed files (tolerance artifacts, corpus) cannot be located: no
+    checkout around the installed package and no environment variable naming them."""

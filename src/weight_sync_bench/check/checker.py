@@ -1,0 +1,274 @@
+"""The verdict: run the model under the layout and compare it with the dense reference.
+
+A round trip ``gather(split(x))`` returns ``x`` whatever the layout, so bytes alone prove
+nothing about the layout a consumer expects. The check therefore does two things:
+
+- data movement, bit-exactly: are the rank-local shards exactly the declared layout's split?
+  If not, which parameter differs first, and which rows does each rank really hold?
+- computation, within a measured tolerance: do the sharded logits under those shards match
+  the reference?
+
+Cost grows with the work, not with the pairs: a ``Checker`` computes the reference once per
+(config, seed, tokens) and one sharded forward per destination degree under the declared
+split; a shard set that is byte-identical to the declared split cannot change the logits,
+so it reuses that forward. Only shards that differ get a forward (and a diagnosis) of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from weight_sync_bench.check.diagnosis import _bit_equal, diagnose, mismatching
+from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.layout.reshard import (
+    reshard,
+    reshard_tensor,
+    split,
+    validate_shards,
+)
+from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, threshold_for
+
+if TYPE_CHECKING:
+    from weight_sync_bench.check.mutations import Mutation
+    from weight_sync_bench.layout.table import LayoutTable
+
+
+Params = dict[str, torch.Tensor]
+# (config, rank-local shards at degree t, tokens) -> rank 0's full logits
+Forward = Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]
+SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
+ReshardFn = Callable[[list[dict[str, torch.Tensor]], int], list[dict[str, torch.Tensor]]]
+# (config, reference logits) -> threshold
+ThresholdRule = Callable[[ModelConfig, torch.Tensor], float]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of one check. ``passed`` needs finite logits within the threshold *and*
+    shards equal to the declared split byte for byte (data movement has no tolerance)."""
+
+    config: str
+    src: int | None  # None when the shards came from a split of the full model
+    dst: int
+    max_abs_error: float
+    threshold: float
+    first_mismatch: str | None
+    mismatches: tuple[str, ...] = ()
+    diagnosis: tuple[str, ...] = ()
+    phase: str = "1a"
+    mutation: str | None = None
+    own_forward: bool = False  # False: the shards equal the declared split and reused its forward
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.max_abs_error)
+
+    @property
+    def ratio(self) -> float:
+        """Deviation over threshold: below 1 passes the tolerance, a layout bug is >> 1."""
+        return self.max_abs_error / self.threshold
+
+    @property
+    def passed(self) -> bool:
+        return self.finite and self.max_abs_error <= self.threshold and self.first_mismatch is None
+
+    @property
+    def route(self) -> str:
+        return f"{self.src} -> {self.dst}" if self.src is not None else f"split -> {self.dst}"
+
+    def __str__(self) -> str:
+        head = f"{'PASS' if self.passed else 'FAIL'} {self.config} {self.route} (phase {self.phase}"
+        head += f", mutation {self.mutation})" if self.mutation else ")"
+        if not self.finite:
+            numbers = f"logits are not finite (max |error| {self.max_abs_error})"
+        else:
+            relation = "<=" if self.max_abs_error <= self.threshold else ">"
+            numbers = (f"max |logit error| {self.max_abs_error:.4g} {relation} threshold "
+                       f"{self.threshold:g} ({self.ratio:.3g}x)")
+        lines = [head, f"  {numbers}"]
+        if self.first_mismatch is None:
+            lines.append("  shards equal the declared layout byte for byte")
+        else:
+            lines.append(f"  first parameter that differs from the declared layout: "
+                         f"{self.first_mismatch} ({len(self.mismatches)} differ in all)")
+            lines.extend(f"    {line}" for line in self.diagnosis)
+        return "\n".join(lines)
+
+
+@dataclass
+class Checker:
+    """Checks shard sets of one (config, seed) against its reference.
+
+    The reference logits are computed once, each destination degree's declared split and
+    its forward once; ``verdict`` then costs a byte comparison unless the shards differ.
+    """
+
+    config: ModelConfig
+    seed: int = 0
+    threshold: float | None = None
+    phase: str = "1a"
+    forward: Forward = inprocess_forward
+    params: Params | None = None
+    # Used when ``threshold`` is None: the threshold as a function of the geometry and the
+    # reference logits (fuzzed geometries have no measured floor of their own; see ``floor``).
+    threshold_rule: ThresholdRule | None = None
+    layout: LayoutTable = field(init=False)
+    # The check's input, ``(batch, seq_len)``; default ``make_tokens(config, 1000 + seed)``.
+    # The fuzz passes tokens that reach every rank's vocab slice (``domain.fuzz_tokens``).
+    tokens: torch.Tensor | None = None  # type: ignore[assignment]
+    reference: torch.Tensor = field(init=False)
+    _declared: dict[int, list[Params]] = field(init=False, default_factory=dict)
+    _declared_error: dict[int, float] = field(init=False, default_factory=dict)
+    _scratch: torch.Tensor = field(init=False)  # reused for |logits - reference|: no page faults
+
+    def __post_init__(self) -> None:
+        self.layout = layout_for(self.config)
+        if self.params is None:
+            self.params = init_params(self.config, self.seed)
+        if self.tokens is None:
+            self.tokens = make_tokens(self.config, TOKEN_SEED_OFFSET + self.seed)
+        self.reference = ReferenceModel(self.config, self.params)(self.tokens)
+        self._scratch = torch.empty_like(self.reference)
+        if self.threshold is None and self.threshold_rule is not None:
+            self.threshold = self.threshold_rule(self.config, self.reference)
+        if self.threshold is None:
+            self.threshold = threshold_for(self.config, self.phase)
+
+    @property
+    def full(self) -> Params:
+        assert self.params is not None
+        return self.params
+
+    def declared(self, degree: int) -> list[Params]:
+        """The declared layout's split at ``degree`` (cached)."""
+        if degree not in self._declared:
+            self._declared[degree] = split(self.full, self.layout, degree)
+        return self._declared[degree]
+
+    def error(self, shards: list[Params]) -> float:
+        """Max |sharded logits - reference| under these shards (NaN/inf pass through)."""
+        logits = self.forward(self.config, shards, self.tokens)
+        return float(torch.sub(logits, self.reference, out=self._scratch).abs_().max())
+
+    def declared_error(self, degree: int) -> float:
+        if degree not in self._declared_error:
+            self._declared_error[degree] = self.error(self.declared(degree))
+        return self._declared_error[degree]
+
+    def verdict(self, shards: Sequence[Mapping[str, torch.Tensor]], *, dst: int,
+                src: int | None = None, mutation: str | None = None) -> Verdict:
+        """Validate, compare bytes with the declared split, run a forward only if they differ."""
+        validate_shards(shards, self.layout, dst, {n: x.dtype for n, x in self.full.items()})
+        checked = [dict(params) for params in shards]
+        declared = self.declared(dst)
+        differ = mismatching(checked, declared, self.layout)
+        assert self.threshold is not None
+        common = dict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
+                      phase=self.phase, mutation=mutation)
+        if not differ:
+            return Verdict(max_abs_error=self.declared_error(dst), first_mismatch=None, **common)
+        first = differ[0]
+        return Verdict(max_abs_error=self.error(checked), first_mismatch=first,
+                       mismatches=tuple(differ), own_forward=True,
+                       diagnosis=tuple(diagnose(self.full[first], self.layout[first],
+                                                [p[first] for p in checked])), **common)
+
+
+    def reshard_verdict(self, src: int, dst: int) -> Verdict:
+        """``reshard(declared(src), dst)`` checked, streamed: each parameter is resharded and
+        compared with the declared split at once, while its bytes are still in cache, and
+        dropped (3x faster than resharding the whole model, then comparing). Only a shard
+        set that differs is resharded whole, for its own forward and diagnosis."""
+        source, declared = self.declared(src), self.declared(dst)
+        for spec in self.layout:
+            out = reshard_tensor([params[spec.name] for params in source], spec, dst)
+            if not all(_bit_equal(o, d[spec.name]) for o, d in zip(out, declared)):
+                return self.verdict(reshard(source, self.layout, dst), src=src, dst=dst)
+        assert self.threshold is not None
+        return Verdict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
+                       phase=self.phase, max_abs_error=self.declared_error(dst),
+                       first_mismatch=None)
+
+
+def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:
+    """Every ordered pair (src, dst) of supported degrees, src == dst included."""
+    degrees = layout.supported_degrees()
+    return [(s, d) for s in degrees for d in degrees]
+
+
+BACKENDS = ("inprocess", "gloo")
+
+
+def checker_for(config: ModelConfig, *, seed: int = 0, backend: str = "inprocess",
+                threshold: float | None = None) -> Checker:
+    """A Checker whose sharded forward runs in this process (phase 1a, ``InProcessCollective``)
+    or one process per rank over gloo (phase 1b, the shared rank pool), with that phase's
+    threshold."""
+    if backend == "inprocess":
+        return Checker(config, seed=seed, threshold=threshold)
+    if backend == "gloo":
+        from weight_sync_bench.check.forwards import (
+            gloo_forward,  # rank processes start on first use
+        )
+
+        return Checker(config, seed=seed, threshold=threshold, phase="1b", forward=gloo_forward())
+    raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+def sweep(config: ModelConfig, *, seed: int = 0, pairs: Iterable[tuple[int, int]] | None = None,
+          mutation: Mutation | None = None, checker: Checker | None = None,
+          backend: str = "inprocess") -> list[Verdict]:
+    """The invariant over degree pairs: ``reshard(split(full, src), dst)`` (mutated, if a
+    mutation is given) checked against the reference. One reference forward, one declared
+    forward per destination, one more forward per shard set that differs."""
+    checker = checker or checker_for(config, seed=seed, backend=backend)
+    verdicts = []
+    for src, dst in (pairs if pairs is not None else degree_pairs(checker.layout)):
+        if mutation is None:
+            verdicts.append(checker.reshard_verdict(src, dst))
+            continue
+        shards = mutation.apply(reshard(checker.declared(src), checker.layout, dst),
+                                checker.layout, config)
+        verdicts.append(checker.verdict(shards, src=src, dst=dst, mutation=mutation.name))
+    return verdicts
+
+
+def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
+                threshold: float | None = None, backend: str = "inprocess") -> Verdict:
+    """Check a user's split function ``fn(full, degree) -> [rank-local dict] * degree``
+    (the harness's parameter names) against the declared layout at ``degree``."""
+    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend)
+    checker.layout.validate(degree)
+    shards = fn({name: t.clone() for name, t in checker.full.items()}, degree)
+    return checker.verdict(shards, dst=degree)
+
+
+def check_reshard(fn: ReshardFn, config: ModelConfig, src: int, dst: int, *, seed: int = 0,
+                  threshold: float | None = None, backend: str = "inprocess") -> Verdict:
+    """Check a user's reshard function ``fn(shards_at_src, dst) -> shards_at_dst`` starting
+    from the declared split at ``src``."""
+    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend)
+    checker.layout.validate(src)
+    checker.layout.validate(dst)
+    source = [{n: t.clone() for n, t in params.items()} for params in checker.declared(src)]
+    return checker.verdict(fn(source, dst), src=src, dst=dst)
+
+
+def format_verdicts(verdicts: Sequence[Verdict]) -> str:
+    """A table: one row per verdict (config, route, error, threshold, ratio, forward, result)."""
+    rows = [["config", "src -> dst", "phase", "mutation", "max |error|", "threshold", "ratio",
+             "forward", "result"]]
+    for v in verdicts:
+        rows.append([v.config, v.route, v.phase, v.mutation or "-", f"{v.max_abs_error:.4g}",
+                     f"{v.threshold:g}", f"{v.ratio:.3g}x",
+                     "own" if v.own_forward else "declared", "PASS" if v.passed else "FAIL"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

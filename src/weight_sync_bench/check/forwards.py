@@ -1,0 +1,203 @@
+"""Phase 1b: one process per rank over gloo, shards delivered by GlooTransport.
+
+``run_phase1b(config, t, param_seed=..., token_seed=...)`` runs, on ranks 0..t-1 of a
+``RankPool``: rank 0 builds the full parameters from the seed and splits them (the
+declared ``split``, a user's ``split_fn``, or the caller's ``shards``); ``GlooTransport``
+scatters each rank its shards; every rank runs ``ShardedModel.forward`` over
+``GlooCollective``, the same forward phase 1a runs over ``InProcessCollective``; rank 0's
+full logits come back.
+
+Parameters are built on rank 0 from the seed rather than in the caller and shipped through
+a pipe, which costs more than building them (``bench/bench_gloo.py`` measures both); a fuzz
+loop then sends a few integers per check. ``shards=`` ships the caller's shards when it has
+them, and ``gloo_forward`` / ``phase1b_runner`` fit ``check.Forward`` / ``tolerance.ShardedRunner``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import marshal
+import pickle
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weight_sync_bench.collectives.gloo.collective import GlooCollective
+from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
+from weight_sync_bench.collectives.gloo.transport import (
+    GlooTransport,
+    ParamSink,
+    SyncRecord,
+)
+from weight_sync_bench.layout.reshard import split, validate_shards
+from weight_sync_bench.model.config import init_params, make_tokens
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.model.sharded import ShardedModel
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+    from types import FunctionType
+
+    from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
+    from weight_sync_bench.collectives.gloo.rank import RankContext
+    from weight_sync_bench.model.config import ModelConfig
+
+    # (full params, degree) -> rank-local dicts: a user's split function, as ``check.SplitFn``
+    SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
+    Params = dict[str, torch.Tensor]
+
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    pass
+
+
+@dataclass(frozen=True)
+class Phase1bResult:
+    """What one phase 1b check returns.
+
+    ``logits``: rank 0's full logits ``(B, T, vocab)``. ``reference``: the dense
+    ``ReferenceModel`` logits of the same parameters and tokens, computed on rank 0 when
+    asked. ``records``: every rank's ``SyncRecord``. ``forward_codes``: per rank, the fingerprint
+    of the forward code object it ran (``code_fingerprint``). ``shards``: what each
+    rank's sink received, when asked (for bit-exact checks of the transport).
+    """
+
+    logits: torch.Tensor
+    reference: torch.Tensor | None
+    records: tuple[SyncRecord, ...]
+    forward_codes: tuple[str, ...]
+    shards: tuple[dict[str, torch.Tensor], ...] | None = None
+
+
+def code_fingerprint(function: FunctionType) -> str:
+    """``file:line:sha256`` of a function's marshalled code object: equal in two processes
+    exactly when both run the same compiled code."""
+    code = function.__code__
+    digest = hashlib.sha256(marshal.dumps(code)).hexdigest()[:16]
+    return f"{code.co_filename}:{code.co_firstlineno}:{digest}"
+
+
+def run_phase1b(config: ModelConfig, degree: int, *, param_seed: int, token_seed: int,
+                pool: RankPool | None = None,
+                shards: Sequence[Mapping[str, torch.Tensor]] | None = None,
+                split_fn: SplitFn | None = None, tokens: torch.Tensor | None = None,
+                reference: bool = False, return_shards: bool = False,
+                deadline: float | None = None, fault: Fault | None = None) -> Phase1bResult:
+    """One phase 1b check on ``pool`` (a one-off pool of ``degree`` ranks when None).
+
+    Rank 0 builds ``init_params(config, param_seed)`` and splits it with ``split_fn``
+    (``(full, degree) -> list[dict]`` as ``check.SplitFn``, picklable by reference) or the
+    declared ``split``; or pass ``shards``, rank-local dicts already made (checked here,
+    before anything reaches a rank; ``param_seed`` then only feeds ``reference``). Tokens
+    are ``make_tokens(config, token_seed)`` on every rank, or ``tokens`` when given.
+    ``deadline`` and ``fault`` go to ``RankPool.run``.
+    """
+    layout = layout_for(config)
+    layout.validate(degree)
+    if shards is not None and split_fn is not None:
+        raise ValueError("run_phase1b: pass shards or split_fn, not both")
+    if shards is not None:
+        validate_shards(shards, layout, degree)
+        shards = [dict(params) for params in shards]
+    if split_fn is not None:
+        try:
+            pickle.dumps(split_fn)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise TypeError(f"run_phase1b: split_fn {split_fn!r} must be picklable by reference "
+                            f"(a module-level function) to run on rank 0: {exc}") from exc
+    kwargs = {"config": config, "param_seed": param_seed, "token_seed": token_seed,
+              "tokens": tokens, "split_fn": split_fn, "reference": reference,
+              "return_shards": return_shards}
+    rank_kwargs = [{"shards": shards if rank == 0 else None} for rank in range(degree)]
+    if pool is None:
+        with RankPool(degree) as one_off:
+            outcomes = one_off.run(phase1b_task, degree, kwargs=kwargs, rank_kwargs=rank_kwargs,
+                                   deadline=deadline, fault=fault)
+    else:
+        outcomes = pool.run(phase1b_task, degree, kwargs=kwargs, rank_kwargs=rank_kwargs,
+                            deadline=deadline, fault=fault)
+    first = outcomes[0]
+    return Phase1bResult(
+        logits=first["logits"], reference=first["reference"],
+        records=tuple(o["record"] for o in outcomes),
+        forward_codes=tuple(o["forward_code"] for o in outcomes),
+        shards=tuple(o["shards"] for o in outcomes) if return_shards else None)
+
+
+def phase1b_logits(config: ModelConfig, degree: int, *, param_seed: int, token_seed: int,
+                   pool: RankPool | None = None,
+                   shards: Sequence[Mapping[str, torch.Tensor]] | None = None,
+                   split_fn: SplitFn | None = None) -> torch.Tensor:
+    """Rank 0's full logits of one phase 1b check (see ``run_phase1b``)."""
+    return run_phase1b(config, degree, param_seed=param_seed, token_seed=token_seed, pool=pool,
+                       shards=shards, split_fn=split_fn).logits
+
+
+def phase1b_task(ctx: RankContext, *, config: ModelConfig, param_seed: int, token_seed: int,
+                 tokens: torch.Tensor | None, shards: Sequence[Mapping[str, torch.Tensor]] | None,
+                 split_fn: SplitFn | None, reference: bool, return_shards: bool
+                 ) -> dict[str, Any]:
+    """The rank side of ``run_phase1b``: transport, then the sharded forward."""
+    layout = layout_for(config)
+    full: dict[str, torch.Tensor] = {}
+
+    def outgoing() -> Sequence[Mapping[str, torch.Tensor]]:
+        if shards is not None:
+            return shards
+        full.update(init_params(config, param_seed))
+        if split_fn is not None:
+            return split_fn({name: x.clone() for name, x in full.items()}, ctx.degree)
+        return split(full, layout, ctx.degree)
+
+    sink = ParamSink()
+    record = GlooTransport(ctx, layout).sync(outgoing if ctx.rank == 0 else None, sink)
+    ctx.tracer.mark("forward")
+    if tokens is None:
+        tokens = make_tokens(config, token_seed)
+    model = ShardedModel(config, [sink], GlooCollective(ctx))
+    with torch.no_grad():
+        (logits,) = model(tokens)
+    expected = None
+    if reference and ctx.rank == 0:
+        ctx.tracer.mark("reference")
+        with torch.no_grad():
+            expected = ReferenceModel(config, full or init_params(config, param_seed))(tokens)
+    return {"logits": logits if ctx.rank == 0 else None, "reference": expected,
+            "record": record, "forward_code": code_fingerprint(type(model).forward),
+            "shards": dict(sink) if return_shards else None}
+
+
+def phase1b_runner(pool: RankPool | None = None
+                   ) -> Callable[[ModelConfig, int, int, int], torch.Tensor]:
+    """``tolerance.ShardedRunner`` for phase 1b: ``(config, t, param_seed, token_seed)`` ->
+    rank 0's logits under the declared split, on ``pool`` (else the process's shared pool
+    of 4 ranks)."""
+    def runner(config: ModelConfig, degree: int, param_seed: int, token_seed: int) -> torch.Tensor:
+        return phase1b_logits(config, degree, param_seed=param_seed, token_seed=token_seed,
+                              pool=pool or shared_pool(max(4, degree)))
+    return runner
+
+
+def gloo_forward(pool: RankPool | None = None
+                 ) -> Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]:
+    """``check.Forward`` for phase 1b: ``(config, shards, tokens)`` -> rank 0's logits, the
+    caller's shards shipped to rank 0 and scattered by ``GlooTransport``, on ``pool`` (else
+    the process's shared pool)."""
+    def forward(config: ModelConfig, shards: list[Params], tokens: torch.Tensor) -> torch.Tensor:
+        return run_phase1b(config, len(shards), param_seed=0, token_seed=0, shards=shards,
+                           tokens=tokens, pool=pool or shared_pool(max(4, len(shards)))).logits
+    return forward
+
+
+def inprocess_forward(config: ModelConfig, shards: list[Params], tokens: torch.Tensor
+                      ) -> torch.Tensor:
+    """Phase 1a: every rank in this process over ``InProcessCollective``."""
+    return ShardedModel(config, shards, InProcessCollective(len(shards)))(tokens)[0]

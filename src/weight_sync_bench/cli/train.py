@@ -1,0 +1,179 @@
+"""``wsb train-check``: training equivalence on the command line. Prints; computes nothing.
+
+    wsb train-check [--config NAME|all] [--dp D --tp T] [--steps K] [--batch unpacked|packed|both]
+    wsb train-check --gloo [--config NAME] [--tp T] ...  # one process per TP rank, dp = 1
+    wsb train-check --mutations [--config NAME] ...     # the training-mutation matrix
+    wsb train-check [--sp] [--cp C] ...                 # sequence / context parallel meshes
+
+Each compared quantity is printed with its deviation, its threshold (from
+tolerance/training.json, or tolerance/sequence.json for SP / CP meshes) and the ratio.
+With ``--sp`` or ``--cp`` the meshes are the sequence-sharding ones (``--sp``: SP on;
+``--cp C``: C context chunks), and ``--mutations`` adds the sequence mutations.
+Exit status: 0 when every check passes (with ``--mutations``: when every mutation that is
+not the identity is detected), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+
+from weight_sync_bench.errors import InvalidConfig, InvalidMesh
+from weight_sync_bench.model.config import CONFIGS, ModelConfig
+from weight_sync_bench.training.batches import default_spec
+from weight_sync_bench.training.compare import Trace, TrainingReport
+from weight_sync_bench.training.floor import (
+    SMALL_VARIANTS,
+    TOY_VARIANTS,
+    load,
+    meshes,
+    thresholds_for,
+)
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.mutations import (
+    ALL_TRAINING_MUTATIONS,
+    TRAINING_MUTATIONS,
+    MatrixRow,
+    mutation_matrix,
+)
+from weight_sync_bench.training.sequence_floor import load_sequence, sequence_meshes
+from weight_sync_bench.training.sequence_floor import (
+    thresholds_for as sequence_thresholds,
+)
+from weight_sync_bench.training.step import TrainingCase
+
+TRAIN_CONFIGS: dict[str, ModelConfig] = {
+    **CONFIGS, TOY_VARIANTS.name: TOY_VARIANTS, **{c.name: c for c in SMALL_VARIANTS}}
+
+
+def _configs(name: str) -> list[ModelConfig]:
+    if name == "all":
+        return list(TRAIN_CONFIGS.values())
+    if name not in TRAIN_CONFIGS:
+        raise InvalidConfig(f"unknown config {name!r}; known: {', '.join(TRAIN_CONFIGS)}, all")
+    return [TRAIN_CONFIGS[name]]
+
+
+def _cases(args: argparse.Namespace) -> list[TrainingCase]:
+    cases = []
+    packings = {"unpacked": [False], "packed": [True], "both": [False, True]}[args.batch]
+    for config in _configs(args.config):
+        for packed in packings:
+            spec = default_spec(config, packed=packed)
+            if _sequence(args):
+                shapes = [m for m in sequence_meshes(config, spec.rows, spec.seq_len)
+                          if m.sp == args.sp and args.cp in (None, m.cp)]
+            else:
+                shapes = meshes(config, spec.rows)
+            shapes = [m for m in shapes if args.dp in (None, m.dp) and args.tp in (None, m.tp)
+                      and not (args.gloo and m.dp != 1)]
+            if not shapes and (args.dp is not None or args.tp is not None or _sequence(args)):
+                # validated (and rejected) below
+                shapes = [Mesh(args.dp or 1, args.tp or 1, args.sp, args.cp or 1)]
+            cases += [TrainingCase(config, m, args.seed, args.steps, spec) for m in shapes]
+    return cases
+
+
+def _sequence(args: argparse.Namespace) -> bool:
+    return bool(args.sp or args.cp is not None)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def format_reports(reports: Sequence[TrainingReport]) -> str:
+    rows = [["config", "mesh", "batch", "quantity", "deviation", "threshold", "ratio", "worst at",
+             "result"]]
+    for report in reports:
+        for c in report.comparisons:
+            rows.append([report.config, str(report.mesh), "packed" if report.packed else "unpacked",
+                         c.quantity, f"{c.deviation:.3g}",
+                         "exact" if c.threshold == 0.0 else f"{c.threshold:g}",
+                         f"{c.ratio:.3g}x", c.where or "-", "PASS" if c.passed else "FAIL"])
+    return _table(rows)
+
+
+def format_matrix(rows: Sequence[MatrixRow]) -> str:
+    out = [["mutation", "case", "detected", "ratio", "by quantity", "exact", "identity"]]
+    for row in rows:
+        if row.report is None:
+            out.append([row.mutation, row.case, "-", "-", "-", "-", row.identity or ""])
+        else:
+            worst = row.report.worst_toleranced
+            exact = ", ".join(f"{c.quantity}={c.deviation:.3g}" for c in row.report.exact_failures)
+            out.append([row.mutation, row.case, "yes" if row.detected else "NO",
+                        f"{worst.ratio:.3g}x", worst.quantity, exact or "-", ""])
+    return _table(out)
+
+
+def cmd_train_check(args: argparse.Namespace) -> int:
+    phase = "1b" if args.gloo else "1a"
+    if args.gloo and args.mutations:
+        raise InvalidMesh("--mutations runs in process; drop --gloo for the matrix")
+    if args.gloo and _sequence(args):
+        raise InvalidMesh("--sp and --cp run in process; drop --gloo")
+    artifact = load(phase=phase)
+    sequence_artifact = load_sequence() if _sequence(args) else None
+
+    def thresholds(case: TrainingCase) -> dict[str, float]:
+        if case.mesh.sp or case.mesh.cp > 1:  # the SP / CP floor, measured on its own
+            return sequence_thresholds(case.config, case.mesh, artifact=sequence_artifact)
+        return thresholds_for(case.config, artifact=artifact)
+
+    cases = _cases(args)
+    if args.mutations:
+        rows = []
+        mutations = ALL_TRAINING_MUTATIONS if _sequence(args) else TRAINING_MUTATIONS
+        for case in cases:
+            rows += mutation_matrix([case], thresholds(case), mutations)
+        print(format_matrix(rows))
+        missed = [r for r in rows if r.detected is False]
+        ran = [r for r in rows if r.report is not None]
+        print(f"\n{len(ran) - len(missed)} of {len(ran)} detected, "
+              f"{len(rows) - len(ran)} identity cells skipped")
+        return 1 if missed else 0
+    train = _gloo_trainer(cases) if args.gloo else (lambda case: None)
+    reports = [case.check(thresholds(case), trained=train(case)) for case in cases]
+    print(format_reports(reports))
+    failed = [r for r in reports if not r.passed]
+    print(f"\n{len(reports) - len(failed)} passed, {len(failed)} failed "
+          f"(steps={args.steps}, seed={args.seed}, phase {phase})")
+    return 1 if failed else 0
+
+
+def _gloo_trainer(cases: list[TrainingCase]) -> Callable[[TrainingCase], Trace]:
+    from weight_sync_bench.collectives.gloo.pool import (
+        shared_pool,  # the gloo launcher, only when asked
+    )
+    from weight_sync_bench.training.gloo import train_gloo
+    pool = shared_pool(max([4, *(case.mesh.tp for case in cases)]))
+    return lambda case: train_gloo(case, pool)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``train-check`` to ``wsb``."""
+    p = subparsers.add_parser("train-check", help="training equivalence: loss, gradients and "
+                              "AdamW steps of the DP x TP model against the dense one")
+    p.add_argument("--config", default="toy", help=f"{', '.join(TRAIN_CONFIGS)} or all "
+                   "(default toy)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: 1, 2, 4 "
+                   "up to the batch rows)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: "
+                   "every supported)")
+    p.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
+    p.add_argument("--seed", type=int, default=0, help="parameter and batch seed")
+    p.add_argument("--batch", choices=["unpacked", "packed", "both"], default="both")
+    p.add_argument("--gloo", action="store_true",
+                   help="train each TP group over gloo, one process per rank (dp = 1; "
+                   "thresholds from tolerance/training_1b.json)")
+    p.add_argument("--sp", action="store_true",
+                   help="sequence parallelism: the residual stream sharded along the sequence "
+                   "over each TP group (thresholds from tolerance/sequence.json)")
+    p.add_argument("--cp", type=int, default=None,
+                   help="context-parallel degree: the sequence split into CP chunks (default "
+                   "with --sp: 1, 2 and 4 where the sequence splits evenly)")
+    p.add_argument("--mutations", action="store_true",
+                   help="run the training-mutation matrix instead of the correct check")
+    p.set_defaults(func=cmd_train_check)

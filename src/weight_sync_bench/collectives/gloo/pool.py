@@ -1,0 +1,466 @@
+"""Phase 1b, parent side: a pool of rank processes, its launcher and its watchdog (the rank
+side, ``rank_main``, is in ``distributed``).
+
+``RankPool(size)`` starts ``size`` rank processes once and runs many tasks on them
+(different seeds, geometries and degrees up to ``size``), so a fuzz run pays the process
+start-up once. Each rank is a process forked by multiprocessing's forkserver, which has
+imported torch and this package once for the whole parent process, so a pool (re)starts in
+a fraction of a second instead of a torch import per rank. A rank runs one torch thread,
+gloo on 127.0.0.1 through ``lo``, writes its output to a log file, and talks to the parent
+over a pipe. (Importing this module sets the forkserver's preload list.)
+
+Degrees below the pool size: a task of degree t runs on ranks 0..t-1 over a prefix
+subgroup made at start-up (every rank makes the groups of sizes 1..size-1, since
+``new_group`` is collective over the world), so a rank's group rank is its pool rank;
+ranks t..size-1 stay idle, blocked reading their pipe.
+
+Rendezvous cannot collide: the ``FileStore`` lives in a private ``mkdtemp`` directory and
+gloo binds its own sockets to port 0, so concurrent pools (pytest-xdist workers) share
+nothing but the loopback interface.
+
+The parent is the watchdog. It waits for the task's replies with a deadline well below the
+process-group timeout (so the watchdog, not gloo, sees a stuck rank), and then:
+
+- a rank reports an exception: its id and traceback reach the caller within ``grace``
+  seconds, with every rank's breadcrumb (``RankFailure``);
+- a rank's pipe closes without a reply: a crash, named by signal, with the rank's log
+  tail (``RankCrash``);
+- the deadline passes: every live rank of the task dumps its stacks (faulthandler on
+  SIGUSR1), and the ranks behind the others are named with their breadcrumbs
+  (``RankTimeout``).
+
+After any of these every rank is killed (SIGKILL, then reaped) and the pool starts afresh
+on its next task. The exception: when every rank of the task reported back after the same
+number of collectives (an error all ranks agreed on, such as a refused transport), the
+group is consistent, the pool is kept, and the original exception is raised in the caller.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from weight_sync_bench.collectives.gloo.breadcrumbs import BreadcrumbBoard, Fault
+from weight_sync_bench.collectives.gloo.rank import dumps, rank_main, recv, send
+from weight_sync_bench.errors import RankCrash, RankFailure, RankTimeout
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping, Sequence
+
+_FORKSERVER = multiprocessing.get_context("forkserver")
+# Imported once by the forkserver, not once per rank: torch and the whole forward. Set when a
+# pool first starts, not at import, so merely importing this module changes nothing of the
+# caller's multiprocessing. The "__main__" entry is multiprocessing's own default: a script
+# using the pool needs the usual `if __name__ == "__main__":` guard.
+_PRELOAD = ["__main__", "weight_sync_bench.check.forwards"]
+
+
+@dataclass
+class _Rank:
+    rank: int
+    proc: BaseProcess
+    conn: Connection
+    log: Path
+    stacks: Path
+
+
+@dataclass
+class _Reply:
+    kind: str  # "ok" | "error" | "crash"
+    rank: int
+    seq: int = -1  # collectives the rank's task entered; -1 for a crash
+    value: Any = None  # the result (ok) or the error payload (error)
+
+
+@dataclass
+class _Live:
+    """What the finalizer must clean up if the pool is never closed."""
+
+    procs: list[BaseProcess] = field(default_factory=list)
+    dirs: list[Path] = field(default_factory=list)
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.exitcode is not None:
+                proc.close()
+        self.procs.clear()
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        self.dirs.clear()
+
+
+class RankPool:
+    """``size`` rank processes over gloo, started once, reused by ``run`` for many tasks.
+
+    ``deadline`` bounds one task (watchdog); it must be at most half of ``pg_timeout``, the
+    process-group timeout, so that a stuck rank is seen by the watchdog, not by gloo.
+    ``start_deadline`` bounds start-up; once one rank has arrived at rendezvous the others
+    get ``rendezvous_deadline`` to arrive. ``grace`` is how long the parent waits after a
+    first failure for the report of its root cause (a crash closes a pipe before the
+    peers' "connection closed" errors arrive). Use as a context manager, or call ``close``.
+    One task at a time: a pool is not for concurrent use from several threads.
+    """
+
+    def __init__(self, size: int, *, deadline: float = 60.0, pg_timeout: float = 300.0,
+                 start_deadline: float = 120.0, rendezvous_deadline: float = 20.0,
+                 grace: float = 0.25) -> None:
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"RankPool: size must be a positive int, got size={size!r}")
+        _check_deadline(deadline, pg_timeout)
+        self.size, self.deadline, self.pg_timeout = size, deadline, pg_timeout
+        self.start_deadline, self.rendezvous_deadline, self.grace = (
+            start_deadline, rendezvous_deadline, grace)
+        self.starts = 0  # how many times the ranks were (re)started
+        self._ranks: list[_Rank] = []
+        self._board: BreadcrumbBoard | None = None
+        self._dir: Path | None = None
+        self._task = 0
+        self._live = _Live()
+        self._finalizer = weakref.finalize(self, self._live.kill)
+
+    # -- lifecycle
+
+    @property
+    def running(self) -> bool:
+        return bool(self._ranks)
+
+    @property
+    def directory(self) -> Path | None:
+        """The running pool's private directory: rendezvous store, breadcrumbs, rank logs and
+        stacks. Removed with the ranks."""
+        return self._dir
+
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(r.proc.pid for r in self._ranks)
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, *, fault: Fault | None = None) -> None:
+        """Start the ranks and wait until every one has joined the process group and made
+        its subgroups. A no-op when running. ``fault`` is a test hook (rendezvous faults)."""
+        if self._ranks:
+            return
+        _FORKSERVER.set_forkserver_preload(_PRELOAD)
+        self._dir = Path(tempfile.mkdtemp(prefix="wsb-ranks-"))
+        self._live.dirs.append(self._dir)
+        self._board = BreadcrumbBoard(self._dir / "breadcrumbs", self.size, create=True)
+        try:
+            for rank in range(self.size):
+                self._ranks.append(self._spawn(rank, fault))
+            self._await_ready()
+        except BaseException:
+            self._teardown()
+            raise
+        self.starts += 1
+
+    def close(self) -> None:
+        """Ask every rank to leave, kill what has not within a second, remove the files."""
+        for r in self._ranks:
+            try:
+                send(r.conn, ("close",))
+            except OSError:
+                pass
+        stop_by = time.monotonic() + 1.0
+        for r in self._ranks:
+            r.proc.join(timeout=max(0.0, stop_by - time.monotonic()))
+        self._teardown()
+
+    def _spawn(self, rank: int, fault: Fault | None) -> _Rank:
+        assert self._dir is not None
+        ours, theirs = _FORKSERVER.Pipe()
+        log, stacks = self._dir / f"rank{rank}.log", self._dir / f"rank{rank}.stacks"
+        proc = _FORKSERVER.Process(
+            target=rank_main, name=f"wsb-rank-{rank}", daemon=True,
+            args=(rank, self.size, self._dir, theirs, self.pg_timeout, fault))
+        proc.start()
+        theirs.close()
+        self._live.procs.append(proc)
+        return _Rank(rank, proc, ours, log, stacks)
+
+    def _await_ready(self) -> None:
+        arrived: set[int] = set()
+        ready: set[int] = set()
+        started = time.monotonic()
+        first_arrival: float | None = None
+        while len(ready) < self.size:
+            limit = started + self.start_deadline
+            if first_arrival is not None:
+                limit = min(limit, first_arrival + self.rendezvous_deadline)
+            waiting = [r for r in self._ranks if r.rank not in ready]
+            timeout = limit - time.monotonic()
+            if timeout <= 0:
+                raise self._start_timeout(arrived, ready, time.monotonic() - started,
+                                          first_arrival is not None)
+            for conn in wait([r.conn for r in waiting], timeout):
+                r = next(r for r in waiting if r.conn is conn)
+                try:
+                    message = recv(conn)
+                except (EOFError, OSError):
+                    reply = self._crash_reply(r)
+                    raise self._crash_error(reply, "start-up", self._ranks) from None
+                if message[0] == "arrived":
+                    arrived.add(r.rank)
+                    first_arrival = first_arrival or time.monotonic()
+                elif message[0] == "ready":
+                    ready.add(r.rank)
+
+    def _teardown(self) -> None:
+        """SIGKILL every rank, reap it, close the sockets, remove the private directory."""
+        for r in self._ranks:
+            r.conn.close()
+        self._live.kill()
+        if self._board is not None:
+            self._board.close()
+        self._ranks, self._board, self._dir = [], None, None
+
+    # -- running a task
+
+    def run(self, task: Callable[..., Any], degree: int, *,
+            kwargs: Mapping[str, Any] | None = None,
+            rank_kwargs: Sequence[Mapping[str, Any]] | None = None,
+            deadline: float | None = None, fault: Fault | None = None) -> list[Any]:
+        """``task(ctx, **kwargs, **rank_kwargs[rank])`` on ranks ``0..degree-1``; returns their
+        results in rank order. ``task`` must be picklable by reference (a module-level
+        function). Starts (or restarts) the ranks if needed. ``fault`` is a test hook."""
+        if not isinstance(degree, int) or not 1 <= degree <= self.size:
+            raise ValueError(f"RankPool.run: degree must be in 1..{self.size} (the pool size), "
+                             f"got degree={degree!r}")
+        if rank_kwargs is not None and len(rank_kwargs) != degree:
+            raise ValueError(f"RankPool.run: rank_kwargs has {len(rank_kwargs)} entries for "
+                             f"degree={degree}")
+        deadline = self.deadline if deadline is None else deadline
+        _check_deadline(deadline, self.pg_timeout)
+        self._task += 1
+        messages = []  # pickled before anything is sent: a rank never gets half a task
+        for rank in range(degree):
+            payload = {**(kwargs or {}), **(rank_kwargs[rank] if rank_kwargs else {})}
+            try:
+                messages.append(dumps(("task", self._task, task, degree, payload, fault)))
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                raise TypeError(f"RankPool.run: the task for rank {rank} cannot be pickled "
+                                f"({exc}); pass module-level functions and plain data") from exc
+        self.start()
+        ranks = self._ranks[:degree]
+        for r, message in zip(ranks, messages, strict=True):
+            try:
+                r.conn.send_bytes(message)
+            except OSError:
+                break  # that rank died; its closed socket is read as a crash below
+        return self._collect(ranks, getattr(task, "__name__", repr(task)), deadline)
+
+    def _collect(self, ranks: list[_Rank], name: str, deadline: float) -> list[Any]:
+        pending = {r.rank: r for r in ranks}
+        replies: dict[int, _Reply] = {}
+        until = time.monotonic() + deadline
+        grace_until: float | None = None
+        while pending:
+            limit = until if grace_until is None else min(until, grace_until)
+            timeout = limit - time.monotonic()
+            if timeout <= 0:
+                break
+            for conn in wait([r.conn for r in pending.values()], timeout):
+                r = next(r for r in pending.values() if r.conn is conn)
+                reply = self._read_reply(r)
+                replies[r.rank] = reply
+                del pending[r.rank]
+                if reply.kind != "ok" and grace_until is None:
+                    grace_until = time.monotonic() + self.grace
+        failed = [rep for rep in replies.values() if rep.kind != "ok"]
+        if not failed and not pending:
+            return [replies[r.rank].value for r in ranks]
+        where = f"task {name} at t={len(ranks)}"
+        # every rank stopped at the same point, none inside a collective: the process group
+        # is consistent, so the pool is kept (a failure inside one would leave it broken)
+        if failed and not pending and len({rep.seq for rep in replies.values()}) == 1 \
+                and all(rep.kind != "crash" and not rep.value["inside"] for rep in failed):
+            raise self._agreed_error(failed)
+        try:
+            if failed:
+                crashes = [rep for rep in failed if rep.kind == "crash"]
+                if crashes:
+                    raise self._crash_error(min(crashes, key=lambda rep: rep.rank), where, ranks)
+                raise self._raised_error(failed, where, ranks)
+            raise self._task_timeout(list(pending.values()), ranks, where, deadline)
+        finally:
+            self._teardown()
+
+    def _read_reply(self, r: _Rank) -> _Reply:
+        try:
+            kind, _task, seq, value = recv(r.conn)
+        except (EOFError, OSError):
+            return self._crash_reply(r)
+        return _Reply(kind, r.rank, seq, value)
+
+    def _crash_reply(self, r: _Rank) -> _Reply:
+        r.proc.join(timeout=2.0)
+        if r.proc.exitcode is None:  # pipe closed, process alive: treat it as dead
+            r.proc.kill()
+            r.proc.join()
+        code = r.proc.exitcode
+        return _Reply("crash", r.rank, -1, code)
+
+    # -- reports
+
+    def _crumbs(self, ranks: Sequence[_Rank], skip: int | None = None) -> str:
+        assert self._board is not None
+        return "\n".join(f"  rank {r.rank} (pid {r.proc.pid}): {self._board.read(r.rank)}"
+                         for r in ranks if r.rank != skip)
+
+    def _crash_error(self, reply: _Reply, where: str, ranks: Sequence[_Rank]) -> RankCrash:
+        assert self._board is not None
+        r = next(r for r in self._ranks if r.rank == reply.rank)
+        code = reply.value
+        sig = signal.Signals(-code).name if code < 0 else None
+        how = f"killed by {sig}" if sig else f"exited with code {code}"
+        text = (f"rank {r.rank} crashed during {where}: {how} (pid {r.proc.pid})\n"
+                f"rank {r.rank} breadcrumb: {self._board.read(r.rank)}\n"
+                f"other ranks:\n{self._crumbs(ranks, skip=r.rank)}\n"
+                f"rank {r.rank} log tail:\n{_tail(r.log)}")
+        return RankCrash(text, rank=r.rank, signal_name=sig, exit_code=code, pids=self.pids)
+
+    def _raised_error(self, failed: list[_Reply], where: str, ranks: Sequence[_Rank]) -> RankFailure:
+        # The root cause: an error raised outside a collective before one raised inside one
+        # (a peer's "connection closed"), a rank's own error before a PeerAborted, low rank first.
+        root = min(failed, key=lambda rep: (rep.value["inside"], rep.value["consequence"], rep.rank))
+        p = root.value
+        text = (f"rank {root.rank} raised {p['type']} during {where}: {p['message']}\n"
+                f"rank {root.rank} breadcrumb: {p['crumb']}\n"
+                f"other ranks:\n{self._crumbs(ranks, skip=root.rank)}\n"
+                f"rank {root.rank} traceback:\n{p['traceback']}")
+        error = RankFailure(text, rank=root.rank, remote_traceback=p["traceback"],
+                            raised_at=p["raised_at"], pids=self.pids)
+        error.__cause__ = _unpickle_exception(p)
+        return error
+
+    def _agreed_error(self, failed: list[_Reply]) -> BaseException:
+        root = min(failed, key=lambda rep: (rep.value["consequence"], rep.rank))
+        p = root.value
+        original = _unpickle_exception(p)
+        note = (f"raised on rank {root.rank} ({p['crumb']}); every rank stopped at the same "
+                f"point, so the rank pool is kept. rank {root.rank} traceback:\n{p['traceback']}")
+        if original is None:
+            return RankFailure(f"rank {root.rank} raised {p['type']}: {p['message']}\n{note}",
+                               rank=root.rank, remote_traceback=p["traceback"])
+        original.add_note(note)
+        return original
+
+    def _task_timeout(self, pending: list[_Rank], ranks: list[_Rank], where: str,
+                      deadline: float) -> RankTimeout:
+        assert self._board is not None
+        crumbs = {r.rank: self._board.read(r.rank) for r in pending}
+        behind = min(c.progress for c in crumbs.values())
+        stuck = tuple(r.rank for r in pending if crumbs[r.rank].progress == behind)
+        stacks = self._dump_stacks(pending)
+        lines = [f"{where} did not finish within the watchdog deadline of {deadline:g} s "
+                 f"(process-group timeout {self.pg_timeout:g} s)"]
+        if len(stuck) == len(pending):
+            lines.append("no rank is behind the others; every unfinished rank waits at:")
+        else:
+            lines.append("stuck (behind the others):")
+        lines += [f"  rank {r} (pid {self._ranks[r].proc.pid}): {crumbs[r]}" for r in stuck]
+        waiting = [r for r in pending if r.rank not in stuck]
+        if waiting:
+            lines.append("waiting for them:")
+            lines += [f"  rank {r.rank} (pid {r.proc.pid}): {crumbs[r.rank]}" for r in waiting]
+        finished = [r.rank for r in ranks if r.rank not in crumbs]
+        if finished:
+            lines.append(f"finished: ranks {finished}")
+        lines += [f"stacks of rank {r} (faulthandler):\n{stacks[r]}" for r in sorted(stacks)]
+        return RankTimeout("\n".join(lines), rank=stuck[0], stuck=stuck, stacks=stacks,
+                           pids=self.pids)
+
+    def _start_timeout(self, arrived: set[int], ready: set[int], elapsed: float,
+                       someone_arrived: bool) -> RankTimeout:
+        assert self._board is not None
+        missing = tuple(r.rank for r in self._ranks if r.rank not in arrived)
+        stuck = missing or tuple(r.rank for r in self._ranks if r.rank not in ready)
+        stacks = self._dump_stacks([r for r in self._ranks if r.rank not in ready])
+        if missing and someone_arrived:
+            head = (f"rendezvous: rank{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(map(str, missing))} never arrived, {self.rendezvous_deadline:g} s "
+                    f"after the first rank did ({elapsed:.1f} s after start)")
+        elif missing:
+            head = f"rank pool start-up: no rank arrived at rendezvous within {elapsed:.1f} s"
+        else:
+            head = (f"rendezvous: every rank arrived but ranks {list(stuck)} did not finish "
+                    f"joining the process group within {elapsed:.1f} s")
+        text = (f"{head}\nbreadcrumbs:\n{self._crumbs(self._ranks)}\n"
+                + "\n".join(f"stacks of rank {r} (faulthandler):\n{stacks[r]}" for r in sorted(stacks)))
+        return RankTimeout(text, rank=stuck[0], stuck=stuck, stacks=stacks, pids=self.pids)
+
+    def _dump_stacks(self, ranks: Sequence[_Rank], settle: float = 1.5) -> dict[int, str]:
+        """Every live rank's Python stacks, written by its faulthandler on SIGUSR1."""
+        live = [r for r in ranks if r.proc.exitcode is None]
+        for r in live:
+            os.kill(r.proc.pid, signal.SIGUSR1)
+        sizes: dict[int, int] = {}
+        give_up = time.monotonic() + settle
+        while time.monotonic() < give_up:
+            time.sleep(0.05)
+            now = {r.rank: r.stacks.stat().st_size if r.stacks.exists() else 0 for r in live}
+            if now == sizes and all(now.values()):
+                break
+            sizes = now
+        return {r.rank: (r.stacks.read_text(errors="replace") if r.stacks.exists() else "")
+                or "(no stack written)" for r in live}
+
+
+def _check_deadline(deadline: float, pg_timeout: float) -> None:
+    if not deadline > 0 or deadline * 2 > pg_timeout:
+        raise ValueError(f"watchdog deadline={deadline!r} must be positive and at most half of "
+                         f"the process-group timeout pg_timeout={pg_timeout!r}, so that the "
+                         "watchdog, not gloo, sees a stuck rank")
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as exc:
+        return f"  (no log: {exc})"
+    return "\n".join("  " + line for line in text.splitlines()[-lines:]) or "  (empty)"
+
+
+def _unpickle_exception(payload: Mapping[str, Any]) -> BaseException | None:
+    try:
+        exc = pickle.loads(payload["pickled"]) if payload["pickled"] else None
+    except Exception:  # noqa: BLE001 - a class the parent cannot import: text only
+        return None
+    return exc if isinstance(exc, BaseException) else None
+
+
+_shared: RankPool | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_pool(size: int) -> RankPool:
+    """A process-wide pool of at least ``size`` ranks, started on first use and killed at
+    interpreter exit, for callers (tests, the CLI, a fuzz loop) that run many checks without
+    threading a pool through. Asking for more ranks than it has replaces it."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared.size < size:
+            if _shared is not None:
+                _shared.close()
+            _shared = RankPool(size)
+        return _shared

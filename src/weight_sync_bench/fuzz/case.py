@@ -1,0 +1,119 @@
+"""One fuzzed check as data (``Case``), and running it (``run_case`` -> ``Outcome``).
+
+A case is everything that rebuilds the check on any machine and any Hypothesis version:
+the geometry, the ordered degree pair, the model seed, the mutation (or none) and the
+phase. Weights come from ``domain.fuzz_params``, tokens from ``domain.fuzz_tokens`` (both
+built from the seed with a ``torch.Generator``). Two claims
+are judged on an outcome:
+
+- ``invariant``: the check passes (deviation finite and within the threshold);
+- ``kill``: a mutation that is not the identity there deviates by at least ``KILL_MARGIN``
+  x the threshold; one that is the identity leaves the shards byte-identical and passes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from weight_sync_bench.check.checker import Checker, Forward, ThresholdRule
+from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.check.mutations import KILL_MARGIN, mutation_by_name
+from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
+from weight_sync_bench.layout.reshard import reshard
+from weight_sync_bench.model.config import ModelConfig
+
+PROPERTIES = ("invariant", "kill")
+
+
+@dataclass(frozen=True)
+class Case:
+    config: ModelConfig
+    src: int
+    dst: int
+    seed: int
+    mutation: str | None = None
+    phase: str = "1a"
+
+    def identity_reason(self) -> str | None:
+        """Why the mutation changes nothing here (None: it does, or there is no mutation)."""
+        if self.mutation is None:
+            return None
+        return mutation_by_name(self.mutation).identity_reason(self.config, self.dst)
+
+    def key(self) -> dict[str, Any]:
+        """The fields that identify the case (what a corpus entry's name is a hash of)."""
+        return {"geometry": self.config.geometry(), "degrees": {"src": self.src, "dst": self.dst},
+                "seed": self.seed, "mutation": self.mutation, "phase": self.phase}
+
+    def __str__(self) -> str:
+        g = self.config
+        what = f", mutation {self.mutation}" if self.mutation else ""
+        return (f"d_model={g.d_model} layers={g.n_layers} heads={g.n_heads}/{g.n_kv_heads} "
+                f"head_dim={g.head_dim} ffn={g.ffn} vocab={g.vocab} tokens={g.batch}x{g.seq_len}"
+                f", {self.src} -> {self.dst}, seed {self.seed}{what} (phase {self.phase})")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    case: Case
+    deviation: float  # max |sharded - reference| logit
+    threshold: float
+    shards_differ: bool  # the mutated shards differ from the declared split somewhere
+
+    @property
+    def ratio(self) -> float:
+        return self.deviation / self.threshold
+
+    @property
+    def check_passed(self) -> bool:
+        return math.isfinite(self.deviation) and self.deviation <= self.threshold
+
+    @property
+    def killed(self) -> bool:
+        """Detected with the margin the kill matrix demands (NaN and inf count as killed)."""
+        return not math.isfinite(self.deviation) or self.ratio >= KILL_MARGIN
+
+    def holds(self, prop: str) -> bool:
+        """Whether ``prop`` ("invariant" or "kill") holds on this outcome."""
+        if prop == "invariant":
+            return self.check_passed
+        if prop == "kill":
+            if self.case.identity_reason() is not None:
+                return self.check_passed and not self.shards_differ
+            return self.killed
+        raise ValueError(f"unknown property {prop!r}; known: {', '.join(PROPERTIES)}")
+
+    def describe(self) -> str:
+        return (f"{self.case}: deviation {self.deviation:.4g}, threshold {self.threshold:.4g} "
+                f"({self.ratio:.3g}x)")
+
+
+def make_checker(config: ModelConfig, seed: int, *, phase: str = "1a",
+                 forward: Forward = inprocess_forward,
+                 threshold_rule: ThresholdRule | None = None) -> Checker:
+    """A Checker over the fuzz weights of (config, seed), thresholded by ``threshold_rule``
+    (default: the phase's random-geometry rule, see ``floor``)."""
+    if threshold_rule is None:
+        from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
+        threshold_rule = fuzz_threshold_rule(phase)
+    return Checker(config, seed=seed, phase=phase, forward=forward,
+                   params=fuzz_params(config, seed), tokens=fuzz_tokens(config, seed),
+                   threshold_rule=threshold_rule)
+
+
+def run_case(case: Case, checker: Checker | None = None, *,
+             forward: Forward = inprocess_forward,
+             threshold_rule: ThresholdRule | None = None) -> Outcome:
+    """Reshard the declared split from ``src`` to ``dst``, apply the mutation, compare the
+    sharded logits with the reference. ``checker`` (for the same config and seed) saves the
+    reference forward when several cases share it."""
+    checker = checker or make_checker(case.config, case.seed, phase=case.phase,
+                                      forward=forward, threshold_rule=threshold_rule)
+    shards = reshard(checker.declared(case.src), checker.layout, case.dst)
+    if case.mutation is not None:
+        shards = mutation_by_name(case.mutation).apply(shards, checker.layout, case.config)
+    verdict = checker.verdict(shards, src=case.src, dst=case.dst, mutation=case.mutation)
+    return Outcome(case, verdict.max_abs_error, verdict.threshold,
+                   shards_differ=verdict.first_mismatch is not None)

@@ -1,0 +1,266 @@
+"""The corpus: shrunk failing cases, one readable JSON file each, that rebuild on any machine.
+
+Hypothesis's example database is an opaque cache keyed by test and version; this is the
+part that lasts. An entry names the case (geometry, degrees, seeds, mutation, phase), the
+property that failed on it, what was measured (deviation, threshold, ratio, and the worst
+deviation seen before shrinking) and where it was found (versions, commit, profile,
+Hypothesis seed). The file name is a hash of the property and the case, so two workers
+that shrink to the same case write one file; writes are atomic and never overwrite.
+
+An entry is born failing: ``invariant`` failed (the check failed on it; with a mutation,
+that is the mutation detected, found at its smallest geometry) or ``kill`` failed (a
+mutation slipped under the margin). ``replay`` re-measures and classifies each entry; it
+never deletes or rewrites one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from weight_sync_bench.check.checker import Forward, ThresholdRule
+from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.check.mutations import mutation_by_name
+from weight_sync_bench.errors import CorruptCorpusEntry, InvalidConfig, UnknownMutation
+from weight_sync_bench.fuzz.case import PROPERTIES, Case, Outcome, run_case
+from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.paths import corpus_dir
+from weight_sync_bench.tolerance.artifacts import PHASES, environment
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
+
+SCHEMA = 1
+KIND = "weight-sync-bench corpus entry"
+STATUSES = ("still failing", "fixed", "drifted", "environment changed")
+_VERSION_KEYS = ("torch", "numpy", "python", "platform")
+
+
+def versions(hypothesis_version: str | None = None) -> dict[str, str | None]:
+    return {"torch": torch.__version__, "numpy": np.__version__,
+            "hypothesis": hypothesis_version, "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def entry_name(prop: str, case: Case) -> str:
+    """``<hash>.json``: 16 hex digits of the SHA-256 of the property and the case key."""
+    key = json.dumps({"property": prop, **case.key()}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"
+
+
+def make_entry(prop: str, outcome: Outcome, *, worst_deviation: float, worst_ratio: float,
+               profile: str | None, hypothesis_seed: int | None,
+               hypothesis_version: str | None) -> dict[str, Any]:
+    """The entry for a shrunk failing ``outcome`` of ``prop``."""
+    case = outcome.case
+    env = environment()
+    return {
+        "schema": SCHEMA, "kind": KIND, "property": prop,
+        "case": {"geometry": case.config.geometry(),
+                 "degrees": {"src": case.src, "dst": case.dst},
+                 "seeds": {"param": case.seed, "token": TOKEN_SEED_OFFSET + case.seed},
+                 "mutation": case.mutation, "phase": case.phase},
+        "measured": {"deviation": _num(outcome.deviation), "threshold": outcome.threshold,
+                     "ratio": _num(outcome.ratio),
+                     "worst_deviation_before_shrinking": _num(worst_deviation),
+                     "worst_ratio_before_shrinking": _num(worst_ratio)},
+        "found": {"versions": versions(hypothesis_version), "commit": env["commit"],
+                  "src_dirty": env["src_dirty"], "profile": profile,
+                  "hypothesis_seed": hypothesis_seed,
+                  "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")},
+    }
+
+
+def _num(x: float) -> float | str:
+    """JSON has no NaN or inf: those are written as strings."""
+    return x if math.isfinite(x) else repr(x)
+
+
+def write_entry(entry: dict[str, Any], directory: Path | None = None) -> tuple[Path, bool]:
+    """Write ``entry`` as ``<hash>.json`` atomically; ``(path, created)``. An existing file
+    of that name (the same case, found by another worker or run) is left as it is."""
+    directory = directory or corpus_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    case = case_from(entry, directory / "<new>")
+    path = directory / entry_name(entry["property"], case)
+    tmp = directory / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    tmp.write_text(json.dumps(entry, indent=2) + "\n")
+    try:
+        os.link(tmp, path)  # atomic, and fails rather than replace an existing entry
+        return path, True
+    except FileExistsError:
+        return path, False
+    finally:
+        tmp.unlink()
+
+
+def _field(data: Any, dotted: str, kind: type | tuple[type, ...], path: Path) -> Any:
+    value = data
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise CorruptCorpusEntry(f"{path}: missing field {dotted!r}", path=str(path),
+                                     field=dotted)
+        value = value[part]
+    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
+        raise CorruptCorpusEntry(
+            f"{path}: field {dotted!r} is {value!r}, expected "
+            + " or ".join(k.__name__ for k in _as_tuple(kind)), path=str(path), field=dotted)
+    return value
+
+
+def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kind if isinstance(kind, tuple) else (kind,)
+
+
+_GEOMETRY = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "batch",
+             "seq_len")
+
+
+def case_from(entry: Any, path: Path) -> Case:
+    """The Case an entry names, every field checked; ``CorruptCorpusEntry`` names the file
+    and the first bad field."""
+    schema = _field(entry, "schema", int, path)
+    if schema != SCHEMA:
+        raise CorruptCorpusEntry(f"{path}: field 'schema' is {schema}, this code reads {SCHEMA}",
+                                 path=str(path), field="schema")
+    prop = _field(entry, "property", str, path)
+    if prop not in PROPERTIES:
+        raise CorruptCorpusEntry(f"{path}: field 'property' is {prop!r}, expected one of "
+                                 f"{', '.join(PROPERTIES)}", path=str(path), field="property")
+    geometry = {k: _field(entry, f"case.geometry.{k}", int, path) for k in _GEOMETRY}
+    try:
+        config = ModelConfig(name=f"corpus:{path.stem}", **geometry)
+    except InvalidConfig as exc:
+        raise CorruptCorpusEntry(f"{path}: field 'case.geometry': {exc}", path=str(path),
+                                 field="case.geometry") from None
+    mutation = _field(entry, "case.mutation", (str, type(None)), path)
+    if mutation is not None:
+        try:
+            mutation_by_name(mutation)
+        except UnknownMutation as exc:
+            raise CorruptCorpusEntry(f"{path}: field 'case.mutation': {exc}", path=str(path),
+                                     field="case.mutation") from None
+    phase = _field(entry, "case.phase", str, path)
+    if phase not in PHASES:
+        raise CorruptCorpusEntry(f"{path}: field 'case.phase' is {phase!r}, expected one of "
+                                 f"{', '.join(PHASES)}", path=str(path), field="case.phase")
+    seed = _field(entry, "case.seeds.param", int, path)
+    token = _field(entry, "case.seeds.token", int, path)
+    if token != TOKEN_SEED_OFFSET + seed:
+        raise CorruptCorpusEntry(f"{path}: field 'case.seeds.token' is {token}, this code "
+                                 f"draws tokens from {TOKEN_SEED_OFFSET} + param = "
+                                 f"{TOKEN_SEED_OFFSET + seed}", path=str(path),
+                                 field="case.seeds.token")
+    supported = layout_for(config).supported_degrees()
+    degrees = {}
+    for end in ("src", "dst"):
+        degrees[end] = _field(entry, f"case.degrees.{end}", int, path)
+        if degrees[end] not in supported:
+            raise CorruptCorpusEntry(
+                f"{path}: field 'case.degrees.{end}' is {degrees[end]}, the geometry supports "
+                f"t in {supported}", path=str(path), field=f"case.degrees.{end}")
+    return Case(config=config, src=degrees["src"], dst=degrees["dst"], seed=seed,
+                mutation=mutation, phase=phase)
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    data: dict[str, Any]
+    case: Case
+
+    @property
+    def prop(self) -> str:
+        return self.data["property"]
+
+    @property
+    def deviation(self) -> float:
+        return float(self.data["measured"]["deviation"])
+
+
+def load_entry(path: Path) -> Entry:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptCorpusEntry(f"{path}: not valid JSON ({exc})", path=str(path)) from None
+    except OSError as exc:
+        raise CorruptCorpusEntry(f"{path}: cannot be read ({exc.strerror or exc})",
+                                 path=str(path)) from None
+    case = case_from(data, Path(path))
+    _field(data, "measured.deviation", (int, float, str), Path(path))
+    _field(data, "found.versions", dict, Path(path))
+    return Entry(Path(path), data, case)
+
+
+def entry_paths(directory: Path | None = None) -> list[Path]:
+    directory = directory or corpus_dir()
+    return sorted(directory.glob("*.json")) if directory.is_dir() else []
+
+
+def load_corpus(paths: Iterable[Path] | None = None) -> list[Entry]:
+    """Every entry (of ``paths``, or of the corpus directory), all checked before any is
+    used: one corrupt file stops the load with its name and field."""
+    if paths is None:
+        return [load_entry(p) for p in entry_paths()]
+    files = [q for p in paths for q in (entry_paths(Path(p)) if Path(p).is_dir() else [Path(p)])]
+    return [load_entry(p) for p in files]
+
+
+@dataclass(frozen=True)
+class Replayed:
+    entry: Entry
+    outcome: Outcome
+    status: str  # one of STATUSES
+
+    @property
+    def claim_holds(self) -> bool:
+        """The project's claim on this case: no mutation -> the check passes; a mutation ->
+        detected by ``KILL_MARGIN`` x wherever it is not the identity."""
+        return self.outcome.holds("invariant" if self.entry.case.mutation is None else "kill")
+
+
+def classify(entry: Entry, outcome: Outcome, running: dict[str, Any] | None = None) -> str:
+    """still failing (the same deviation, bit for bit), fixed (the property holds now),
+    environment changed (a different deviation under different versions), drifted (a
+    different deviation in the same environment)."""
+    if outcome.holds(entry.prop):
+        return "fixed"
+    recorded = entry.data["measured"]["deviation"]
+    if _num(outcome.deviation) == recorded:
+        return "still failing"
+    running = running or versions()
+    then = entry.data["found"]["versions"]
+    if any(then.get(k) != running.get(k) for k in _VERSION_KEYS):
+        return "environment changed"
+    return "drifted"
+
+
+def replay(entries: Iterable[Entry], *, forward: Forward = inprocess_forward,
+           threshold_rule: ThresholdRule | None = None) -> Iterator[Replayed]:
+    """Re-measure each entry and classify it. Reads only: nothing is deleted or rewritten."""
+    for entry in entries:
+        outcome = run_case(entry.case, forward=forward, threshold_rule=threshold_rule)
+        yield Replayed(entry, outcome, classify(entry, outcome))
+
+
+def format_replay(results: list[Replayed]) -> str:
+    rows = [["entry", "property", "mutation", "src -> dst", "deviation", "ratio", "status",
+             "claim"]]
+    for r in results:
+        case = r.entry.case
+        rows.append([r.entry.path.name, r.entry.prop, case.mutation or "-",
+                     f"{case.src} -> {case.dst}", f"{r.outcome.deviation:.4g}",
+                     f"{r.outcome.ratio:.3g}x", r.status, "holds" if r.claim_holds else "BROKEN"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)

@@ -1,0 +1,321 @@
+"""Thresholds for fuzzed geometries, derived from floor samples on random geometries.
+
+The floor moves with the geometry (roughly linear in d_model, and with depth and token
+count), so a fuzzed geometry cannot borrow TOY's threshold, and it has no measurement of its
+own. ``measure_random`` samples the floor, and the deviation of every mutation, over
+geometries drawn from the fuzz domain, plus the worst a targeted search found (Hypothesis's
+target phase aimed at floor / max |reference logit|: random draws miss that tail, which the
+fuzz's own ``target()`` then finds, at d_model 8 three times their worst); the artifact
+(``tolerance/random_floor_<phase>.json``) records them with the environment. Three
+candidate rules are derived from the samples, each with at least ``SAFETY`` x headroom
+over every observation:
+
+- ``absolute_pow10``: the seed's rule, one threshold for the whole domain;
+- ``relative_pow10``: a multiple of max |reference logit|, the multiple rounded up to a
+  power of ten;
+- ``relative``: the same multiple rounded up to two significant digits only.
+
+``choose_rule`` picks, among the rules with zero false positives over the samples, the one
+whose smallest kill ratio (deviation / threshold over every mutation and sample) is largest.
+``holdout`` re-derives each candidate from half the geometries and counts its false
+positives on the other half: the figure that says the margin generalises.
+Everything is a pure function of the artifact, so the choice can be re-derived and tested.
+TOY and TOY_KV4 keep the seed's rule and ``tolerance/phase1a.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weight_sync_bench.check.checker import Checker, Forward
+from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.check.mutations import MUTATIONS
+from weight_sync_bench.errors import ToleranceMismatch
+from weight_sync_bench.fuzz.domain import (
+    DOMAIN,
+    FuzzDomain,
+    fuzz_params,
+    fuzz_tokens,
+    is_builtin,
+)
+from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.tolerance.artifacts import (
+    SCHEMA,
+    artifact_path,
+    environment,
+    read_artifact,
+)
+from weight_sync_bench.tolerance.rules import SAFETY, derive_threshold, threshold_for
+
+RULES = ("absolute_pow10", "relative_pow10", "relative")
+
+
+def plot_path(phase: str = "1a") -> Path:
+    return artifact_path(phase, kind="random_floor").with_suffix(".png")
+
+
+@dataclass(frozen=True)
+class ThresholdRule:
+    """``absolute``: the threshold is ``value``. ``relative``: ``value`` x max |reference logit|."""
+
+    name: str
+    kind: str  # "absolute" | "relative"
+    value: float
+
+    def threshold(self, scale: float) -> float:
+        """The threshold for a reference whose max |logit| is ``scale``."""
+        return self.value if self.kind == "absolute" else self.value * scale
+
+    def __call__(self, config: ModelConfig, reference: torch.Tensor) -> float:
+        return self.threshold(float(reference.abs().max()))
+
+    def __str__(self) -> str:
+        if self.kind == "absolute":
+            return f"{self.name}: {self.value:g}"
+        return f"{self.name}: {self.value:.2g} x max|reference logit|"
+
+
+def _round_up(x: float, digits: int = 2) -> float:
+    """``x`` rounded up to ``digits`` significant digits (``1.234e-4 -> 1.3e-4``)."""
+    exponent = math.floor(math.log10(x)) - digits + 1
+    return math.ceil(round(x / 10 ** exponent, 9)) * 10 ** exponent
+
+
+def candidate_rules(samples: list[dict[str, Any]], safety: int = SAFETY) -> list[ThresholdRule]:
+    """The three candidates, each derived from the samples with ``safety`` x headroom."""
+    worst_abs = max(s["floor"] for s in samples)
+    worst_rel = max(s["floor"] / s["scale"] for s in samples)
+    return [ThresholdRule("absolute_pow10", "absolute", derive_threshold(worst_abs, safety)),
+            ThresholdRule("relative_pow10", "relative", derive_threshold(worst_rel, safety)),
+            ThresholdRule("relative", "relative", _round_up(safety * worst_rel))]
+
+
+def evaluate_rule(rule: ThresholdRule, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures a rule must deliver over the samples: false positives (floor above the
+    threshold), the smallest headroom (threshold / floor), and per mutation the smallest
+    kill ratio (deviation / threshold) with where it was seen."""
+    false_positives = sum(1 for s in samples if s["floor"] > rule.threshold(s["scale"]))
+    headroom = min((rule.threshold(s["scale"]) / s["floor"] for s in samples if s["floor"] > 0),
+                   default=math.inf)
+    kills: dict[str, dict[str, Any]] = {}
+    for s in samples:
+        for name, deviation in s["kills"].items():
+            ratio = deviation / rule.threshold(s["scale"])
+            if name not in kills or ratio < kills[name]["min_ratio"]:
+                kills[name] = {"min_ratio": ratio, "d_model": s["geometry"]["d_model"],
+                               "degree": s["degree"]}
+    smallest = min((k["min_ratio"] for k in kills.values()), default=math.inf)
+    return {"rule": rule.name, "kind": rule.kind, "value": rule.value,
+            "false_positives": false_positives, "min_headroom": headroom,
+            "min_kill_ratio": smallest, "kills": kills}
+
+
+def choose_rule(samples: list[dict[str, Any]]) -> tuple[ThresholdRule, list[dict[str, Any]]]:
+    """The candidate with zero false positives and ``SAFETY`` x headroom whose smallest kill
+    ratio is largest, and every candidate's figures."""
+    figures = [(rule, evaluate_rule(rule, samples)) for rule in candidate_rules(samples)]
+    eligible = [(rule, f) for rule, f in figures
+                if f["false_positives"] == 0 and f["min_headroom"] >= SAFETY]
+    if not eligible:
+        raise ToleranceMismatch("no candidate threshold rule has zero false positives and "
+                                f"{SAFETY}x headroom over the samples")
+    chosen = max(eligible, key=lambda rf: rf[1]["min_kill_ratio"])[0]
+    return chosen, [f for _, f in figures]
+
+
+def holdout(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each candidate derived from the even-numbered geometries alone, judged on the odd
+    ones: false positives and smallest headroom on samples the rule never saw."""
+    order: dict[tuple[Any, ...], int] = {}
+    for s in samples:
+        order.setdefault((tuple(sorted(s["geometry"].items())), s["seed"]), len(order))
+    parity = [order[(tuple(sorted(s["geometry"].items())), s["seed"])] % 2 for s in samples]
+    fit = [s for s, p in zip(samples, parity) if p == 0]
+    held = [s for s, p in zip(samples, parity) if p == 1]
+    if not held or not any(s["floor"] > 0 for s in fit):
+        return []  # too few geometries to hold any out
+    out = []
+    for rule in candidate_rules(fit):
+        f = evaluate_rule(rule, held)
+        out.append({"rule": rule.name, "value": rule.value, "samples": len(held),
+                    "false_positives": f["false_positives"], "min_headroom": f["min_headroom"]})
+    return out
+
+
+def relative_floor(config: ModelConfig, seed: int, *, forward: Forward = inprocess_forward,
+                   phase: str = "1a") -> float:
+    """The largest floor / max |reference logit| over the geometry's degrees (0 at t=1 only)."""
+    checker = Checker(config, seed=seed, threshold=math.inf, phase=phase, forward=forward,
+                      params=fuzz_params(config, seed), tokens=fuzz_tokens(config, seed))
+    scale = float(checker.reference.abs().max())
+    return max(checker.declared_error(t) / scale for t in checker.layout.supported_degrees())
+
+
+def sample(config: ModelConfig, seed: int, *, forward: Forward = inprocess_forward,
+           phase: str = "1a") -> list[dict[str, Any]]:
+    """One geometry's floor at each supported degree, with every non-identity mutation's
+    deviation there: one record per degree."""
+    checker = Checker(config, seed=seed, threshold=math.inf, phase=phase, forward=forward,
+                      params=fuzz_params(config, seed), tokens=fuzz_tokens(config, seed))
+    scale = float(checker.reference.abs().max())
+    records = []
+    for degree in checker.layout.supported_degrees():
+        declared = checker.declared(degree)
+        kills = {m.name: checker.verdict(m.apply(declared, checker.layout, config),
+                                         dst=degree).max_abs_error
+                 for m in MUTATIONS.values() if m.identity_reason(config, degree) is None}
+        records.append({"geometry": config.geometry(), "seed": seed, "degree": degree,
+                        "scale": scale, "floor": checker.declared_error(degree), "kills": kills})
+    return records
+
+
+@dataclass(frozen=True)
+class SampleProgress:
+    """Yielded after each geometry: how many are done of how many."""
+
+    done: int
+    total: int
+    config: ModelConfig
+
+
+def measure_random(cases: Iterable[tuple[ModelConfig, int]], *, phase: str = "1a",
+                   forward: Forward = inprocess_forward, domain: FuzzDomain = DOMAIN,
+                   searched: Iterable[tuple[ModelConfig, int]] = (),
+                   profile: str | None = None, hypothesis_seed: int | None = None,
+                   search_examples: int = 0) -> Iterator[SampleProgress | dict[str, Any]]:
+    """Sample the floor over random ``(geometry, seed)`` cases and over ``searched`` ones (the
+    worst a targeted search found: the tail random draws miss); yields a ``SampleProgress``
+    per case, then the artifact (not yet written). Every case must lie inside ``domain``."""
+    labelled = [(c, s, "random") for c, s in cases] + [(c, s, "search") for c, s in searched]
+    samples: list[dict[str, Any]] = []
+    for i, (config, seed, origin) in enumerate(labelled):
+        outside = domain.violations(config)
+        if outside:
+            raise ToleranceMismatch(f"floor sample {i} lies outside the fuzz domain: "
+                                    + "; ".join(outside))
+        samples.extend(record | {"origin": origin}
+                       for record in sample(config, seed, forward=forward, phase=phase))
+        yield SampleProgress(i + 1, len(labelled), config)
+    cases = [c for c in labelled if c[2] == "random"]
+    chosen, figures = choose_rule(samples)
+    yield {"schema": SCHEMA, "phase": phase, "safety": SAFETY, "domain": domain.to_json(),
+           "init": "std d_model^-1/2, norm 1 + N(0, 0.1) (domain.fuzz_init)",
+           "geometries": len(cases), "searched": len(labelled) - len(cases),
+           "search_examples": search_examples,
+           "profile": profile, "hypothesis_seed": hypothesis_seed,
+           "chosen": chosen.name, "rules": figures, "holdout": holdout(samples),
+           "samples": samples,
+           "environment": environment()}
+
+
+def load_random_floor(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:
+    return read_artifact(path or artifact_path(phase, kind="random_floor"), phase=phase, schema=SCHEMA,
+                         fields=("domain", "samples", "chosen"),
+                         remedy=f"wsb floor --random N --phase {phase}")
+
+
+def rule_from(artifact: dict[str, Any]) -> ThresholdRule:
+    """The rule an artifact implies: re-derived from its samples, not read from its figures."""
+    chosen, _ = choose_rule(artifact["samples"])
+    return chosen
+
+
+def fuzz_threshold_rule(phase: str = "1a", path: Path | None = None
+                        ) -> Callable[[ModelConfig, torch.Tensor], float]:
+    """The threshold for any geometry the fuzz draws: the seed's rule for TOY and TOY_KV4,
+    the chosen sampled rule for geometries inside the sampled domain, an error elsewhere."""
+    path = path or artifact_path(phase, kind="random_floor")
+    rule, domain = _rule_and_domain(phase, path, _mtime(path))
+
+    def threshold(config: ModelConfig, reference: torch.Tensor) -> float:
+        if is_builtin(config):
+            return threshold_for(config, phase)
+        outside = domain.violations(config)
+        if outside:
+            raise ToleranceMismatch(
+                f"{config.name}: no threshold outside the sampled domain ({path}): "
+                + "; ".join(outside))
+        return rule(config, reference)
+
+    return threshold
+
+
+def _mtime(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _rule_and_domain(phase: str, path: Path, mtime: int | None) -> tuple[ThresholdRule, FuzzDomain]:
+    """Read once per version of the file (the key holds its mtime): every fuzzed example
+    asks for the rule, and re-deriving it from a thousand samples each time would dominate."""
+    artifact = load_random_floor(phase, path)
+    return rule_from(artifact), FuzzDomain.from_json(artifact["domain"])
+
+
+def format_rules(artifact: dict[str, Any]) -> str:
+    """A table of the candidate rules' figures, the chosen one marked."""
+    rows = [["rule", "threshold", "false positives", "min headroom", "min kill ratio",
+             "held-out FP", "held-out headroom", ""]]
+    held = {h["rule"]: h for h in artifact.get("holdout", [])}
+    for f in artifact["rules"]:
+        rule = ThresholdRule(f["rule"], f["kind"], f["value"])
+        h = held.get(f["rule"])
+        rows.append([f["rule"], str(rule).split(": ", 1)[1], str(f["false_positives"]),
+                     f"{f['min_headroom']:.0f}x", f"{f['min_kill_ratio']:.0f}x",
+                     f"{h['false_positives']}/{h['samples']}" if h else "-",
+                     f"{h['min_headroom']:.0f}x" if h else "-",
+                     "chosen" if f["rule"] == artifact["chosen"] else ""])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    geometries = {tuple(sorted(s["geometry"].items())) for s in artifact["samples"]}
+    lines.append(f"{len(artifact['samples'])} floor samples over {len(geometries)} geometries "
+                 f"(phase {artifact['phase']})")
+    return "\n".join(lines)
+
+
+def plot(artifact: dict[str, Any], path: Path) -> None:
+    """Floor (and floor / max |reference logit|) against d_model, coloured by depth, with the
+    chosen rule's threshold; written atomically as a PNG beside the artifact."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = [s for s in artifact["samples"] if s["floor"] > 0]
+    d = [s["geometry"]["d_model"] for s in samples]
+    depth = [s["geometry"]["n_layers"] for s in samples]
+    rule = rule_from(artifact)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, values, label in (
+            (axes[0], [s["floor"] for s in samples], "floor: max |sharded - reference| logit"),
+            (axes[1], [s["floor"] / s["scale"] for s in samples], "floor / max |reference logit|")):
+        points = ax.scatter(d, values, c=depth, cmap="viridis", s=14)
+        ax.set_xlabel("d_model")
+        ax.set_ylabel(label)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    fig.colorbar(points, ax=axes[1], label="n_layers")
+    if rule.kind == "relative":
+        axes[1].axhline(rule.value, color="red", label=f"threshold {rule.value:.2g} x max|ref|")
+        axes[1].axhline(rule.value / SAFETY, color="red", ls=":", label=f"threshold / {SAFETY}")
+        axes[1].legend(loc="lower right", fontsize=8)
+    else:
+        axes[0].axhline(rule.value, color="red", label=f"threshold {rule.value:g}")
+        axes[0].legend(loc="lower right", fontsize=8)
+    fig.suptitle(f"phase {artifact['phase']} floor over {len(samples)} samples with t > 1; "
+                 f"rule {rule}")
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")  # concurrent runs never clash
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(path)

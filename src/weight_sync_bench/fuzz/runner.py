@@ -1,0 +1,388 @@
+"""The fuzz front end: Hypothesis profiles, the properties as runnable tests, and the runner.
+
+Profiles have names of their own (Hypothesis loads its built-in ``ci`` profile whenever
+``CI`` is set, and CI here sets ``CI=true``), each with ``database``, ``derandomize`` and
+``deadline`` set explicitly; ``$WSB_PROFILE`` or ``wsb fuzz --profile`` selects one:
+
+- ``wsb-test``: the default ``make test`` run; few examples, derandomized (the same
+  examples every run, so the gate is deterministic), no database (the corpus is the memory);
+- ``wsb-nightly``: the long scheduled run; random, with a local example database;
+- ``wsb-replay``: only the explicit examples, i.e. the corpus, no generation;
+- ``wsb-generate``: generation only (no shrinking, no database), for floor sampling.
+
+A property failure is shrunk by Hypothesis and the shrunk case written to the corpus, with
+the worst deviation seen before shrinking. The runner is a generator of progress events;
+only the CLI prints. Phase 1b plugs in by passing its ``forward`` (the rank pool's).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import hypothesis
+from hypothesis import HealthCheck, Phase, event, example, given, settings, target
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.strategies import SearchStrategy
+
+from weight_sync_bench.check.checker import Forward, ThresholdRule
+from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.check.mutations import MUTATIONS
+from weight_sync_bench.errors import MissingArtifacts, WsbError
+from weight_sync_bench.fuzz.case import Case, Outcome, run_case
+from weight_sync_bench.fuzz.corpus import load_corpus, make_entry, write_entry
+from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
+from weight_sync_bench.fuzz.strategies import cases, geometries, seeds
+from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.paths import fuzz_dir
+
+PROFILE_ENV = "WSB_PROFILE"
+DEFAULT_PROFILE = "wsb-test"
+_EVERY_PHASE = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
+
+
+
+def _nightly_database() -> DirectoryBasedExampleDatabase | None:
+    """The nightly profile's example database under ``paths.fuzz_dir()``; none where no
+    checkout and no ``WSB_FUZZ_DIR`` says where (an installed package has nowhere to keep it)."""
+    try:
+        return DirectoryBasedExampleDatabase(str(fuzz_dir() / "wsb-nightly"))
+    except MissingArtifacts:
+        return None
+
+
+PROFILES: dict[str, settings] = {
+    "wsb-test": settings(max_examples=100, derandomize=True, database=None, deadline=None,
+                         phases=_EVERY_PHASE, report_multiple_bugs=False, print_blob=False),
+    "wsb-nightly": settings(max_examples=2000, derandomize=False, deadline=None,
+                            database=_nightly_database(),
+                            phases=_EVERY_PHASE, report_multiple_bugs=False,
+                            suppress_health_check=[HealthCheck.too_slow]),
+    "wsb-replay": settings(max_examples=1, derandomize=True, database=None, deadline=None,
+                           phases=(Phase.explicit,), report_multiple_bugs=False),
+    "wsb-generate": settings(max_examples=100, derandomize=False, database=None,
+                             deadline=None, phases=(Phase.generate,),
+                             suppress_health_check=[HealthCheck.too_slow]),
+}
+for _name, _settings in PROFILES.items():
+    settings.register_profile(_name, _settings)
+
+
+def profile_name(name: str | None = None) -> str:
+    """``name``, else ``$WSB_PROFILE``, else ``wsb-test``; an unknown name is an error."""
+    chosen = name or os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
+    if chosen not in PROFILES:
+        source = "--profile" if name else f"${PROFILE_ENV}"
+        raise WsbError(f"unknown profile {chosen!r} (from {source}); known: {', '.join(PROFILES)}")
+    return chosen
+
+
+class PropertyFailed(AssertionError):
+    """A property that does not hold on a case; carries the outcome for the corpus."""
+
+    def __init__(self, prop: str, outcome: Outcome) -> None:
+        super().__init__(f"{prop} fails on {outcome.describe()}")
+        self.prop, self.outcome = prop, outcome
+        self.tally: Tally | None = None  # the run's tally, set once the failure is recorded
+
+
+@dataclass
+class Tally:
+    """What one property saw over a run: examples, identity examples, extremes, failures."""
+
+    prop: str
+    mutation: str | None
+    examples: int = 0
+    identity: int = 0
+    failures: int = 0
+    killed: int = 0
+    min_ratio: float = math.inf  # over non-identity examples
+    max_ratio: float = 0.0
+    min_at: Case | None = None
+    max_at: Case | None = None
+    worst_failing: Outcome | None = None  # before shrinking
+    new_entries: list[Path] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.prop if self.mutation is None else f"{self.prop}[{self.mutation}]"
+
+    def add(self, outcome: Outcome) -> None:
+        self.examples += 1
+        if outcome.case.identity_reason() is not None:
+            self.identity += 1
+        else:
+            self.killed += outcome.killed
+            if outcome.ratio < self.min_ratio:
+                self.min_ratio, self.min_at = outcome.ratio, outcome.case
+            if outcome.ratio > self.max_ratio:
+                self.max_ratio, self.max_at = outcome.ratio, outcome.case
+        if not outcome.holds(self.prop):
+            worst = self.worst_failing
+            more = (outcome.ratio > worst.ratio if self.prop == "invariant"
+                    else outcome.ratio < worst.ratio) if worst else True
+            if more:
+                self.worst_failing = outcome
+
+
+def corpus_examples(prop: str, mutation: str | None) -> list[Case]:
+    """The corpus cases a property takes as explicit examples: entries without a mutation
+    feed the invariant; entries with mutation m feed m's kill property."""
+    if prop == "invariant" and mutation is None:
+        return [e.case for e in load_corpus() if e.case.mutation is None]
+    if prop == "kill":
+        return [e.case for e in load_corpus() if e.case.mutation == mutation]
+    return []
+
+
+def property_test(prop: str, mutation: str | None, tally: Tally, *, phase: str = "1a",
+                  forward: Forward = inprocess_forward, threshold_rule: ThresholdRule,
+                  examples: list[Case] = (),
+                  strategy: SearchStrategy[Case] | None = None) -> Callable[[], None]:
+    """A Hypothesis test of ``prop`` over ``strategy`` (default ``cases(mutation, phase)``)
+    plus ``examples``, counting into ``tally``; settings come from the caller."""
+
+    @given(case=strategy if strategy is not None else cases(mutation=mutation, phase=phase))
+    def test(case: Case) -> None:
+        outcome = run_case(case, forward=forward, threshold_rule=threshold_rule)
+        tally.add(outcome)
+        identity = case.identity_reason()
+        event(f"t={case.src}->{case.dst}" + (" identity" if identity else ""))
+        if identity is None and math.isfinite(outcome.ratio):
+            # the invariant looks for large deviations, the kill property for small ones
+            target(outcome.ratio if prop == "invariant" else -outcome.ratio,
+                   label="ratio" if prop == "invariant" else "-ratio")
+        if not outcome.holds(prop):
+            raise PropertyFailed(prop, outcome)
+
+    for case in examples:
+        test = example(case=case)(test)
+    return test
+
+
+def run_property(prop: str, mutation: str | None = None, *, profile: str | None = None,
+                 max_examples: int | None = None, seed: int | None = None,
+                 phase: str = "1a", forward: Forward = inprocess_forward,
+                 threshold_rule: ThresholdRule | None = None, corpus: bool = True,
+                 corpus_path: Path | None = None,
+                 strategy: SearchStrategy[Case] | None = None, tally: Tally | None = None,
+                 ) -> Tally:
+    """Run one property under a profile (explicit examples from the corpus first). On a
+    failure the shrunk case goes to the corpus (``corpus_path`` or ``corpus/``) and the
+    failure is re-raised; otherwise returns the tally (``tally``, if given, counts)."""
+    name = profile_name(profile)
+    tally = tally if tally is not None else Tally(prop, mutation)
+    rule = threshold_rule or fuzz_threshold_rule(phase)
+    examples = corpus_examples(prop, mutation) if corpus else []
+    if Phase.generate not in PROFILES[name].phases and not examples:
+        return tally  # nothing to run (Hypothesis would raise SkipTest)
+    test = property_test(prop, mutation, tally, phase=phase, forward=forward,
+                         threshold_rule=rule, examples=examples, strategy=strategy)
+    overrides = {"max_examples": max_examples} if max_examples is not None else {}
+    if seed is not None:
+        overrides["derandomize"] = False
+        test = hypothesis.seed(seed)(test)
+    test = settings(PROFILES[name], **overrides)(test)
+    try:
+        test()
+    except PropertyFailed as failure:
+        worst = tally.worst_failing or failure.outcome
+        entry = make_entry(prop, failure.outcome, worst_deviation=worst.deviation,
+                           worst_ratio=worst.ratio, profile=name, hypothesis_seed=seed,
+                           hypothesis_version=hypothesis.__version__)
+        path, created = write_entry(entry, corpus_path)
+        if created:
+            tally.new_entries.append(path)
+        tally.failures += 1
+        failure.tally = tally
+        failure.args = (f"{failure.args[0]}\n  corpus entry: {path}"
+                        f"{'' if created else ' (already there)'}",)
+        raise
+    return tally
+
+
+def find_smallest(mutation: str, *, profile: str | None = None, phase: str = "1a",
+                  forward: Forward = inprocess_forward, corpus_path: Path | None = None
+                  ) -> PropertyFailed:
+    """Run the invariant on shards with ``mutation`` applied: it fails wherever the check
+    detects the mutation, and Hypothesis shrinks that failure to the mutation's smallest
+    geometry, which lands in the corpus (how the committed seed entries were born). Returns
+    the failure; raises ``WsbError`` if the invariant held, i.e. the mutation went unseen."""
+    try:
+        run_property("invariant", mutation, profile=profile, phase=phase, forward=forward,
+                     corpus=False, corpus_path=corpus_path)
+    except PropertyFailed as failure:
+        return failure
+    raise WsbError(f"mutation {mutation}: the invariant held on every example, so the check "
+                   "never detected it")
+
+
+def targets(mutations: list[str] | None = None, invariant: bool = True
+            ) -> list[tuple[str, str | None]]:
+    """The (property, mutation) pairs a fuzz run cycles through."""
+    names = list(MUTATIONS) if mutations is None else mutations
+    return ([("invariant", None)] if invariant else []) + [("kill", m) for m in names]
+
+
+@dataclass(frozen=True)
+class Progress:
+    examples: int
+    failures: int
+    elapsed: float
+    current: str
+
+    @property
+    def rate(self) -> float:
+        return self.examples / self.elapsed if self.elapsed > 0 else 0.0
+
+    def line(self) -> str:
+        return (f"{self.examples} examples, {self.failures} failures, {self.rate:.1f} examples/s,"
+                f" {self.elapsed:.0f}s elapsed ({self.current})")
+
+
+@dataclass(frozen=True)
+class FuzzReport:
+    tallies: list[Tally]
+    elapsed: float
+    profile: str
+    master_seed: int
+    failures: list[PropertyFailed]
+
+    @property
+    def examples(self) -> int:
+        return sum(t.examples for t in self.tallies)
+
+
+def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: str = "1a",
+         profile: str | None = None, mutations: list[str] | None = None,
+         invariant: bool = True, chunk: int = 25, master_seed: int | None = None,
+         forward: Forward = inprocess_forward, threshold_rule: ThresholdRule | None = None,
+         corpus_path: Path | None = None) -> Iterator[Progress | FuzzReport]:
+    """Cycle through the properties in rounds of ``chunk`` examples, each round under its own
+    Hypothesis seed (drawn from ``master_seed``), until ``minutes`` have passed or about
+    ``examples`` examples have run (``examples`` is per property when only a budget in
+    examples is given: every property gets that many). Yields a ``Progress`` after every
+    round and a ``FuzzReport`` last. Failures are written to the corpus, not raised."""
+    if (minutes is None) == (examples is None):
+        raise WsbError("fuzz needs exactly one budget: minutes or examples")
+    name = profile_name(profile)
+    rule = threshold_rule or fuzz_threshold_rule(phase)
+    master_seed = master_seed if master_seed is not None else random.SystemRandom().getrandbits(32)
+    rng = random.Random(master_seed)
+    work = targets(mutations, invariant)
+    merged = {t: Tally(*t) for t in work}
+    failures: list[PropertyFailed] = []
+    exhausted: set[tuple[str, str | None]] = set()  # ran nothing: wsb-replay after the corpus
+    start, first = time.monotonic(), True
+    while True:
+        active = [t for t in work if t not in exhausted
+                  and (examples is None or merged[t].examples < examples)]
+        if not active or (minutes is not None and time.monotonic() - start >= minutes * 60):
+            break
+        for prop, mutation in active:
+            done = merged[(prop, mutation)].examples
+            budget = chunk if examples is None else min(chunk, examples - done)
+            try:
+                tally = run_property(prop, mutation, profile=name, max_examples=budget,
+                                     seed=rng.getrandbits(32), phase=phase, forward=forward,
+                                     threshold_rule=rule, corpus=first,
+                                     corpus_path=corpus_path)
+            except PropertyFailed as failure:
+                failures.append(failure)
+                tally = failure.tally or Tally(prop, mutation, failures=1)
+            if tally.examples == 0:
+                exhausted.add((prop, mutation))
+            _merge(merged[(prop, mutation)], tally)
+            elapsed = time.monotonic() - start
+            yield Progress(sum(t.examples for t in merged.values()),
+                           sum(t.failures for t in merged.values()), elapsed,
+                           merged[(prop, mutation)].label)
+            if minutes is not None and elapsed >= minutes * 60:
+                break
+        first = False
+    yield FuzzReport(list(merged.values()), time.monotonic() - start, name, master_seed, failures)
+
+
+def _merge(into: Tally, tally: Tally) -> None:
+    into.examples += tally.examples
+    into.identity += tally.identity
+    into.failures += tally.failures
+    into.killed += tally.killed
+    into.new_entries.extend(tally.new_entries)
+    if tally.min_ratio < into.min_ratio:
+        into.min_ratio, into.min_at = tally.min_ratio, tally.min_at
+    if tally.max_ratio > into.max_ratio:
+        into.max_ratio, into.max_at = tally.max_ratio, tally.max_at
+
+
+def format_report(report: FuzzReport, *, matrix: bool = False) -> str:
+    """The closing table: per property, examples, identity examples, failures and the ratio
+    extremes (``matrix``: the kill matrix's columns, killed and smallest ratio)."""
+    if matrix:
+        rows = [["mutation", "tried", "identity", "killed", "smallest ratio", "at"]]
+        for t in report.tallies:
+            live = t.examples - t.identity
+            rows.append([t.mutation or "-", str(t.examples), str(t.identity),
+                         f"{t.killed}/{live}", f"{t.min_ratio:.3g}x" if live else "-",
+                         str(t.min_at) if t.min_at else "-"])
+    else:
+        rows = [["property", "examples", "identity", "failures", "min ratio", "max ratio",
+                 "new corpus entries"]]
+        for t in report.tallies:
+            rows.append([t.label, str(t.examples), str(t.identity), str(t.failures),
+                         f"{t.min_ratio:.3g}x" if math.isfinite(t.min_ratio) else "-",
+                         f"{t.max_ratio:.3g}x", ", ".join(p.name for p in t.new_entries) or "-"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if matrix:
+        lines += [f"note, {t.mutation}: {MUTATIONS[t.mutation].note}" for t in report.tallies
+                  if t.mutation and MUTATIONS[t.mutation].note]
+    rate = report.examples / report.elapsed if report.elapsed else 0.0
+    lines.append(f"{report.examples} examples in {report.elapsed:.1f}s ({rate:.1f}/s), "
+                 f"{len(report.failures)} failures; profile {report.profile}, "
+                 f"master seed {report.master_seed}")
+    return "\n".join(lines)
+
+
+def draw_floor_cases(n: int, *, seed: int | None = None, profile: str = "wsb-generate"
+                     ) -> tuple[list[tuple[ModelConfig, int]], int]:
+    """``n`` (geometry, seed) cases from the fuzz strategies under the generate-only
+    profile, the domain's smallest and largest geometry first; and the Hypothesis seed."""
+    from weight_sync_bench.fuzz.domain import DOMAIN
+    seed = seed if seed is not None else random.SystemRandom().getrandbits(32)
+    drawn: list[tuple[ModelConfig, int]] = [(DOMAIN.smallest(), 0), (DOMAIN.largest(), 0)]
+
+    @hypothesis.seed(seed)
+    @settings(PROFILES[profile], max_examples=max(n - len(drawn), 1))
+    @given(config=geometries(), model_seed=seeds())
+    def collect(config: ModelConfig, model_seed: int) -> None:
+        drawn.append((config, model_seed))
+
+    collect()
+    return drawn[:n], seed
+
+
+def search_worst_floors(examples: int, *, keep: int, seed: int, phase: str = "1a",
+                        forward: Forward = inprocess_forward) -> list[tuple[ModelConfig, int]]:
+    """Hypothesis's target phase aimed at the largest floor / max |reference logit|: the
+    ``keep`` worst distinct (geometry, seed) cases of ``examples`` tried."""
+    from weight_sync_bench.fuzz.floor import relative_floor
+    found: dict[tuple[tuple[tuple[str, int], ...], int], tuple[float, ModelConfig, int]] = {}
+
+    @hypothesis.seed(seed)
+    @settings(PROFILES["wsb-generate"], max_examples=examples,
+              phases=(Phase.generate, Phase.target))
+    @given(config=geometries(), model_seed=seeds())
+    def search(config: ModelConfig, model_seed: int) -> None:
+        worst = relative_floor(config, model_seed, forward=forward, phase=phase)
+        target(worst, label="floor / max|reference logit|")
+        found[(tuple(sorted(config.geometry().items())), model_seed)] = (worst, config, model_seed)
+
+    search()
+    ranked = sorted(found.values(), key=lambda item: -item[0])[:keep]
+    return [(config, model_seed) for _, config, model_seed in ranked]

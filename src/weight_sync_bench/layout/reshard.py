@@ -1,0 +1,177 @@
+"""split / gather / reshard: pure data movement under a LayoutTable, exact to the bit.
+
+These functions know layouts and tensors, nothing of the model. ``gather`` is the exact
+inverse of ``split`` (``gather(split(x, t)) == x`` byte for byte), and
+``reshard(split(x, s), d) == split(x, d)`` for every ordered pair of supported degrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from weight_sync_bench.errors import InvalidShards, WrongShardShape
+from weight_sync_bench.layout.placements import Replicate
+
+if TYPE_CHECKING:
+    from weight_sync_bench.layout.table import LayoutTable, ShardSpec
+
+
+Params = dict[str, torch.Tensor]
+
+
+def split_tensor(x: torch.Tensor, spec: ShardSpec, degree: int) -> list[torch.Tensor]:
+    """Rank-local shards of one full tensor; each is a fresh contiguous tensor (no aliasing)."""
+    if tuple(x.shape) != spec.shape:
+        raise InvalidShards(f"{spec.name}: full tensor has shape {list(x.shape)}, "
+                            f"layout declares {list(spec.shape)}")
+    shards = []
+    for rank in range(degree):
+        dim, ranges = spec.ranges(degree, rank)
+        pieces = [x.narrow(dim, start, stop - start) for start, stop in ranges]
+        shards.append(torch.cat(pieces, dim=dim) if len(pieces) > 1
+                      else pieces[0].clone(memory_format=torch.contiguous_format))
+    return shards
+
+
+def gather_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
+    """The full tensor from its rank-local shards: the exact inverse of ``split_tensor``.
+
+    A replicated parameter is taken from rank 0 (replicas that disagree are a layout
+    violation that ``check`` reports; gather does not guess which copy is right).
+    """
+    degree = len(shards)
+    _check_local_shapes(shards, spec)
+    if isinstance(spec.placement, Replicate):
+        return shards[0].clone()
+    full = torch.empty(spec.shape, dtype=shards[0].dtype)
+    for rank, shard in enumerate(shards):
+        dim, ranges = spec.ranges(degree, rank)
+        offset = 0
+        for start, stop in ranges:
+            full.narrow(dim, start, stop - start).copy_(shard.narrow(dim, offset, stop - start))
+            offset += stop - start
+    return full
+
+
+def split(full: Mapping[str, torch.Tensor], layout: LayoutTable, degree: int) -> list[Params]:
+    """Every parameter split to ``degree`` ranks: ``result[rank][name]`` is rank-local."""
+    layout.validate(degree)
+    _check_names(full.keys(), layout, "full params")
+    per_rank: list[Params] = [{} for _ in range(degree)]
+    for spec in layout:
+        for rank, shard in enumerate(split_tensor(full[spec.name], spec, degree)):
+            per_rank[rank][spec.name] = shard
+    return per_rank
+
+
+def gather(shards: list[Params], layout: LayoutTable) -> Params:
+    """Full parameters from rank-local shards: the exact inverse of ``split``."""
+    if not shards:
+        raise InvalidShards("gather needs at least one rank's shards, got none")
+    layout.validate(len(shards))
+    for rank, params in enumerate(shards):
+        _check_names(params.keys(), layout, f"rank {rank}")
+    return {spec.name: gather_tensor([params[spec.name] for params in shards], spec)
+            for spec in layout}
+
+
+def reshard_tensor(shards: list[torch.Tensor], spec: ShardSpec, dst: int) -> list[torch.Tensor]:
+    """One parameter's shards at degree ``len(shards)`` -> its shards at ``dst``, copying each
+    byte once: every destination range is cut straight from the source shards that hold it,
+    without materialising the full tensor."""
+    src = len(shards)
+    _check_local_shapes(shards, spec)
+    if isinstance(spec.placement, Replicate):
+        return [shards[0].clone() for _ in range(dst)]
+    segments = []  # (global start, global stop, source rank, offset in that rank's shard)
+    for rank in range(src):
+        dim, ranges = spec.ranges(src, rank)
+        offset = 0
+        for start, stop in ranges:
+            segments.append((start, stop, rank, offset))
+            offset += stop - start
+    out = []
+    for rank in range(dst):
+        dim, ranges = spec.ranges(dst, rank)
+        pieces = [shards[r].narrow(dim, off + max(a, sa) - sa, min(b, sb) - max(a, sa))
+                  for a, b in ranges for sa, sb, r, off in segments if sa < b and a < sb]
+        out.append(torch.cat(pieces, dim=dim) if len(pieces) > 1
+                   else pieces[0].clone(memory_format=torch.contiguous_format))
+    return out
+
+
+def reshard(shards: list[Params], layout: LayoutTable, dst: int) -> list[Params]:
+    """Shards at degree ``len(shards)`` -> shards at degree ``dst`` under the same layout,
+    equal byte for byte to ``split(gather(shards), dst)`` but copying each byte once."""
+    if not shards:
+        raise InvalidShards("reshard needs at least one rank's shards, got none")
+    layout.validate(len(shards))
+    layout.validate(dst)
+    for rank, params in enumerate(shards):
+        _check_names(params.keys(), layout, f"rank {rank}")
+    out: list[Params] = [{} for _ in range(dst)]
+    for spec in layout:
+        for rank, shard in enumerate(reshard_tensor([p[spec.name] for p in shards], spec, dst)):
+            out[rank][spec.name] = shard
+    return out
+
+
+def validate_shards(shards: object, layout: LayoutTable, degree: int,
+                       dtype: torch.dtype | Mapping[str, torch.dtype] = torch.float32) -> None:
+    """Raise unless ``shards`` is a list of ``degree`` dicts with exactly the layout's names,
+    local shapes and dtypes (``dtype``: one for all, or per parameter name).
+
+    ``InvalidShards`` for a wrong container, rank count or names; ``WrongShardShape``
+    (naming rank, parameter, expected and actual) for the first wrong shape or dtype.
+    """
+    layout.validate(degree)
+    if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
+        raise InvalidShards(f"expected a list of {degree} rank dicts, got {type(shards).__name__}")
+    if len(shards) != degree:
+        raise InvalidShards(f"expected {degree} rank dicts at t={degree}, got {len(shards)}")
+    for rank, params in enumerate(shards):
+        if not isinstance(params, Mapping):
+            raise InvalidShards(f"rank {rank}: expected a dict of tensors, got "
+                                f"{type(params).__name__}")
+        missing = [n for n in layout.names if n not in params]
+        extra = sorted(set(params) - set(layout.names))
+        if missing or extra:
+            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+                [f"unexpected {', '.join(extra)}"] if extra else [])
+            raise InvalidShards(f"rank {rank}: {'; '.join(parts)}")
+        for spec in layout:
+            x = params[spec.name]
+            if not isinstance(x, torch.Tensor):
+                raise InvalidShards(f"rank {rank} {spec.name}: expected a Tensor, got "
+                                    f"{type(x).__name__}")
+            want, actual = spec.local_shape(degree), tuple(x.shape)
+            if actual != want:
+                raise WrongShardShape(
+                    f"rank {rank} {spec.name}: shape {list(actual)}, declared {list(want)} "
+                    f"({spec.placement} at t={degree})",
+                    rank=rank, name=spec.name, expected=want, actual=actual)
+            expected = dtype if isinstance(dtype, torch.dtype) else dtype[spec.name]
+            if x.dtype != expected:
+                raise WrongShardShape(f"rank {rank} {spec.name}: dtype {x.dtype}, expected "
+                                      f"{expected}", rank=rank, name=spec.name,
+                                      expected_dtype=expected, actual_dtype=x.dtype)
+
+
+def _check_local_shapes(shards: list[torch.Tensor], spec: ShardSpec) -> None:
+    expected = spec.local_shape(len(shards))
+    for rank, shard in enumerate(shards):
+        if tuple(shard.shape) != expected:
+            raise InvalidShards(f"rank {rank} {spec.name}: shape {list(shard.shape)}, "
+                                f"expected {list(expected)} at t={len(shards)}")
+
+
+def _check_names(names: object, layout: LayoutTable, where: str) -> None:
+    have, want = set(names), set(layout.names)  # type: ignore[call-overload]
+    if have != want:
+        missing, extra = sorted(want - have), sorted(have - want)
+        parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected {', '.join(extra)}"] if extra else [])
+        raise InvalidShards(f"{where}: {'; '.join(parts)}")

@@ -1,0 +1,112 @@
+"""``ShardSpec`` and ``LayoutTable``: the declared layout of a whole model, as data you can
+print (``wsb layout``): each parameter, its full shape, its placement, its local shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from weight_sync_bench.errors import UnsupportedLayout
+from weight_sync_bench.layout.placements import (
+    Placement,
+    Shape,
+    index_ranges,
+    local_shape,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator, Mapping
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One parameter's declared layout: its full shape and its placement."""
+
+    name: str
+    shape: Shape
+    placement: Placement
+
+    def validate(self, degree: int) -> None:
+        self.placement.validate(self.shape, degree, self.name)
+
+    def local_shape(self, degree: int) -> Shape:
+        self.validate(degree)
+        return local_shape(self.placement, self.shape, degree)
+
+    def ranges(self, degree: int, rank: int) -> tuple[int, list[tuple[int, int]]]:
+        self.validate(degree)
+        if not 0 <= rank < degree:
+            raise UnsupportedLayout(f"{self.name}: rank {rank} is outside 0..{degree - 1} at t={degree}")
+        return index_ranges(self.placement, self.shape, degree, rank)
+
+
+@dataclass(frozen=True)
+class LayoutTable:
+    """The declared layout of a whole model: parameter name -> ShardSpec, in forward order."""
+
+    specs: tuple[ShardSpec, ...]
+
+    @classmethod
+    def from_mapping(cls, shapes: Mapping[str, Shape], placements: Mapping[str, Placement]
+                     ) -> LayoutTable:
+        return cls(tuple(ShardSpec(name, tuple(shape), placements[name])
+                         for name, shape in shapes.items()))
+
+    def __iter__(self) -> Iterator[ShardSpec]:
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __getitem__(self, name: str) -> ShardSpec:
+        for spec in self.specs:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    @property
+    def names(self) -> list[str]:
+        return [spec.name for spec in self.specs]
+
+    def validate(self, degree: int) -> None:
+        """Raise the first parameter's UnsupportedLayout at this degree, if any."""
+        for spec in self.specs:
+            spec.validate(degree)
+
+    def supports(self, degree: int) -> bool:
+        try:
+            self.validate(degree)
+        except UnsupportedLayout:
+            return False
+        return True
+
+    def supported_degrees(self, max_degree: int = 64) -> list[int]:
+        """Every degree in 1..max_degree at which every placement validates (found by probing,
+        never listed by hand)."""
+        return [t for t in range(1, max_degree + 1) if self.supports(t)]
+
+    def render(self, degrees: list[int] | None = None) -> str:
+        """A table: each parameter, its full shape, its placement and its local shape at each
+        degree (``-`` where the placement rejects that degree)."""
+        degrees = degrees if degrees is not None else self.supported_degrees()
+        header = ["parameter", "shape", "placement", *[f"t={t}" for t in degrees]]
+        rows = [header]
+        for spec in self.specs:
+            cells = [spec.name, _shape_str(spec.shape), str(spec.placement)]
+            for t in degrees:
+                try:
+                    cells.append(_shape_str(spec.local_shape(t)))
+                except UnsupportedLayout:
+                    cells.append("-")
+            rows.append(cells)
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                         for row in rows)
+
+    def __str__(self) -> str:
+        return self.render()
+
+
+def _shape_str(shape: Shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"

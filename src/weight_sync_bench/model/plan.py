@@ -1,0 +1,49 @@
+"""The model's tensor-parallel plan: which placement each parameter of the toy model has.
+
+Kept beside the model, as torchtitan keeps its plan beside its model: the placements are
+generic (``layout``), the choice of one per parameter is this model's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from weight_sync_bench.layout.placements import (
+    FusedPaired,
+    HeadPartitioned,
+    Placement,
+    Replicate,
+    Shard,
+)
+from weight_sync_bench.layout.table import LayoutTable
+
+if TYPE_CHECKING:
+
+    from weight_sync_bench.model.config import ModelConfig
+
+
+def layout_for(config: ModelConfig) -> LayoutTable:
+    """The declared Megatron-style TP layout of the toy model.
+
+    Column-parallel fused qkv and gate_up, row-parallel o_proj and down (split on the input
+    dim, partial sums all-reduced), vocab-parallel embedding and lm_head, replicated norms.
+    Only the parameters ``config.param_shapes()`` has are laid out (no lm_head when tied,
+    biases only with ``config.bias``); the vocab tables have ``config.padded_vocab`` rows.
+    """
+    placements: dict[str, Placement] = {
+        "tok_embeddings.weight": Shard(0), "norm.weight": Replicate(), "lm_head.weight": Shard(0)}
+    for i in range(config.n_layers):
+        p = f"layers.{i}."
+        placements[p + "attn_norm.weight"] = Replicate()
+        placements[p + "qkv.weight"] = HeadPartitioned(config.n_heads, config.n_kv_heads,
+                                                       config.head_dim)
+        # Biases (config.bias): the qkv bias follows its rows; a row-parallel bias is
+        # replicated and added once, after the partial sums meet.
+        placements[p + "qkv.bias"] = placements[p + "qkv.weight"]
+        placements[p + "o_proj.bias"] = Replicate()
+        placements[p + "down.bias"] = Replicate()
+        placements[p + "o_proj.weight"] = Shard(1)
+        placements[p + "ffn_norm.weight"] = Replicate()
+        placements[p + "gate_up.weight"] = FusedPaired(config.ffn, config.ffn)
+        placements[p + "down.weight"] = Shard(1)
+    return LayoutTable.from_mapping(config.param_shapes(), placements)

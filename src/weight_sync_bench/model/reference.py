@@ -1,0 +1,171 @@
+"""The dense reference model, and the math it shares with the sharded forward.
+
+The blocks here (norm, RoPE, attention over a given number of heads, SwiGLU) take whatever
+head counts and widths they are handed, so the sharded forward calls them on its local
+slice and the reference on the whole. What differs between the two is only where the
+partial sums meet, which is exactly what a layout bug breaks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from weight_sync_bench.model.config import ModelConfig
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, each ``(T, head_dim / 2)``."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head's (first half, second half) pairs; x is ``(B, T, H, D)``."""
+    x1, x2 = x.chunk(2, dim=-1)  # (B, T, H, D/2) each
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]  # (1, T, 1, D/2)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+def document_mask(segments: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask of packed sequences, ``(B, 1, T, T)`` bool.
+
+    ``segments`` ``(B, T)`` gives each position's document id; ``-1`` marks padding.
+    Query q sees key k iff ``k <= q`` and both lie in the same document (not padding), so a
+    padding query sees no key at all: see ``attention`` for the neutral rule applied there.
+    """
+    t = segments.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()  # (T, T)
+    same = segments[:, :, None] == segments[:, None, :]  # (B, T, T)
+    real = (segments >= 0)[:, :, None]  # (B, T, 1)
+    return (same & real & causal)[:, None]  # (B, 1, T, T)
+
+
+def context_mask(segments: torch.Tensor | None, start: int, stop: int, seq_len: int
+                 ) -> torch.Tensor:
+    """The rows ``start:stop`` of the dense mask, ``(B or 1, 1, stop - start, seq_len)`` bool:
+    what the queries of one context-parallel chunk may see among all ``seq_len`` keys.
+
+    Positions are GLOBAL: query ``start + i`` sees key ``k`` iff ``k <= start + i`` (and,
+    packed, both lie in the same document, not padding), exactly the dense
+    ``document_mask(segments)[:, :, start:stop]`` (plain causal when ``segments`` is None).
+    """
+    q = torch.arange(start, stop)[:, None]  # (Tq, 1) global query positions
+    causal = torch.arange(seq_len)[None, :] <= q  # (Tq, T)
+    if segments is None:
+        return causal[None, None]  # (1, 1, Tq, T)
+    rows = segments[:, start:stop]  # (B, Tq)
+    same = rows[:, :, None] == segments[:, None, :]  # (B, Tq, T)
+    real = (rows >= 0)[:, :, None]  # (B, Tq, 1)
+    return (same & real & causal)[:, None]  # (B, 1, Tq, T)
+
+
+def split_heads(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+                rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[Q | K | V]`` features ``(B, T, (H + 2 Hkv) D)`` -> q ``(B, T, H, D)``, k and v
+    ``(B, T, Hkv, D)``, q and k rotated by ``rope`` (the tables of these T positions)."""
+    b, t, _ = qkv.shape
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.view(b, t, n_heads, head_dim), *rope)  # (B, T, H, D)
+    k = apply_rope(k.view(b, t, n_kv_heads, head_dim), *rope)  # (B, T, Hkv, D)
+    v = v.view(b, t, n_kv_heads, head_dim)  # (B, T, Hkv, D)
+    return q, k, v
+
+
+def attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
+              rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """Causal GQA attention over ``[Q | K | V]`` features for the heads given.
+
+    qkv is ``(B, T, (n_heads + 2 * n_kv_heads) * head_dim)``; returns ``(B, T, n_heads * head_dim)``.
+    Query head h reads KV head ``h // (n_heads / n_kv_heads)``. Without ``mask`` attention is
+    plainly causal. With a ``(B, 1, T, T)`` bool mask (``document_mask``), a query row that
+    sees no key at all follows an explicit neutral rule instead of a 0/0 softmax: its output
+    is exactly zero, so it contributes nothing forward and receives no gradient.
+    """
+    return attend(*split_heads(qkv, n_heads, n_kv_heads, head_dim, rope), mask)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           *, q_offset: int = 0) -> torch.Tensor:
+    """Attention of q ``(B, Tq, H, D)`` over k, v ``(B, Tk, Hkv, D)``: ``(B, Tq, H * D)``.
+
+    ``mask`` None is plain causal (Tq == Tk). A bool mask ``(B, 1, Tq, Tk)`` says what each
+    query sees; a row that sees nothing follows the neutral rule (output exactly zero, no
+    gradient): it attends to its own position ``q_offset + i`` only to keep the softmax
+    defined, then is zeroed. Query ``i`` sits at key position ``q_offset + i``.
+    """
+    b, tq, n_heads, head_dim = q.shape
+    group = n_heads // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)  # (B, Tk, H, D)
+    v = v.repeat_interleave(group, dim=2)  # (B, Tk, H, D)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True)  # (B, H, T, D)
+    else:
+        sees_any = mask.any(dim=-1, keepdim=True)  # (B, 1, Tq, 1)
+        # A row with no visible key attends to itself (a defined softmax), then is zeroed.
+        eye = (torch.arange(k.shape[1])[None, :]
+               == torch.arange(q_offset, q_offset + tq)[:, None])  # (Tq, Tk)
+        safe = mask | (~sees_any & eye)  # (B, 1, Tq, Tk)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), attn_mask=safe)  # (B, H, Tq, D)
+        out = out.masked_fill(~sees_any, 0.0)
+    return out.transpose(1, 2).reshape(b, tq, n_heads * head_dim)  # (B, Tq, H*D)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` over ``[gate | up]`` features: ``(B, T, 2F) -> (B, T, F)``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class ReferenceModel:
+    """The unsharded model: ``ReferenceModel(config, full_params)(tokens) -> logits``.
+
+    After each call ``embedding_output`` holds the embedding lookup ``(B, T, d)``, the point
+    input gradients are compared at (``retain_grad`` it before backward).
+    """
+
+    def __init__(self, config: ModelConfig, params: Mapping[str, torch.Tensor]) -> None:
+        self.config = config
+        self.params = params
+        self.embedding_output: torch.Tensor | None = None
+
+    def __call__(self, tokens: torch.Tensor, segments: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+        """tokens ``(B, T)`` int64 -> logits ``(B, T, vocab)`` fp32. ``segments`` ``(B, T)``
+        packs documents (see ``document_mask``); None is plain causal attention."""
+        c, p = self.config, self.params
+        rope = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
+        mask = document_mask(segments) if segments is not None else None
+        h = F.embedding(tokens, p["tok_embeddings.weight"])  # (B, T, d)
+        self.embedding_output = h
+        for i in range(c.n_layers):
+            pre = f"layers.{i}."
+            x = rms_norm(h, p[pre + "attn_norm.weight"], c.norm_eps)
+            qkv = x @ p[pre + "qkv.weight"].T
+            if c.bias:
+                qkv = qkv + p[pre + "qkv.bias"]
+            a = attention(qkv, c.n_heads, c.n_kv_heads, c.head_dim, rope, mask)
+            h = h + add_bias(a @ p[pre + "o_proj.weight"].T, p.get(pre + "o_proj.bias"))
+            x = rms_norm(h, p[pre + "ffn_norm.weight"], c.norm_eps)
+            h = h + add_bias(swiglu(x @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T,
+                            p.get(pre + "down.bias"))
+        logits = rms_norm(h, p["norm.weight"], c.norm_eps) @ p[c.head_name].T  # (B, T, Vp)
+        return logits[..., :c.vocab] if c.padded_vocab != c.vocab else logits  # (B, T, V)
+
+
+def add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x if bias is None else x + bias

@@ -1,0 +1,231 @@
+"""The tensor-, sequence- and context-parallel forward, written once over a small protocol.
+
+Activations are ``list[Tensor]`` indexed by local rank: ``InProcessCollective`` holds every
+rank of the group in one process (lists of length t), a process-group collective holds one
+rank (lists of length 1). ``ShardedModel.forward`` never asks which it has.
+
+Megatron-style layout: column-parallel qkv and gate_up (each rank computes its own heads
+and neurons), row-parallel o_proj and down (partial sums, all-reduced), vocab-parallel
+embedding (masked lookup, all-reduced) and lm_head (local vocab slice, all-gathered).
+
+Sequence parallelism (``sequence_parallel=True``, Megatron-SP): outside the TP regions the
+residual stream is sharded along the sequence over the TP group, ``(B, T / t, d)`` on TP
+rank r holding positions ``[r T/t, (r+1) T/t)``. RMSNorm runs on those sequence-local
+shards; each column-parallel region (qkv, gate_up, lm_head) is entered through an
+all-gather along the sequence, each row-parallel one (o_proj, down) and the embedding are
+left through a reduce-scatter along the sequence instead of an all-reduce. Backward, each
+is the other's adjoint. A replicated norm weight on TP rank r then sees only rank r's
+positions: its gradient is a partial sum over the sequence shards, reduced once over the
+TP group (``training.reduce_replicated``), as the replicated weights already are.
+
+Context parallelism (``context=`` a second collective, the CP group of degree c): the
+sequence is split into c contiguous chunks, CP rank j holding positions
+``[j T/c, (j+1) T/c)`` everywhere (and SP shards that chunk further over TP). RoPE and the
+causal and document masks use GLOBAL positions (``model.context_mask``); each layer
+all-gathers the rotated K and V over the CP group, so every query sees exactly the keys
+the dense mask permits, remote ones included. The all-masked rows of packed padding keep
+``model.attend``'s neutral rule.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from weight_sync_bench.collectives.protocol import Collective, Tensors
+from weight_sync_bench.errors import UnevenSequence
+from weight_sync_bench.model.reference import (
+    add_bias,
+    attend,
+    attention,
+    context_mask,
+    document_mask,
+    rms_norm,
+    rope_tables,
+    split_heads,
+    swiglu,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
+    from weight_sync_bench.model.config import ModelConfig
+
+
+class ShardedModel:
+    """The model over rank-local shards: ``ShardedModel(config, shards, collective)(tokens)``.
+
+    ``shards[i]`` holds the parameters of TP rank ``collective.ranks[i]`` under the declared
+    layout (``layout_for(config)``); returns one logits tensor per local rank. Local head
+    counts and widths come from the config and the degree; the bytes come from the shards,
+    so a wrong shard computes wrong numbers rather than failing on shape.
+
+    ``sequence_parallel`` shards the residual stream along the sequence over the TP group;
+    ``context`` is the CP group (``context.ranks[i]``: local activation i's CP rank), or
+    None for no context parallelism. See the module docstring for both layouts.
+    """
+
+    def __init__(self, config: ModelConfig, shards: Sequence[Mapping[str, torch.Tensor]],
+                 collective: Collective, *, sequence_parallel: bool = False,
+                 context: Collective | None = None) -> None:
+        if len(shards) != len(collective.ranks):
+            raise ValueError(f"ShardedModel: {len(shards)} shard dicts for local ranks "
+                             f"{list(collective.ranks)}")
+        if context is not None and len(context.ranks) != len(collective.ranks):
+            raise ValueError(f"ShardedModel: CP ranks {list(context.ranks)} do not pair with "
+                             f"TP ranks {list(collective.ranks)}")
+        self.config = config
+        self.shards = list(shards)
+        self.collective = collective
+        self.sequence_parallel = sequence_parallel
+        self.context = context
+        self.embedding_output: Tensors | None = None  # per local rank, set by each forward
+        # per local rank: the global positions [start, stop) its embedding output holds
+        self.embedding_positions: list[tuple[int, int]] | None = None
+
+    def __call__(self, tokens: torch.Tensor, segments: torch.Tensor | None = None, *,
+                 gather_logits: bool = True) -> Tensors:
+        return self.forward(tokens, segments, gather_logits=gather_logits)
+
+    def chunks(self, seq_len: int) -> list[tuple[int, int]]:
+        """Per local rank, the global positions ``[start, stop)`` of its context chunk (the
+        whole sequence without CP). UnevenSequence where the split would be uneven."""
+        cp = self.context.degree if self.context else 1
+        check_sequence_split(self.config.name, seq_len, cp, self.collective.degree,
+                             self.sequence_parallel)
+        width = seq_len // cp
+        if self.context is None:
+            return [(0, seq_len)] * len(self.collective.ranks)
+        return [(j * width, (j + 1) * width) for j in self.context.ranks]
+
+    def forward(self, tokens: torch.Tensor, segments: torch.Tensor | None = None, *,
+                gather_logits: bool = True) -> Tensors:
+        """tokens ``(B, T)`` (the whole sequence) -> per local rank, logits
+        ``(B, Tc, vocab)`` of its context chunk (``Tc = T`` without CP).
+
+        ``segments`` packs documents as in ``ReferenceModel``. With ``gather_logits=False``
+        each rank keeps its own vocab slice ``(B, Tc, padded_vocab / t)``, padding columns
+        included, for a vocab-parallel loss (``weight_sync_bench.loss``).
+        """
+        c, coll, shards = self.config, self.collective, self.shards
+        t = coll.degree
+        heads, kv_heads = c.n_heads // t, c.n_kv_heads // t
+        seq_len = tokens.shape[1]
+        chunks = self.chunks(seq_len)
+        rope = rope_tables(seq_len, c.head_dim, c.rope_theta)
+        if self.context is None:
+            ropes = [rope] * len(chunks)
+            mask = document_mask(segments) if segments is not None else None
+            masks = [mask] * len(chunks)
+        else:  # global positions: the chunk's rows of the tables and of the dense mask
+            ropes = [(rope[0][a:b], rope[1][a:b]) for a, b in chunks]
+            masks = [self.chunk_mask(segments, a, b, seq_len) for a, b in chunks]
+
+        h = self.leave_region([_vocab_parallel_embed(tokens[:, a:b], p["tok_embeddings.weight"], r)
+                               for p, r, (a, b) in zip(shards, coll.ranks, chunks)],
+                              "tok_embeddings.weight")  # (B, Tc, d), or (B, Tc / t, d) with SP
+        self.embedding_output = h
+        self.embedding_positions = self.residual_positions(chunks)
+        for i in range(c.n_layers):
+            pre = f"layers.{i}."
+            x = self.enter_region([rms_norm(hr, p[pre + "attn_norm.weight"], c.norm_eps)
+                                   for hr, p in zip(h, shards)], pre + "qkv.weight")  # (B, Tc, d)
+            qkv = [xr @ p[pre + "qkv.weight"].T for xr, p in zip(x, shards)]
+            if c.bias:
+                qkv = [q + p[pre + "qkv.bias"] for q, p in zip(qkv, shards)]
+            a = self.attend(qkv, heads, kv_heads, ropes, masks, chunks, pre + "attention")
+            partial = [ar @ p[pre + "o_proj.weight"].T for ar, p in zip(a, shards)]  # partial sums
+            h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "o_proj"))]
+            x = self.enter_region([rms_norm(hr, p[pre + "ffn_norm.weight"], c.norm_eps)
+                                   for hr, p in zip(h, shards)], pre + "gate_up.weight")
+            partial = [swiglu(xr @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T
+                       for xr, p in zip(x, shards)]
+            h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "down"))]
+        x = self.enter_region([rms_norm(hr, p["norm.weight"], c.norm_eps)
+                               for hr, p in zip(h, shards)], c.head_name)
+        local_logits = [xr @ p[c.head_name].T for xr, p in zip(x, shards)]  # (B, Tc, Vp/t)
+        if not gather_logits:
+            return local_logits
+        logits = coll.all_gather(local_logits, dim=-1, tag=c.head_name)  # (B, Tc, Vp)
+        return [x[..., :c.vocab] for x in logits] if c.padded_vocab != c.vocab else logits
+
+    def residual_positions(self, chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Per local rank, the global positions its residual stream holds: its chunk, or
+        with SP the TP rank's slice of it."""
+        if not self.sequence_parallel:
+            return chunks
+        t = self.collective.degree
+        out = []
+        for (a, b), r in zip(chunks, self.collective.ranks):
+            w = (b - a) // t
+            out.append((a + r * w, a + (r + 1) * w))
+        return out
+
+    def enter_region(self, xs: Tensors, tag: str) -> Tensors:
+        """Into a column-parallel region: with SP, all-gather the sequence shards
+        (``(B, Tc / t, d) -> (B, Tc, d)``); without, every rank already holds it all."""
+        if not self.sequence_parallel:
+            return xs
+        return self.collective.all_gather(xs, dim=1, tag=tag)
+
+    def leave_region(self, partial: Tensors, tag: str) -> Tensors:
+        """Out of a row-parallel region (or the vocab-parallel embedding): partial sums
+        summed over the group, all-reduced, or with SP reduce-scattered along the sequence."""
+        if not self.sequence_parallel:
+            return self.collective.all_reduce(partial, tag=tag)
+        return self.collective.reduce_scatter(partial, dim=1, tag=tag)
+
+    def reduce_row_parallel(self, partial: Tensors, layer: str) -> Tensors:
+        """Sum a row-parallel layer's partial outputs over the group, then add its bias
+        (``layer + ".bias"``, replicated) once: after the sum, never once per rank."""
+        reduced = self.leave_region(partial, layer + ".weight")
+        return [add_bias(o, p.get(layer + ".bias")) for o, p in zip(reduced, self.shards)]
+
+    @staticmethod
+    def chunk_mask(segments: torch.Tensor | None, start: int, stop: int, seq_len: int
+                   ) -> torch.Tensor:
+        """What the queries at global positions ``[start, stop)`` may see of all keys."""
+        return context_mask(segments, start, stop, seq_len)
+
+    def gather_context(self, kv: Tensors, tag: str) -> Tensors:
+        """Every CP rank's rotated K and V, in global order: ``(B, Tc, ...) -> (B, T, ...)``."""
+        assert self.context is not None
+        return self.context.all_gather(kv, dim=1, tag=tag)
+
+    def attend(self, qkv: Tensors, heads: int, kv_heads: int,
+               ropes: list[tuple[torch.Tensor, torch.Tensor]], masks: list[torch.Tensor | None],
+               chunks: list[tuple[int, int]], tag: str) -> Tensors:
+        """Each rank's attention output ``(B, Tc, heads * D)``. With CP the local K and V
+        (rotated at their global positions) are gathered over the CP group first."""
+        hd = self.config.head_dim
+        if self.context is None:
+            return [attention(x, heads, kv_heads, hd, rope, mask)
+                    for x, rope, mask in zip(qkv, ropes, masks)]
+        split = [split_heads(x, heads, kv_heads, hd, rope) for x, rope in zip(qkv, ropes)]
+        kv = self.gather_context([torch.cat([k, v], dim=-1) for _, k, v in split],
+                                 tag)  # (B, T, Hkv, 2D) each
+        return [attend(q, *kvr.chunk(2, dim=-1), mask, q_offset=a)
+                for (q, _, _), kvr, mask, (a, _) in zip(split, kv, masks, chunks)]
+
+
+def check_sequence_split(name: str, seq_len: int, cp: int, t: int, sequence_parallel: bool
+                         ) -> None:
+    """UnevenSequence unless the sequence splits evenly: into ``cp`` context chunks, and
+    each chunk into ``t`` sequence shards under SP. Uneven splits are rejected, not padded."""
+    if seq_len % cp:
+        raise UnevenSequence(f"{name}: context parallelism needs seq_len % cp == 0 "
+                             f"(seq_len={seq_len}, cp={cp})")
+    if sequence_parallel and (seq_len // cp) % t:
+        raise UnevenSequence(f"{name}: sequence parallelism needs (seq_len / cp) % t == 0 "
+                             f"(seq_len={seq_len}, cp={cp}, t={t})")
+
+
+def _vocab_parallel_embed(tokens: torch.Tensor, table: torch.Tensor, rank: int) -> torch.Tensor:
+    """Rows of this rank's vocab slice; zeros for tokens another rank owns. ``(B, T, d)``."""
+    rows = table.shape[0]
+    local = tokens - rank * rows
+    owned = (local >= 0) & (local < rows)
+    out = F.embedding(local.clamp(0, rows - 1), table)  # (B, T, d)
+    return out.masked_fill(~owned.unsqueeze(-1), 0.0)

@@ -1,0 +1,53 @@
+"""Where the harness's files live: one place decides, for every module.
+
+Each location is an environment variable, else the checkout this package was imported from
+(the editable install, the one ``make`` sets up). In a non-editable install there is no
+checkout: ``checkout()`` raises ``MissingArtifacts`` naming the variable to set, rather than
+pointing into site-packages where nothing was ever measured.
+
+- ``WSB_TOLERANCE_DIR``: the measured floors (``tolerance/*.json``) thresholds are read from;
+- ``WSB_CORPUS_DIR``: saved counterexamples (``corpus/*.json``);
+- ``WSB_FUZZ_DIR``: the fuzz runner's example database and campaign outputs (``.hypothesis/``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from weight_sync_bench.errors import MissingArtifacts
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def checkout() -> Path | None:
+    """The repository root this package runs from, or None outside a checkout (``src/``
+    layout: the package's grandparent holds ``pyproject.toml``)."""
+    root = _PACKAGE.parents[1]
+    return root if (root / "pyproject.toml").is_file() and (root / "src").is_dir() else None
+
+
+def _located(variable: str, folder: str) -> Path:
+    env = os.environ.get(variable)
+    if env:
+        return Path(env)
+    root = checkout()
+    if root is None:
+        raise MissingArtifacts(f"no checkout of weight-sync-bench around {_PACKAGE} to find "
+                               f"{folder}/ in: set {variable} to the directory that holds it")
+    return root / folder
+
+
+def tolerance_dir() -> Path:
+    """$WSB_TOLERANCE_DIR, else the checkout's ``tolerance/``."""
+    return _located("WSB_TOLERANCE_DIR", "tolerance")
+
+
+def corpus_dir() -> Path:
+    """$WSB_CORPUS_DIR, else the checkout's ``corpus/``."""
+    return _located("WSB_CORPUS_DIR", "corpus")
+
+
+def fuzz_dir() -> Path:
+    """$WSB_FUZZ_DIR, else the checkout's ``.hypothesis/`` (git-ignored)."""
+    return _located("WSB_FUZZ_DIR", ".hypothesis")

@@ -1,0 +1,3 @@
+"""Thresholds as pure functions of committed measurements: the rules, and artifact
+reading and writing with provenance. ``python -m weight_sync_bench.tolerance`` measures.
+"""

@@ -1,0 +1,99 @@
+"""Tolerance artifacts: where each kind lives, reading and writing them with provenance.
+
+One implementation for every kind (phase, training, sequence, random-geometry floor):
+written atomically, read back with its schema, phase and fields checked, each carrying the
+versions, platform, dtype and commit it was measured on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from weight_sync_bench.errors import ToleranceMismatch
+from weight_sync_bench.paths import checkout, tolerance_dir
+
+SCHEMA = 1
+
+
+PHASES = ("1a", "1b")
+
+ARTIFACT_KINDS = ("phase", "training", "sequence", "random_floor")
+
+
+def artifact_path(phase: str = "1a", *, kind: str = "phase") -> Path:
+    """The committed artifact of one kind and phase, under ``paths.tolerance_dir()``:
+    ``phase1a.json``, ``training.json`` / ``training_1b.json``, ``sequence.json`` /
+    ``sequence_1b.json``, ``random_floor_1a.json`` (the names the artifacts were committed
+    under)."""
+    if phase not in PHASES:
+        raise ToleranceMismatch(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
+    match kind:
+        case "phase":
+            name = f"phase{phase}.json"
+        case "training" | "sequence":
+            name = f"{kind}.json" if phase == "1a" else f"{kind}_{phase}.json"
+        case "random_floor":
+            name = f"random_floor_{phase}.json"
+        case _:
+            raise ToleranceMismatch(f"unknown artifact kind {kind!r}; known: "
+                                    + ", ".join(ARTIFACT_KINDS))
+    return tolerance_dir() / name
+
+
+def environment() -> dict[str, Any]:
+    """Versions and machine the measurement ran on, and the commit it measured."""
+    root = checkout() or Path.cwd()
+    try:
+        head = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+        commit = head.stdout.strip() if head.returncode == 0 and head.stdout.strip() else None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=root,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"torch": torch.__version__, "numpy": np.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "machine": platform.machine(), "dtype": str(torch.get_default_dtype()),
+            "torch_threads": torch.get_num_threads(), "commit": commit, "src_dirty": dirty}
+
+
+def write_artifact(artifact: dict[str, Any], path: Path) -> None:
+    """Atomically: a crash mid-write never leaves a half-written artifact."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(artifact, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def read_artifact(path: Path, *, phase: str, fields: Iterable[str], remedy: str,
+                  schema: int = SCHEMA) -> dict[str, Any]:
+    """A measured artifact read back, or ``ToleranceMismatch`` naming the file and what is
+    wrong: missing (with ``remedy``, the command that measures it), not JSON, a field
+    missing, another schema, or another phase (a floor is never reused across phases)."""
+    try:
+        artifact = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ToleranceMismatch(f"{path}: no such artifact; measure it with `{remedy}`") from None
+    except json.JSONDecodeError as exc:
+        raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(artifact, dict):
+        raise ToleranceMismatch(f"{path}: expected a JSON object, got {type(artifact).__name__}")
+    for field in ("schema", "phase", *fields):
+        if field not in artifact:
+            raise ToleranceMismatch(f"{path}: missing field {field!r}")
+    if artifact["schema"] != schema:
+        raise ToleranceMismatch(f"{path}: field 'schema' is {artifact['schema']!r}, "
+                                f"this code reads {schema}")
+    if artifact["phase"] != phase:
+        raise ToleranceMismatch(f"{path}: field 'phase' records {artifact['phase']!r}, "
+                                f"asked for {phase!r}")
+    return artifact

@@ -1,0 +1,103 @@
+"""The numerical floor of a correct layout, measured; and the threshold derived from it.
+
+A row-parallel matmul sums partial products across ranks in another order than the dense
+matmul, so correct sharded logits differ from the reference in the low bits. The threshold
+must admit that reordering and still catch a layout bug, so it is measured, never typed in:
+
+    python -m weight_sync_bench.tolerance            # writes tolerance/phase1a.json
+
+Per destination cell (config, t) over ``repetitions`` model and token seeds it records, in
+units of 2^-23: ``max_ulp`` (the max over every logit of every repetition: a tail statistic
+that grows with tensor size and repetitions), ``median_ulp`` and ``mean_ulp`` (over the same
+pooled per-logit deviations: they do not saturate), and ``worst_abs``. The threshold is a
+pure function of the artifact (``derive_threshold``): the smallest power of ten at or above
+100x the worst observation. The floor belongs to the geometry and token shape it was
+measured on, so reading a threshold for a config checks both against the record.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+from weight_sync_bench.errors import ToleranceMismatch
+from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.tolerance.artifacts import artifact_path, read_artifact
+
+ULP = 2.0 ** -23  # the unit deviations are recorded in
+SAFETY = 100  # the threshold sits at least this many times above the worst observation
+
+
+TOKEN_SEED_OFFSET = 1000  # repetition r uses model seed r and token seed 1000 + r
+
+
+def derive_threshold(worst_abs: float, safety: int = SAFETY) -> float:
+    """The smallest power of ten at or above ``safety`` x the worst observation.
+
+    Exact at the boundaries: computed on the rational the float's shortest repr names
+    (``1e-05`` is exactly 1e-5 here), never through a float log10.
+    """
+    if not math.isfinite(worst_abs) or worst_abs < 0:
+        raise ToleranceMismatch(f"worst observation must be finite and >= 0, got {worst_abs!r}")
+    target = Fraction(repr(float(worst_abs))) * safety
+    if target == 0:
+        raise ToleranceMismatch("worst observation is 0: a floor of exactly zero admits no "
+                                "reordering and cannot set a threshold")
+    exponent = math.floor(math.log10(target))
+    while Fraction(10) ** exponent < target:
+        exponent += 1
+    while Fraction(10) ** (exponent - 1) >= target:
+        exponent -= 1
+    return float(Fraction(10) ** exponent)
+
+
+def load_artifact(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:
+    return read_artifact(path or artifact_path(phase), phase=phase,
+                         fields=("configs", "cells", "worst_abs"),
+                         remedy=f"python -m weight_sync_bench.tolerance --phase {phase}")
+
+
+def check_geometry(artifact: dict[str, Any], config: ModelConfig) -> None:
+    """Fail unless the running config's geometry and token shape equal the recorded ones."""
+    recorded = artifact["configs"].get(config.name)
+    if recorded is None:
+        raise ToleranceMismatch(
+            f"phase {artifact['phase']}: no floor recorded for config {config.name!r} "
+            f"(recorded: {', '.join(artifact['configs'])}); pass threshold= explicitly, or for "
+            "a geometry inside the fuzz domain threshold_rule=floor.fuzz_threshold_rule()")
+    if (recorded["geometry"] != config.geometry()
+            or tuple(recorded["token_shape"]) != config.token_shape):
+        diff = {k: (recorded["geometry"].get(k), v) for k, v in config.geometry().items()
+                if recorded["geometry"].get(k) != v}
+        why = (" (the token shape sets how many logits the max is taken over: a larger one "
+               "widens the floor)" if {"batch", "seq_len"} & diff.keys() else "")
+        raise ToleranceMismatch(
+            f"{config.name}: running geometry differs from the phase {artifact['phase']} "
+            "floor's: " + ", ".join(f"{k} recorded {a} running {b}" for k, (a, b) in diff.items())
+            + why)
+    recorded_numerics = recorded.get("numerics")
+    if recorded_numerics is not None and recorded_numerics != numerics(config):
+        diff = {k: (recorded_numerics.get(k), v) for k, v in numerics(config).items()
+                if recorded_numerics.get(k) != v}
+        raise ToleranceMismatch(
+            f"{config.name}: running numerics differ from the phase {artifact['phase']} "
+            "floor's: " + ", ".join(f"{k} recorded {a} running {b}" for k, (a, b) in diff.items()))
+
+
+def numerics(config: ModelConfig) -> dict[str, float]:
+    """The float fields that move the floor without changing any shape."""
+    return {"rope_theta": config.rope_theta, "norm_eps": config.norm_eps}
+
+
+def threshold_from(artifact: dict[str, Any]) -> float:
+    """The threshold an artifact implies: ``derive_threshold`` of its worst observation."""
+    return derive_threshold(artifact["worst_abs"])
+
+
+def threshold_for(config: ModelConfig, phase: str = "1a") -> float:
+    """The threshold for a built-in config in a phase, after checking its geometry."""
+    artifact = load_artifact(phase)
+    check_geometry(artifact, config)
+    return threshold_from(artifact)

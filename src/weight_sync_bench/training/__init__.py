@@ -1,0 +1,4 @@
+"""Training equivalence: mesh, batches, vocab-parallel loss, optimizer, the training step
+(one, for the in-process mesh and the gloo ranks), the comparison, training mutations,
+adversarial values, collective counts, and the training and sequence floors.
+"""

@@ -1,0 +1,155 @@
+"""What a training run exposes, and how the sharded one is compared with the reference.
+
+Deviations are relative to the reference's own scale, per parameter, so one threshold
+serves parameters whose gradients differ by orders of magnitude: ``max |got - want| /
+max |want|`` for the loss and the gradients, and for the parameters after AdamW steps the
+L2 error relative to the reference's own update (``update_deviation`` says why not a max).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from weight_sync_bench.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from weight_sync_bench.training.mesh import Mesh
+
+
+Params = dict[str, torch.Tensor]
+QUANTITIES = ("loss", "input_grad", "param_grad", "kv_grad", "params_step1", "params_final")
+# compared exactly, no threshold: copies that must be byte-identical, and the gradient of
+# the padded vocab rows, which are no part of the logical model and must be exactly zero
+EXACT = ("replicas", "padding_grad")
+
+
+@dataclass
+class Trace:
+    """What a training run exposes for comparison (gradients and inputs of step 1)."""
+
+    losses: list[float]
+    input_grad: torch.Tensor  # (B, T, d)
+    grads: Params  # global positions
+    params: list[Params]  # after each step
+    replica_spread: float = 0.0  # max |difference| between copies that must be identical
+
+
+def deviation(got: torch.Tensor, want: torch.Tensor, scale: float) -> float:
+    """``max |got - want| / scale``; NaN anywhere reads as infinite; scale 0 demands equality."""
+    diff = float((got.double() - want.double()).abs().max()) if got.numel() else 0.0
+    if diff != diff:
+        return float("inf")
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / scale
+
+
+def _absmax(x: torch.Tensor) -> float:
+    return float(x.double().abs().max()) if x.numel() else 0.0
+
+
+def _worst(items: dict[str, float]) -> tuple[float, str]:
+    name = max(items, key=lambda n: items[n])
+    return items[name], name
+
+
+def deviations(config: ModelConfig, start: Params, ref: Trace, got: Trace
+               ) -> dict[str, tuple[float, str]]:
+    """Each quantity's deviation and where it is worst (a parameter name, or "")."""
+    out: dict[str, tuple[float, str]] = {
+        "loss": (deviation(torch.tensor(got.losses[0]), torch.tensor(ref.losses[0]),
+                           abs(ref.losses[0])), ""),
+        "input_grad": (deviation(got.input_grad, ref.input_grad, _absmax(ref.input_grad)), ""),
+        "param_grad": _worst({n: deviation(got.grads[n], g, _absmax(g))
+                              for n, g in ref.grads.items()}),
+    }
+    kv = {}
+    for name, g in ref.grads.items():
+        if ".qkv." in name:
+            want, have = g[config.q_rows:], got.grads[name][config.q_rows:]  # [K | V] rows
+            kv[name] = deviation(have, want, _absmax(want))
+    out["kv_grad"] = _worst(kv)
+    out["replicas"] = (got.replica_spread, "")
+    padding = {n: _absmax(g[config.vocab:]) for n, g in got.grads.items()  # rows >= vocab
+               if n in ("tok_embeddings.weight", "lm_head.weight")}
+    out["padding_grad"] = _worst({n: v if v == v else float("inf") for n, v in padding.items()})
+    for quantity, k in (("params_step1", 0), ("params_final", len(ref.params) - 1)):
+        out[quantity] = _worst({n: update_deviation(got.params[k][n], p, start[n])
+                                for n, p in ref.params[k].items()})
+    return out
+
+
+def update_deviation(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor) -> float:
+    """``||got - want|| / ||want - start||`` (L2): the parameter error relative to the
+    reference's own update. Not a max, because AdamW's first step is close to
+    ``lr * sign(g)``: an element whose gradient sits at the floor (|g| near the rounding
+    error of a reordered sum) may flip its whole step, and over millions of elements some
+    do, so an elementwise maximum measures that tail rather than the update."""
+    diff = float((got.double() - want.double()).norm())
+    if diff != diff:
+        return float("inf")
+    scale = float((want.double() - start.double()).norm())
+    if scale == 0.0:
+        return 0.0 if diff == 0.0 else float("inf")
+    return diff / scale
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One compared quantity: its deviation against its threshold (0 for exact ones)."""
+
+    quantity: str
+    deviation: float
+    threshold: float
+    where: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.deviation <= self.threshold
+
+    @property
+    def ratio(self) -> float:
+        if self.threshold == 0.0:
+            return 0.0 if self.deviation == 0.0 else float("inf")
+        return self.deviation / self.threshold
+
+
+@dataclass(frozen=True)
+class TrainingReport:
+    """Every compared quantity of one training check (config, mesh, batch, recipe)."""
+
+    config: str
+    mesh: Mesh
+    steps: int
+    packed: bool
+    comparisons: tuple[Comparison, ...]
+    mutation: str | None = None
+    losses: tuple[float, float] = (0.0, 0.0)  # (sharded, reference) printed loss of step 1
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.comparisons)
+
+    @property
+    def worst(self) -> Comparison:
+        """The comparison furthest over (or nearest to) its threshold."""
+        return max(self.comparisons, key=lambda c: c.ratio)
+
+    @property
+    def worst_toleranced(self) -> Comparison:
+        """The worst of the quantities with a measured threshold (a finite ratio to report,
+        where an exact quantity's violation reads as infinitely many thresholds)."""
+        return max((c for c in self.comparisons if c.threshold > 0), key=lambda c: c.ratio)
+
+    @property
+    def exact_failures(self) -> tuple[Comparison, ...]:
+        return tuple(c for c in self.comparisons if c.threshold == 0 and not c.passed)
+
+    def __getitem__(self, quantity: str) -> Comparison:
+        for c in self.comparisons:
+            if c.quantity == quantity:
+                return c
+        raise KeyError(quantity)

@@ -1,0 +1,235 @@
+"""The floor of each training quantity, measured; one threshold per quantity derived from it.
+
+    python -m weight_sync_bench.training_tolerance               # tolerance/training.json
+    python -m weight_sync_bench.training_tolerance --phase 1b    # tolerance/training_1b.json
+
+The correct sharded training differs from the dense one only by reordered sums. Each
+quantity of ``training_compare.QUANTITIES`` is measured over a domain of cases: both named
+configs and TOY with every variant at every supported DP x TP shape; small geometries with
+every variant (padded vocab, tied embeddings, biases, packed documents with a row of
+padding alone); and the adversarial values (cancelling partial sums, the maximum and the
+target on different ranks, loud biases); over ``repetitions`` seeds. Per quantity the
+artifact records the worst deviation and where it was seen; the threshold is
+``tolerance.derive_threshold`` of it (the seed-000 rule: the smallest power of ten at or
+above 100x the worst), per regime: cancelling partial sums amplify relative rounding error
+by design and get a floor of their own, so they do not loosen every other check.
+``replicas`` is compared exactly and has no threshold. A config outside the measured
+domain (wider, deeper, more tokens) has no threshold: its floor was never measured. Phase
+1b (over gloo) has its own artifact: a floor is not reused across phases.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from weight_sync_bench.errors import ToleranceMismatch
+from weight_sync_bench.model.config import TOY, TOY_KV4, ModelConfig, init_params
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.tolerance.artifacts import (
+    SCHEMA,
+    artifact_path,
+    environment,
+)
+from weight_sync_bench.tolerance.rules import SAFETY, derive_threshold
+from weight_sync_bench.training import adversarial
+from weight_sync_bench.training.batches import BatchSpec, default_spec
+from weight_sync_bench.training.compare import EXACT, QUANTITIES, Trace
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.step import TrainingCase
+
+REPETITIONS = 2
+STEPS = 3
+DOMAIN_FIELDS = ("d_model", "n_layers", "tokens")  # upper bounds of the measured domain
+# "cancelling": row-parallel partial sums that cancel to 1e-3 of themselves (adversarial),
+# whose results carry 1e3 times the relative rounding error: a floor of its own.
+REGIMES = ("plain", "cancelling")
+
+SMALL = ModelConfig(name="small", vocab=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4,
+                    head_dim=8, ffn=48, batch=4, seq_len=8, vocab_multiple=4)  # vocab 52 padded
+SMALL_VARIANTS = (
+    SMALL,
+    SMALL.replace(name="small_tied_bias", tie_embeddings=True, bias=True),
+    SMALL.replace(name="small_gqa_bias", n_kv_heads=2, bias=True, d_model=64, ffn=96),
+)
+# TOY's geometry with every variant on: vocab 31999 padded to 32000, tied, biased
+TOY_VARIANTS = TOY.replace(name="toy_variants", vocab=31999, vocab_multiple=4,
+                           tie_embeddings=True, bias=True)
+# packed rows with 1-3 documents, uneven padding and a row of padding alone
+PACKED_WITH_EMPTY_ROW = BatchSpec(((3, 5), (2,), (), (4, 1, 2)), seq_len=8, ignore_rate=0.25,
+                                  packed=True)
+
+
+PHASES = ("1a", "1b")  # in process; over gloo, one process per TP rank (dp = 1)
+
+
+def meshes(config: ModelConfig, rows: int) -> list[Mesh]:
+    """Every DP x TP shape of a config: each supported TP degree, DP of 1, 2, 4 (<= rows)."""
+    return [Mesh(dp, tp) for tp in layout_for(config).supported_degrees()
+            for dp in (1, 2, 4) if dp <= rows]
+
+
+def domain_of(config: ModelConfig) -> dict[str, int]:
+    return {"d_model": config.d_model, "n_layers": config.n_layers,
+            "tokens": config.batch * config.seq_len}
+
+
+def _cases(repetitions: int, steps: int) -> list[tuple[str, str, list[TrainingCase]]]:
+    """(regime, label, cases sharing one reference) over the whole measured domain."""
+    groups: list[tuple[str, str, list[TrainingCase]]] = []
+    specs: list[tuple[ModelConfig, BatchSpec]] = []
+    for config in (TOY, TOY_KV4, TOY_VARIANTS, *SMALL_VARIANTS):
+        specs += [(config, default_spec(config, packed=False)),
+                  (config, default_spec(config, packed=True))]
+        if config.batch == PACKED_WITH_EMPTY_ROW.rows and config.seq_len == 8:
+            specs.append((config, PACKED_WITH_EMPTY_ROW))
+    for (config, spec), seed in itertools.product(specs, range(repetitions)):
+        params = init_params(config, seed)
+        label = f"{config.name} {'packed' if spec.packed else 'unpacked'} seed={seed}"
+        groups.append(("plain", label, [TrainingCase(config, m, seed, steps, spec, params)
+                               for m in meshes(config, spec.rows)]))
+    for config, seed in itertools.product(SMALL_VARIANTS, range(repetitions)):
+        spec = default_spec(config, packed=True)
+        params = init_params(config, seed)
+        if config.bias:
+            params = adversarial.loud_biases(config, params)
+        for t in (d for d in layout_for(config).supported_degrees() if d >= 2):
+            ms = [Mesh(dp, t) for dp in (1, 2)]
+            if t % 2 == 0:
+                cancel = adversarial.cancelling(config, params, t)
+                groups.append(("cancelling", f"{config.name} cancelling t={t} seed={seed}",
+                               [TrainingCase(config, m, seed, steps, spec, cancel) for m in ms]))
+            base = TrainingCase(config, ms[0], seed, steps, spec, params)
+            far = adversarial.max_elsewhere(base, t)
+            groups.append(("plain", f"{config.name} max_elsewhere t={t} seed={seed}",
+                           [_with_mesh(far, m) for m in ms]))
+    return groups
+
+
+def _with_mesh(case: TrainingCase, mesh: Mesh) -> TrainingCase:
+    out = TrainingCase(case.config, mesh, case.seed, case.steps, case.spec, case.params,
+                       case.adamw)
+    out.batches = case.batches
+    return out
+
+
+Groups = list[tuple[str, str, list[TrainingCase]]]  # (regime, label, cases sharing a reference)
+
+
+def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a", *,
+            groups: Groups | None = None, kind: str = "training") -> dict[str, Any]:
+    """Run every case of the domain (``groups``, default the DP x TP one) correctly and
+    record the worst of each quantity. Phase 1b trains over gloo on a rank pool, on the
+    cases with dp = 1. ``kind`` names the artifact (``sequence_tolerance`` measures the
+    SP / CP domain into one of its own)."""
+    train = _trainer(phase)
+    worst = {regime: {q: {"worst": 0.0, "case": "", "where": ""} for q in QUANTITIES}
+             for regime in REGIMES}
+    cells, domain = [], {f: 0 for f in DOMAIN_FIELDS}
+    never = dict.fromkeys(QUANTITIES, float("inf"))
+    for regime, label, cases in (groups if groups is not None else _cases(repetitions, steps)):
+        cases = [c for c in cases if phase == "1a" or c.mesh.dp == 1]
+        reference = cases[0].reference()
+        for case in cases:
+            report = case.check(never, reference=reference, trained=train(case))
+            for exact in EXACT:
+                if report[exact].deviation != 0.0:
+                    raise ToleranceMismatch(f"{label} {case.mesh}: {exact} is "
+                                            f"{report[exact].deviation} in a correct run, not 0")
+            row: dict[str, Any] = {"regime": regime, "case": f"{label} {case.mesh}"}
+            for c in report.comparisons:
+                if c.quantity in QUANTITIES:
+                    row[c.quantity] = c.deviation
+                    if c.deviation > worst[regime][c.quantity]["worst"]:
+                        worst[regime][c.quantity] = {"worst": c.deviation, "case": row["case"],
+                                                     "where": c.where}
+            cells.append(row)
+            for f, v in domain_of(case.config).items():
+                domain[f] = max(domain[f], v)
+    return {
+        "schema": SCHEMA, "kind": kind, "phase": phase, "repetitions": repetitions,
+        "steps": steps,
+        "rule": f"per quantity: smallest power of ten >= {SAFETY} x worst",
+        "deviation": {"loss, input_grad, param_grad, kv_grad":
+                      "max |sharded - reference| / max |reference|, per parameter",
+                      "params_step1, params_final":
+                      "||sharded - reference|| / ||reference - start|| (L2), per parameter"},
+        "exact": {"replicas": "byte-identical copies; no threshold",
+                  "padding_grad": "gradient of the padded vocab rows: exactly 0"},
+        "domain": domain,
+        "regimes": {regime: {q: {**w, "threshold": derive_threshold(w["worst"])}
+                             for q, w in per.items()} for regime, per in worst.items()},
+        "cells": cells, "environment": environment(),
+    }
+
+
+def _trainer(phase: str) -> Callable[[TrainingCase], Trace | None]:
+    """How a phase trains the sharded side: None (in process, by ``TrainingCase.check``), or
+    over gloo on the process's shared rank pool."""
+    if phase not in PHASES:
+        raise ToleranceMismatch(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
+    if phase == "1a":
+        return lambda case: None
+    from weight_sync_bench.collectives.gloo.pool import (
+        shared_pool,  # the gloo launcher, only when asked
+    )
+    from weight_sync_bench.training.gloo import train_gloo
+    pool = shared_pool(max(layout_for(c).supported_degrees()[-1]
+                           for c in (TOY_KV4, *SMALL_VARIANTS)))
+    return lambda case: train_gloo(case, pool)
+
+
+def load(path: Path | None = None, phase: str = "1a", kind: str = "training") -> dict[str, Any]:
+    path = path or artifact_path(phase, kind=kind)
+    try:
+        artifact = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ToleranceMismatch(f"{path}: no training tolerance; measure it with "
+                                "`python -m weight_sync_bench.training_tolerance`") from None
+    except json.JSONDecodeError as exc:
+        raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
+    if artifact.get("schema") != SCHEMA or artifact.get("kind") != kind:
+        raise ToleranceMismatch(f"{path}: not a schema-{SCHEMA} {kind} artifact")
+    if artifact.get("phase") != phase:
+        raise ToleranceMismatch(f"{path}: records phase {artifact.get('phase')!r}, asked for "
+                                f"{phase!r}: a floor is not reused across phases")
+    for regime in REGIMES:
+        missing = [q for q in QUANTITIES if q not in artifact.get("regimes", {}).get(regime, {})]
+        if missing:
+            raise ToleranceMismatch(f"{path}: no {regime} floor recorded for {', '.join(missing)}")
+    return artifact
+
+
+def thresholds_from(artifact: dict[str, Any], regime: str = "plain") -> dict[str, float]:
+    """Each quantity's threshold: ``derive_threshold`` of its recorded worst (pure)."""
+    if regime not in REGIMES:
+        raise ToleranceMismatch(f"unknown regime {regime!r}; known: {', '.join(REGIMES)}")
+    return {q: derive_threshold(artifact["regimes"][regime][q]["worst"]) for q in QUANTITIES}
+
+
+def thresholds_for(config: ModelConfig, regime: str = "plain",
+                   artifact: dict[str, Any] | None = None, phase: str = "1a"
+                   ) -> dict[str, float]:
+    """The thresholds for a config inside the measured domain; ToleranceMismatch outside."""
+    artifact = artifact if artifact is not None else load(phase=phase)
+    measured = artifact["domain"]
+    for field, value in domain_of(config).items():
+        if value > measured[field]:
+            raise ToleranceMismatch(
+                f"{config.name}: {field}={value} exceeds the measured training domain "
+                f"({field} <= {measured[field]}): its floor was never measured")
+    return thresholds_from(artifact, regime)
+
+
+def format_table(artifact: dict[str, Any]) -> str:
+    rows = [["regime", "quantity", "worst", "threshold", "ratio", "where"]]
+    for regime, per in artifact["regimes"].items():
+        for q, w in per.items():
+            rows.append([regime, q, f"{w['worst']:.3g}", f"{w['threshold']:g}",
+                         f"{w['worst'] / w['threshold']:.2g}x",
+                         f"{w['case']} {w['where']}".strip()])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

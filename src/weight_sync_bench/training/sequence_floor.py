@@ -1,0 +1,111 @@
+"""The training floors under sequence and context parallelism, measured; thresholds derived.
+
+    python -m weight_sync_bench.sequence_tolerance              # tolerance/sequence.json
+    python -m weight_sync_bench.sequence_tolerance --phase 1b   # tolerance/sequence_1b.json
+
+The same quantities, deviations and rule as ``training_tolerance`` (the smallest power of
+ten at or above 100x the worst, per quantity and regime), over the meshes that shard the
+sequence: every config of the training domain (TOY, TOY_KV4, TOY with every variant, the
+small variants), unpacked and packed (and the packed batch with a row of padding alone),
+at every supported TP degree with and without SP (SP from t = 2), CP of 1, 2 and 4 where
+the sequence splits evenly, dp of 1 and 2; the plain DP x TP shapes are training.json's.
+The "cancelling" regime repeats the adversarial cancelling partial sums under SP and CP.
+A floor is not reused across meshes that reorder different sums: this artifact is the
+SP / CP one, and ``thresholds_for`` reads it for every mesh with ``sp`` or ``cp > 1``.
+Nor across phases: phase 1b (SP over gloo, one process per TP rank, dp = 1; CP has no gloo
+path) has ``sequence_1b.json``, measured on the same domain's SP meshes with cp = 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+from weight_sync_bench.model.config import TOY, TOY_KV4, ModelConfig, init_params
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.training import adversarial
+from weight_sync_bench.training.batches import default_spec
+from weight_sync_bench.training.floor import (
+    PACKED_WITH_EMPTY_ROW,
+    REPETITIONS,
+    SMALL_VARIANTS,
+    STEPS,
+    TOY_VARIANTS,
+    Groups,
+    load,
+    measure,
+)
+from weight_sync_bench.training.floor import thresholds_for as _thresholds_for
+from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.step import TrainingCase
+
+KIND = "sequence"
+CP_DEGREES = (1, 2, 4)
+
+
+def sequence_meshes(config: ModelConfig, rows: int, seq_len: int,
+                    dps: tuple[int, ...] = (1, 2)) -> list[Mesh]:
+    """Every mesh of a config that shards the sequence: each supported TP degree, SP on
+    (t >= 2) or off, CP in ``CP_DEGREES`` where ``seq_len`` splits evenly (and each chunk
+    over t under SP), ``dps`` up to the rows; never the plain DP x TP shape."""
+    out = []
+    for tp, cp, sp in itertools.product(layout_for(config).supported_degrees(), CP_DEGREES,
+                                        (False, True)):
+        if (not sp and cp == 1) or (sp and tp == 1) or seq_len % cp or (
+                sp and (seq_len // cp) % tp):
+            continue
+        out += [Mesh(dp, tp, sp, cp) for dp in dps if dp <= rows]
+    return out
+
+
+def _groups(repetitions: int, steps: int, phase: str = "1a") -> Groups:
+    groups: Groups = []
+    for config in (TOY, TOY_KV4, TOY_VARIANTS, *SMALL_VARIANTS):
+        specs = [default_spec(config, packed=False), default_spec(config, packed=True)]
+        if config.batch == PACKED_WITH_EMPTY_ROW.rows and config.seq_len == 8:
+            specs.append(PACKED_WITH_EMPTY_ROW)
+        for spec, seed in itertools.product(specs, range(repetitions)):
+            params = init_params(config, seed)
+            label = f"{config.name} {'packed' if spec.packed else 'unpacked'} seed={seed}"
+            groups.append(("plain", label,
+                           [TrainingCase(config, m, seed, steps, spec, params)
+                            for m in sequence_meshes(config, spec.rows, spec.seq_len)
+                            if _over(phase, m)]))
+    for config, seed in itertools.product(SMALL_VARIANTS, range(repetitions)):
+        spec = default_spec(config, packed=True)
+        for t in (d for d in layout_for(config).supported_degrees() if d >= 2 and d % 2 == 0):
+            cancel = adversarial.cancelling(config, init_params(config, seed), t)
+            ms = [m for m in sequence_meshes(config, spec.rows, spec.seq_len)
+                  if m.tp == t and _over(phase, m)]
+            groups.append(("cancelling", f"{config.name} cancelling t={t} seed={seed}",
+                           [TrainingCase(config, m, seed, steps, spec, cancel) for m in ms]))
+    return groups
+
+
+def _over(phase: str, mesh: Mesh) -> bool:
+    """Whether a phase can train this mesh: all in process; over gloo dp = 1, cp = 1."""
+    return phase == "1a" or (mesh.dp == 1 and mesh.cp == 1)
+
+
+def measure_sequence(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a"
+                     ) -> dict[str, Any]:
+    groups = [g for g in _groups(repetitions, steps, phase) if g[2]]
+    return measure(repetitions, steps, phase, groups=groups, kind=KIND)
+
+
+def load_sequence(path: Path | None = None, phase: str = "1a") -> dict[str, Any]:
+    return load(path or artifact_path(phase, kind=KIND), phase=phase, kind=KIND)
+
+
+def thresholds_for(config: ModelConfig, mesh: Mesh, regime: str = "plain",
+                   artifact: dict[str, Any] | None = None, phase: str = "1a"
+                   ) -> dict[str, float]:
+    """The thresholds for a case: from sequence[_1b].json when the mesh shards the sequence
+    (sp or cp > 1), else from training[_1b].json; ToleranceMismatch outside the measured
+    domain."""
+    if not (mesh.sp or mesh.cp > 1):
+        return _thresholds_for(config, regime, artifact, phase=phase)
+    return _thresholds_for(config, regime,
+                           artifact if artifact is not None else load_sequence(phase=phase))
