@@ -464,3 +464,19 @@ def shared_pool(size: int) -> RankPool:
                 _shared.close()
             _shared = RankPool(size)
         return _shared
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (``R`` running, ``S`` sleeping, ``D`` in
+    uninterruptible wait, ``T`` stopped, ``Z`` a zombie...), or None once it is gone: what a
+    rank is doing, read from /proc rather than inferred from its breadcrumbs."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def is_alive(pid: int) -> bool:
+    """Running or stopped: not gone, and not a zombie waiting for its reaper."""
+    return process_state(pid) not in (None, "Z")

@@ -23,7 +23,7 @@ import torch
 from weight_sync_bench.check.forwards import run_phase1b
 from weight_sync_bench.collectives.gloo.breadcrumbs import Breadcrumb, Fault, Tracer
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
-from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
+from weight_sync_bench.collectives.gloo.pool import RankPool, is_alive, shared_pool
 from weight_sync_bench.collectives.gloo.rank import RankContext
 from weight_sync_bench.collectives.gloo.transport import GlooTransport, ParamSink
 from weight_sync_bench.collectives.inprocess import InProcessCollective
@@ -51,18 +51,9 @@ def _within_phase1b_floor(result) -> bool:
     return (result.logits - result.reference).abs().max().item() <= threshold
 
 
-def _alive(pid: int) -> bool:
-    """Running, or stopped: not gone and not a zombie waiting for its reaper."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _assert_healthy_again(pool: RankPool, old_pids: tuple[int, ...]) -> None:
     """The old ranks are gone, and the same pool restarts and passes a correct check."""
-    assert old_pids and not any(_alive(pid) for pid in old_pids), old_pids
+    assert old_pids and not any(is_alive(pid) for pid in old_pids), old_pids
     starts = pool.starts
     result = run_phase1b(TINY, 2, param_seed=1, token_seed=2, pool=pool, reference=True)
     assert pool.starts == starts + 1
@@ -203,7 +194,7 @@ def test_two_pools_started_at_once_do_not_collide():
     for result in (a, b):
         assert _within_phase1b_floor(result)
     assert not torch.equal(a.logits, b.logits)  # two different checks, not one seen twice
-    assert not any(_alive(p) for p in pids_a + pids_b)
+    assert not any(is_alive(p) for p in pids_a + pids_b)
 
 
 def test_ranks_of_a_parent_killed_without_cleanup_exit_on_their_own():
@@ -221,9 +212,9 @@ def test_ranks_of_a_parent_killed_without_cleanup_exit_on_their_own():
     shutil.rmtree(directory)  # a SIGKILLed owner cannot remove its pool's files
     assert len(pids) == 3
     give_up = time.monotonic() + 5.0
-    while any(_alive(int(p)) for p in pids) and time.monotonic() < give_up:
+    while any(is_alive(int(p)) for p in pids) and time.monotonic() < give_up:
         time.sleep(0.1)
-    assert not any(_alive(int(p)) for p in pids)
+    assert not any(is_alive(int(p)) for p in pids)
 
 
 # -- faults, each with its bound

@@ -11,7 +11,6 @@ import textwrap
 
 import pytest
 import torch
-from test_distributed import _alive
 
 from weight_sync_bench.check import forwards as phase1b
 from weight_sync_bench.check.checker import check_split
@@ -21,7 +20,7 @@ from weight_sync_bench.check.forwards import (
     phase1b_logits,
     run_phase1b,
 )
-from weight_sync_bench.collectives.gloo.pool import shared_pool
+from weight_sync_bench.collectives.gloo.pool import is_alive, shared_pool
 from weight_sync_bench.errors import InvalidShards, UnsupportedLayout
 from weight_sync_bench.layout.reshard import split
 from weight_sync_bench.model import sharded
@@ -143,7 +142,7 @@ def test_a_one_off_pool_leaves_no_rank_process(monkeypatch):
     logits = phase1b_logits(config, 2, param_seed=0, token_seed=0)
     assert logits.shape == (config.batch, config.seq_len, config.vocab)
     (pids,) = started
-    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+    assert len(pids) == 2 and not any(is_alive(pid) for pid in pids)
 
 
 def _naive_qkv(full, degree):
