@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
+from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.errors import InvalidMesh
 from weight_sync_bench.layout.placements import Replicate
 from weight_sync_bench.layout.reshard import gather, split
@@ -31,8 +32,7 @@ from weight_sync_bench.training.step import (
     CORRECT,
     Recipe,
     TrainingCase,
-    group_backward,
-    reduce_replicated,
+    TrainStep,
 )
 
 if TYPE_CHECKING:
@@ -48,29 +48,25 @@ Params = dict[str, torch.Tensor]
 def train_rank_task(ctx: RankContext, *, config: ModelConfig, shards: Params,
                     batches: list[TrainBatch], adamw: AdamW, recipe: Recipe,
                     sp: bool = False) -> dict[str, Any]:
-    """One TP rank's training run, the in-process mesh's steps with dp = 1 (and SP if
-    ``sp``): per step ``group_backward``, ``reduce_replicated``, AdamW. Returns the losses,
-    the first step's input-gradient share and the positions it holds, the gradients, and
-    the parameters after every step."""
+    """One TP rank's training run: the in-process mesh's ``TrainStep`` with dp = 1 (and SP
+    if ``sp``) over this rank's ``GlooCollective``. Returns the losses, the first step's
+    input-gradient share and the positions it holds, the gradients, and the parameters
+    after every step."""
+    mesh = Mesh(1, ctx.degree, sp=sp)
     coll = GlooCollective(ctx)
     local = {n: s.clone().requires_grad_(True) for n, s in shards.items()}
-    optim = adamw.make(list(local.values()))
-    replicated = [s.name for s in layout_for(config) if isinstance(s.placement, Replicate)]
-    mesh = Mesh(1, ctx.degree, sp=sp)
+    step = TrainStep(config, [[local]], mesh, recipe, adamw, groups=lambda: (coll, None),
+                     dp=InProcessCollective(1))
     out: dict[str, Any] = {"losses": [], "params": []}
-    for step, batch in enumerate(batches):
-        optim.zero_grad(set_to_none=True)
-        (objective,), (embedded,), (where,) = group_backward(config, [local], coll, batch,
-                                                   recipe.count([batch.targets], mesh), mesh,
-                                                   recipe)
-        with torch.no_grad():
-            reduce_replicated([local], replicated, coll, recipe)
+    for k, batch in enumerate(batches):
+        result = step(batch, [0], keep_grads=k == 0)
+        (objective,), (embedded,), (where,) = (result.objectives[0], result.embedded[0],
+                                               result.positions[0])
         out["losses"].append(objective.item())
-        if step == 0:
+        if k == 0:
             out["input_grad"] = embedded.grad.detach().clone()
             out["positions"] = where
-            out["grads"] = {n: p.grad.detach().clone() for n, p in local.items()}
-        optim.step()
+            out["grads"] = result.grads[0][0]
         out["params"].append({n: p.detach().clone() for n, p in local.items()})
     return out
 

@@ -194,47 +194,99 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
     # leaf tensors (a tied table is one leaf)
     replicas = [[{n: s.clone().requires_grad_(True) for n, s in declared[e % mesh.tp].items()}
                  for e in range(mesh.replica_size)] for _ in range(mesh.dp)]
-    optims = [[adamw.make(list(local.values())) for local in group] for group in replicas]
-    replicated = [spec.name for spec in layout if isinstance(spec.placement, Replicate)]
-    blocks = mesh.row_blocks(batches[0].spec.rows)
+    step = TrainStep(config, replicas, mesh, recipe, adamw,
+                     groups=lambda: mesh_groups(mesh, collective), dp=collective(mesh.dp))
     losses, after, spread = [], [], 0.0
     input_grad, grads = torch.empty(0), {}
-    for step, batch in enumerate(batches):
-        for group in optims:
-            for optim in group:
-                optim.zero_grad(set_to_none=True)
-        parts = [batch.rows(rows, shift=recipe.mask_shift(d, mesh))
-                 for d, rows in enumerate(blocks)]
-        total = recipe.count([part.targets for part in parts], mesh)
-        printed, embedded = [], []
-        for part, group in zip(parts, replicas):
-            tp_group, cp_group = mesh_groups(mesh, collective)
-            objective, h, positions = group_backward(config, group, tp_group, part, total, mesh,
-                                                     recipe, cp_group)
-            # the group's share: one copy per context chunk (its TP rank 0's)
-            printed.append(sum(o.item() for o, r in zip(objective, tp_group.ranks) if r == 0))
-            embedded.append((h, positions, part.tokens.shape))
-        losses.append(sum(printed))
-        with torch.no_grad():
-            for group in replicas:
-                tp_group, cp_group = mesh_groups(mesh, collective)
-                reduce_replicated(group, replicated, tp_group, recipe)
-                if cp_group is not None:
-                    reduce_over_context(group, cp_group, recipe)
-            _reduce_over_dp(replicas, collective(mesh.dp))
-        if step == 0:  # a rank's copy of the embedding output holds its share of the gradient
-            input_grad = torch.cat([_assemble(*e) for e in embedded], dim=0)
-            grads = gather([{n: p.grad for n, p in local.items()}
-                            for local in replicas[0][:mesh.tp]], layout)
-            spread = max(spread, _spread(replicas, replicated, mesh.tp, lambda p: p.grad))
-        for group in optims:
-            for optim in group:
-                optim.step()
-        spread = max(spread, _spread(replicas, replicated, mesh.tp, lambda p: p))
+    for k, batch in enumerate(batches):
+        result = step(batch, range(mesh.dp), keep_grads=k == 0)
+        # the group's share: one copy per context chunk (its TP rank 0's)
+        losses.append(sum(o.item() for objective, ranks in zip(result.objectives, result.ranks)
+                          for o, r in zip(objective, ranks) if r == 0))
+        if k == 0:  # a rank's copy of the embedding output holds its share of the gradient
+            input_grad = torch.cat([_assemble(h, where, part.tokens.shape) for h, where, part
+                                    in zip(result.embedded, result.positions, result.parts)],
+                                   dim=0)
+            grads = gather([{n: g for n, g in local.items()}
+                            for local in result.grads[0][:mesh.tp]], layout)
+            spread = max(spread, _spread(result.grads, step.replicated, mesh.tp, lambda g: g))
+        spread = max(spread, _spread(replicas, step.replicated, mesh.tp, lambda p: p))
         after.append(gather([{n: p.detach() for n, p in local.items()}
                              for local in replicas[0][:mesh.tp]], layout))
     return Trace(losses, input_grad.detach(), {n: g.detach() for n, g in grads.items()}, after,
                  spread)
+
+
+@dataclass
+class StepResult:
+    """What one training step leaves to observe, per local DP replica ``d``: its rows of the
+    batch (``parts[d]``), each local rank's objective and TP rank (``objectives[d]``,
+    ``ranks[d]``), embedding output and the global positions it holds, and (when asked)
+    copies of the gradients after every reduction, before the update (``grads[d][e]``)."""
+
+    parts: list[TrainBatch]
+    objectives: list[Tensors]
+    ranks: list[tuple[int, ...]]
+    embedded: list[Tensors]
+    positions: list[list[tuple[int, int]]]
+    grads: list[list[Params]]
+
+
+class TrainStep:
+    """One training step of the local ranks, the same code in process and on a gloo rank.
+
+    ``replicas[d][e]`` are the leaf parameters of local DP replica d, flat position e (all of
+    the mesh in process; one TP rank of one replica on a gloo rank). A step: zero the grads;
+    per replica, the forward, the vocab-parallel loss and backward (``group_backward``); the
+    TP reduction of replicated gradients, the CP reduction, the DP reduction, each exactly
+    once; AdamW. ``groups()`` makes one replica's TP and CP collectives, ``dp`` is the
+    collective over the DP replicas (degree 1 with one replica).
+    """
+
+    def __init__(self, config: ModelConfig, replicas: list[list[Params]], mesh: Mesh,
+                 recipe: Recipe, adamw: AdamW, *,
+                 groups: Callable[[], tuple[Collective, Collective | None]],
+                 dp: Collective) -> None:
+        self.config, self.replicas, self.mesh, self.recipe = config, replicas, mesh, recipe
+        self.groups, self.dp = groups, dp
+        self.optims = [[adamw.make(list(local.values())) for local in group]
+                       for group in replicas]
+        self.replicated = [spec.name for spec in layout_for(config)
+                           if isinstance(spec.placement, Replicate)]
+
+    def __call__(self, batch: TrainBatch, dp_ranks: Sequence[int], *,
+                 keep_grads: bool = False) -> StepResult:
+        """Train on ``batch``, of which local replica i holds DP rank ``dp_ranks[i]``'s rows
+        (the mesh's row blocks); ``keep_grads`` copies the reduced gradients before AdamW."""
+        mesh, recipe = self.mesh, self.recipe
+        for group in self.optims:
+            for optim in group:
+                optim.zero_grad(set_to_none=True)
+        blocks = mesh.row_blocks(batch.spec.rows)
+        parts = [batch.rows(blocks[d], shift=recipe.mask_shift(d, mesh)) for d in dp_ranks]
+        total = recipe.count([part.targets for part in parts], mesh)
+        objectives, ranks, embedded, positions = [], [], [], []
+        for part, group in zip(parts, self.replicas):
+            tp_group, cp_group = self.groups()
+            objective, h, where = group_backward(self.config, group, tp_group, part, total,
+                                                 mesh, recipe, cp_group)
+            objectives.append(objective)
+            ranks.append(tp_group.ranks)
+            embedded.append(h)
+            positions.append(where)
+        with torch.no_grad():
+            for group in self.replicas:
+                tp_group, cp_group = self.groups()
+                reduce_replicated(group, self.replicated, tp_group, recipe)
+                if cp_group is not None:
+                    reduce_over_context(group, cp_group, recipe)
+            _reduce_over_dp(self.replicas, self.dp)
+        grads = [[{n: _grad(p).detach().clone() for n, p in local.items()} for local in group]
+                 for group in self.replicas] if keep_grads else []
+        for group in self.optims:
+            for optim in group:
+                optim.step()
+        return StepResult(parts, objectives, ranks, embedded, positions, grads)
 
 
 def _assemble(embedded: Tensors, positions: list[tuple[int, int]], shape: torch.Size

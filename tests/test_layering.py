@@ -1,0 +1,187 @@
+"""The package layout is the architecture: lower layers never import higher ones, only the CLI
+prints, the core never imports the Hypothesis strategies, and every package is installed.
+
+Checked by walking the AST of every module under ``src/weight_sync_bench`` (every import,
+``TYPE_CHECKING`` and function-local ones included). Each rule has a twin run on a small
+synthetic package that breaks it, so the walk is shown to see what it claims to see.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "src" / "weight_sync_bench"
+
+# Lowest first: a module of layer i may import layers 0..i, never i+1.. .
+LAYERS = ("layout", "collectives", "model", "conventions", "tolerance", "check", "training",
+          "fuzz", "cli")
+ANYWHERE = ("errors", "paths")  # importable from every layer; they import no layer themselves
+# Entry points may import anything: the package's public surface and ``python -m`` targets.
+ENTRY_POINTS = ("__init__", "__main__")
+STRATEGIES = "fuzz.strategies"
+# Who may import the Hypothesis strategies: the fuzz front end and what sits above it.
+STRATEGY_USERS = ("fuzz.runner", "fuzz.strategies", "cli", "testing")
+PRINTERS = ("cli",)
+
+
+def module_name(path: Path, package: Path) -> str:
+    """``.../weight_sync_bench/check/checker.py`` -> ``check.checker``."""
+    parts = list(path.relative_to(package).with_suffix("").parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imported(tree: ast.AST, top: str) -> list[tuple[int, str]]:
+    """Every ``top.x.y`` module this tree imports, relative to ``top`` (``x.y``), with its line."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == top:  # ``from weight_sync_bench import check``: submodules
+                found += [(node.lineno, a.name) for a in node.names]
+            elif node.module.startswith(top + "."):
+                found.append((node.lineno, node.module[len(top) + 1:]))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name[len(top) + 1:]) for a in node.names
+                      if a.name.startswith(top + ".")]
+    return found
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[0]
+
+
+def _is(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def import_violations(package: Path, top: str = "weight_sync_bench") -> list[str]:
+    """``path:line: a imports b`` for every import that climbs the layers, or that reaches
+    the strategies from outside the fuzz front end."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        me = module_name(path, package)
+        if me.split(".")[-1] in ENTRY_POINTS and (me in ENTRY_POINTS or path.stem == "__main__"):
+            continue
+        mine = _layer(me)
+        for line, target in imported(ast.parse(path.read_text()), top):
+            where = f"{path.relative_to(package)}:{line}: {me} imports {target}"
+            if _is(target, (STRATEGIES,)) and not _is(me, STRATEGY_USERS):
+                out.append(where + " (only the fuzz front end uses the strategies)")
+            theirs = _layer(target)
+            if theirs in ANYWHERE or theirs in ENTRY_POINTS:
+                if theirs in ENTRY_POINTS:
+                    out.append(where + " (the package's entry point is not a library)")
+                continue
+            if mine in ANYWHERE:
+                out.append(where + f" ({mine} must import no layer)")
+            elif mine not in LAYERS or theirs not in LAYERS:
+                out.append(where + f" (a package outside the layers {LAYERS})")
+            elif LAYERS.index(theirs) > LAYERS.index(mine):
+                out.append(where + f" ({mine} is below {theirs})")
+    return out
+
+
+def print_violations(package: Path) -> list[str]:
+    """``path:line`` of every ``print(...)``, ``sys.stdout/stderr.write`` and ``pprint``
+    outside the CLI and the ``__main__`` entry points."""
+    out = []
+    for path in sorted(package.rglob("*.py")):
+        me = module_name(path, package)
+        if _is(me, PRINTERS) or path.stem == "__main__":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = (f.id if isinstance(f, ast.Name) else
+                    ast.unparse(f) if isinstance(f, ast.Attribute) else "")
+            if name in ("print", "pprint", "pprint.pprint") or name.endswith(
+                    ("sys.stdout.write", "sys.stderr.write")):
+                out.append(f"{path.relative_to(package)}:{node.lineno}: {name}(...)")
+    return out
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    assert import_violations(PACKAGE) == []
+
+
+def test_only_the_cli_prints():
+    assert print_violations(PACKAGE) == []
+
+
+def test_every_package_under_src_is_installed_and_the_strategies_map_to_the_fuzz_package():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    found = {"weight_sync_bench" + ("." + module_name(p, PACKAGE) if p.parent != PACKAGE else "")
+             for p in PACKAGE.rglob("__init__.py")}
+    assert found | {"weight_sync_bench.fuzz.strategies"} == listed
+    assert config["package-dir"]["weight_sync_bench.fuzz.strategies"] == "strategies"
+    assert not any(p.startswith("strategies") for p in listed)  # no top-level `strategies`
+
+
+def test_every_package_is_a_layer():
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert packages <= set(LAYERS), packages - set(LAYERS)
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Path:
+    """A package laid out like the real one, with nothing wrong in it yet."""
+    pkg = tmp_path / "weight_sync_bench"
+    for sub in ("layout", "model", "check", "cli", "fuzz"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from weight_sync_bench.cli.main import main\n")
+    (pkg / "errors.py").write_text("class WsbError(Exception): ...\n")
+    (pkg / "layout" / "table.py").write_text("from weight_sync_bench.errors import WsbError\n")
+    (pkg / "model" / "plan.py").write_text("from weight_sync_bench.layout.table import x\n")
+    (pkg / "check" / "checker.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from weight_sync_bench.model.plan import y\n")
+    (pkg / "fuzz" / "runner.py").write_text("from weight_sync_bench.fuzz.strategies import z\n")
+    (pkg / "cli" / "main.py").write_text("from weight_sync_bench.check import checker\n"
+                                         "def main():\n    print('ok')\n")
+    return pkg
+
+
+def test_a_clean_synthetic_package_has_no_violation(fake: Path):
+    assert import_violations(fake) == [] and print_violations(fake) == []
+
+
+@pytest.mark.parametrize(("module", "source", "expected"), [
+    # an upward import, hidden in a function body
+    ("layout/reshard.py", "def f():\n    from weight_sync_bench.model.plan import layout_for\n",
+     "layout is below model"),
+    # an upward import only for type checking still couples the layers
+    ("model/config.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                        "    from weight_sync_bench.check.checker import Verdict\n",
+     "model is below check"),
+    # `from weight_sync_bench import cli` names a submodule
+    ("check/diagnosis.py", "from weight_sync_bench import cli\n", "check is below cli"),
+    # the fuzz layer's own core (the corpus) reaching for the Hypothesis strategies
+    ("fuzz/corpus.py", "from weight_sync_bench.fuzz.strategies import geometries\n",
+     "only the fuzz front end uses the strategies"),
+    # an always-importable module that imports a layer would make the layers a cycle
+    ("errors.py", "from weight_sync_bench.layout.table import LayoutTable\n",
+     "errors must import no layer"),
+])
+def test_each_kind_of_import_violation_is_reported(fake: Path, module, source, expected):
+    (fake / module).write_text(source)
+    found = import_violations(fake)
+    assert len(found) == 1 and expected in found[0], found
+
+
+@pytest.mark.parametrize("source", [
+    "def report(x):\n    print(x)\n",
+    "import sys\ndef report(x):\n    sys.stderr.write(x)\n",
+    "from pprint import pprint\npprint({})\n",
+])
+def test_a_print_outside_the_cli_is_reported(fake: Path, source):
+    (fake / "check" / "checker.py").write_text(source)
+    assert len(print_violations(fake)) == 1
