@@ -1,10 +1,38 @@
-"""One torch thread per process, and the fuzz profile: ``$WSB_PROFILE``, else ``wsb-test``
-(never Hypothesis's built-in ``ci``, which ``CI=true`` would otherwise load)."""
+"""One torch thread per process, the fuzz profile (``$WSB_PROFILE``, else ``wsb-test``; never
+Hypothesis's built-in ``ci``, which ``CI=true`` would otherwise load), and a test run that
+never writes into the checkout.
+
+Each test process (every xdist worker) works on its own copy of the committed corpus and its
+own fuzz directory: a property that fails against buggy code writes its case there, not into
+``corpus/``, where a stray file would fail the next clean run. The committed tolerance
+artifacts are read in place; a test that writes one writes under ``tmp_path``. ``.ci/run``
+fails if a run leaves ``git status --porcelain`` non-empty.
+"""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
 from hypothesis import settings
 
 from weight_sync_bench.fuzz.runner import profile_name  # registers the wsb-* profiles
+from weight_sync_bench.paths import corpus_dir
 
 torch.set_num_threads(1)
 settings.load_profile(profile_name())
+
+_SCRATCH = Path(tempfile.mkdtemp(prefix="wsb-test-"))
+
+
+def pytest_configure(config):
+    if "WSB_CORPUS_DIR" not in os.environ:
+        copy = _SCRATCH / "corpus"
+        shutil.copytree(corpus_dir(), copy)
+        os.environ["WSB_CORPUS_DIR"] = str(copy)
+    os.environ.setdefault("WSB_FUZZ_DIR", str(_SCRATCH / "fuzz"))
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_SCRATCH, ignore_errors=True)

@@ -1,8 +1,10 @@
 """Break tests: each seed injection is detected at every degree >= 2 of both configs.
 
-Break tests alone are not enough: they assert that deviation is large, and a broken
-ShardedModel also deviates a lot. The last test shows a forward with o_proj's output zeroed
-failing every invariant pair while every break test would still pass, so both suites are needed.
+Break tests alone are not enough. Each asserts two things: the injected bug deviates far
+beyond the floor, and its clean twin passes. With a broken ShardedModel (o_proj's output
+zeroed) the first assertion still holds for every injection, the second fails for every one:
+it is only the clean twins, i.e. the invariant, that catch a broken forward. The last test
+shows exactly that split.
 """
 
 import pytest
@@ -57,11 +59,15 @@ def broken_forward(config, shards, tokens):
     return ShardedModel(config, shards, ZeroedOProj(len(shards)))(tokens)[0]
 
 
-def test_a_broken_forward_fails_the_invariant_but_would_pass_every_break_test():
+def test_a_broken_forward_passes_the_mutation_half_of_every_break_test_and_fails_the_rest():
     broken = {c.name: Checker(c, forward=broken_forward) for c in (TOY, TOY_KV4)}
     invariant = [v for c in (TOY, TOY_KV4)
                  for v in sweep(c, pairs=degree_pairs(broken[c.name].layout), checker=broken[c.name])]
     assert len(invariant) == 13 and not any(v.passed for v in invariant)
+    # The mutation half of every break test still passes under the broken forward ...
     breaks = [v for c, m, t in BREAKS
               for v in sweep(c, pairs=[(1, t)], mutation=m, checker=broken[c.name])]
     assert all(not v.passed and v.ratio > 100 for v in breaks)
+    # ... and its clean twin fails: only the unmutated route sees the broken forward.
+    twins = [v for c, _, t in BREAKS for v in sweep(c, pairs=[(1, t)], checker=broken[c.name])]
+    assert not any(v.passed for v in twins)

@@ -15,7 +15,7 @@ import torch
 from weight_sync_bench.check import forwards as phase1b
 from weight_sync_bench.check.checker import check_split
 from weight_sync_bench.check.forwards import (
-    code_fingerprint,
+    forward_fingerprint,
     gloo_forward,
     phase1b_logits,
     run_phase1b,
@@ -23,7 +23,7 @@ from weight_sync_bench.check.forwards import (
 from weight_sync_bench.collectives.gloo.pool import is_alive, shared_pool
 from weight_sync_bench.errors import InvalidShards, UnsupportedLayout
 from weight_sync_bench.layout.reshard import split
-from weight_sync_bench.model import sharded
+from weight_sync_bench.model import reference, sharded
 from weight_sync_bench.model.config import TOY, TOY_KV4, init_params, make_tokens
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
@@ -77,15 +77,24 @@ def test_a_layout_bug_over_gloo_exceeds_the_threshold_many_times():
     assert (result.logits - result.reference).abs().max().item() > 100 * threshold_for(config, "1b")
 
 
-def test_the_ranks_run_the_in_process_forward_code_object():
-    """Not two copies kept in step: every rank ran the code object phase 1a runs."""
+def test_the_ranks_run_the_in_process_forward_and_every_block_it_calls(monkeypatch):
+    """Not two copies kept in step: every rank ran the code phase 1a runs. The fingerprint
+    covers every function and method of model.sharded and model.reference (ShardedModel's
+    methods and the blocks they call); not torch, and not the collective (which differs)."""
     result = run_phase1b(TOY_KV4, 4, param_seed=0, token_seed=0, pool=shared_pool(4))
-    assert result.forward_codes == (code_fingerprint(ShardedModel.forward),) * 4
-    # Not vacuous: the same source compiled as a copy has another fingerprint.
-    copy: dict = {}
-    source = textwrap.dedent(inspect.getsource(ShardedModel.forward))
-    exec(compile(source, "<a copy of ShardedModel.forward>", "exec"), dict(vars(sharded)), copy)
-    assert code_fingerprint(copy["forward"]) != code_fingerprint(ShardedModel.forward)
+    assert result.forward_codes == (forward_fingerprint(),) * 4
+    # Not vacuous: a block the forward calls, the same source compiled as a copy, changes it;
+    # so does a copy of ShardedModel.forward itself.
+    before = forward_fingerprint()
+    for module, owner, name in [(reference, reference, "rms_norm"),
+                                (sharded, ShardedModel, "forward")]:
+        copy: dict = {}
+        source = textwrap.dedent(inspect.getsource(getattr(owner, name)))
+        exec(compile(source, f"<a copy of {name}>", "exec"), dict(vars(module)), copy)
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, name, copy[name])
+            assert forward_fingerprint() != before, name
+    assert forward_fingerprint() == before
 
 
 def test_a_split_fn_runs_on_rank_0_and_matches_the_declared_split():

@@ -16,9 +16,13 @@ them, and ``gloo_forward`` / ``phase1b_runner`` fit ``check.Forward`` / ``tolera
 from __future__ import annotations
 
 import hashlib
+import inspect
 import marshal
 import pickle
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import FunctionType, ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,33 +34,24 @@ from weight_sync_bench.collectives.gloo.transport import (
     ParamSink,
     SyncRecord,
 )
+from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.layout.reshard import split, validate_shards
-from weight_sync_bench.model.config import init_params, make_tokens
+from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
-    from types import FunctionType
-
     from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
     from weight_sync_bench.collectives.gloo.rank import RankContext
-    from weight_sync_bench.model.config import ModelConfig
 
-    # (full params, degree) -> rank-local dicts: a user's split function, as ``check.SplitFn``
-    SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
-    Params = dict[str, torch.Tensor]
+# (full params, degree) -> rank-local dicts: a user's split function, as ``check.SplitFn``
+SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
+Params = dict[str, torch.Tensor]
 
-
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
-
-from weight_sync_bench.collectives.inprocess import InProcessCollective
-from weight_sync_bench.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    pass
+# The modules the sharded forward is made of: ShardedModel and the blocks it shares with the
+# reference. Not the collective (it differs between the phases by design) and not torch.
+FORWARD_MODULES = ("weight_sync_bench.model.sharded", "weight_sync_bench.model.reference")
 
 
 @dataclass(frozen=True)
@@ -66,7 +61,7 @@ class Phase1bResult:
     ``logits``: rank 0's full logits ``(B, T, vocab)``. ``reference``: the dense
     ``ReferenceModel`` logits of the same parameters and tokens, computed on rank 0 when
     asked. ``records``: every rank's ``SyncRecord``. ``forward_codes``: per rank, the fingerprint
-    of the forward code object it ran (``code_fingerprint``). ``shards``: what each
+    of the forward code it ran (``forward_fingerprint``). ``shards``: what each
     rank's sink received, when asked (for bit-exact checks of the transport).
     """
 
@@ -77,12 +72,29 @@ class Phase1bResult:
     shards: tuple[dict[str, torch.Tensor], ...] | None = None
 
 
-def code_fingerprint(function: FunctionType) -> str:
-    """``file:line:sha256`` of a function's marshalled code object: equal in two processes
-    exactly when both run the same compiled code."""
-    code = function.__code__
-    digest = hashlib.sha256(marshal.dumps(code)).hexdigest()[:16]
-    return f"{code.co_filename}:{code.co_firstlineno}:{digest}"
+def forward_fingerprint(modules: Sequence[str] = FORWARD_MODULES) -> str:
+    """One digest of every function and method defined in ``modules`` (the forward and every
+    block it calls: rms_norm, rope, attention, swiglu, the region and reduction methods):
+    equal in two processes exactly when both would run the same compiled forward. What it
+    does not cover: torch itself and the collective object the forward is handed."""
+    digest = hashlib.sha256()
+    for name in modules:
+        for qualname, function in _functions(sys.modules[name]):
+            digest.update(f"{name}.{qualname}".encode())
+            digest.update(marshal.dumps(function.__code__))
+    return digest.hexdigest()[:16]
+
+
+def _functions(module: ModuleType) -> list[tuple[str, FunctionType]]:
+    """``(qualname, function)`` of every function and method ``module`` defines, sorted."""
+    found: list[tuple[str, FunctionType]] = []
+    for name, value in vars(module).items():
+        if inspect.isfunction(value) and value.__module__ == module.__name__:
+            found.append((name, value))
+        elif inspect.isclass(value) and value.__module__ == module.__name__:
+            found += [(f"{name}.{attr}", fn) for attr, fn in vars(value).items()
+                      if inspect.isfunction(fn)]
+    return sorted(found, key=lambda item: item[0])
 
 
 def run_phase1b(config: ModelConfig, degree: int, *, param_seed: int, token_seed: int,
@@ -171,7 +183,7 @@ def phase1b_task(ctx: RankContext, *, config: ModelConfig, param_seed: int, toke
         with torch.no_grad():
             expected = ReferenceModel(config, full or init_params(config, param_seed))(tokens)
     return {"logits": logits if ctx.rank == 0 else None, "reference": expected,
-            "record": record, "forward_code": code_fingerprint(type(model).forward),
+            "record": record, "forward_code": forward_fingerprint(),
             "shards": dict(sink) if return_shards else None}
 
 
