@@ -34,7 +34,12 @@ from weight_sync_bench.layout.reshard import (
 from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, threshold_for
+from weight_sync_bench.tolerance.rules import (
+    TOKEN_SEED_OFFSET,
+    check_environment,
+    load_artifact,
+    threshold_for,
+)
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.mutations import Mutation
@@ -66,6 +71,9 @@ class Verdict:
     phase: str = "1a"
     mutation: str | None = None
     own_forward: bool = False  # False: the shards equal the declared split and reused its forward
+    # How the running environment differs from the one the threshold was measured in
+    # (``tolerance.rules.check_environment``); empty when it is the same.
+    notes: tuple[str, ...] = ()
 
     @property
     def finite(self) -> bool:
@@ -100,6 +108,7 @@ class Verdict:
             lines.append(f"  first parameter that differs from the declared layout: "
                          f"{self.first_mismatch} ({len(self.mismatches)} differ in all)")
             lines.extend(f"    {line}" for line in self.diagnosis)
+        lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 
@@ -128,6 +137,7 @@ class Checker:
     _declared: dict[int, list[Params]] = field(init=False, default_factory=dict)
     _declared_error: dict[int, float] = field(init=False, default_factory=dict)
     _scratch: torch.Tensor = field(init=False)  # reused for |logits - reference|: no page faults
+    notes: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         self.layout = layout_for(self.config)
@@ -141,6 +151,8 @@ class Checker:
             self.threshold = self.threshold_rule(self.config, self.reference)
         if self.threshold is None:
             self.threshold = threshold_for(self.config, self.phase)
+            self.notes = check_environment(load_artifact(self.phase),
+                                           f"the phase {self.phase} floor")
 
     @property
     def full(self) -> Params:
@@ -172,7 +184,7 @@ class Checker:
         differ = mismatching(checked, declared, self.layout)
         assert self.threshold is not None
         common = dict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
-                      phase=self.phase, mutation=mutation)
+                      phase=self.phase, mutation=mutation, notes=self.notes)
         if not differ:
             return Verdict(max_abs_error=self.declared_error(dst), first_mismatch=None, **common)
         first = differ[0]
@@ -195,7 +207,7 @@ class Checker:
         assert self.threshold is not None
         return Verdict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
                        phase=self.phase, max_abs_error=self.declared_error(dst),
-                       first_mismatch=None)
+                       first_mismatch=None, notes=self.notes)
 
 
 def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:
@@ -271,4 +283,6 @@ def format_verdicts(verdicts: Sequence[Verdict]) -> str:
                      f"{v.threshold:g}", f"{v.ratio:.3g}x",
                      "own" if v.own_forward else "declared", "PASS" if v.passed else "FAIL"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    notes = dict.fromkeys(note for v in verdicts for note in v.notes)
+    return "\n".join(lines + [f"note: {note}" for note in notes])

@@ -49,8 +49,34 @@ def artifact_path(phase: str = "1a", *, kind: str = "phase") -> Path:
     return tolerance_dir() / name
 
 
+# What a floor depends on besides the code: the fields a check compares with the running
+# process (``tolerance.rules.environment_drift``). The CPU capability names the kernel set
+# torch dispatched to (ATEN_CPU_CAPABILITY): default, AVX2 and AVX-512 kernels sum in
+# different orders, so their floors differ.
+RUNTIME_FIELDS = ("torch", "numpy", "python", "machine", "cpu_capability")
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo, where there is one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "Model", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def runtime() -> dict[str, Any]:
+    """The running process's versions, machine class and kernel set (cheap: no git)."""
+    return {"torch": torch.__version__, "numpy": np.__version__,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
 def environment() -> dict[str, Any]:
-    """Versions and machine the measurement ran on, and the commit it measured."""
+    """Versions, machine and kernel set the measurement ran on, and the commit it measured."""
     root = checkout() or Path.cwd()
     try:
         head = subprocess.run(["git", "rev-parse", "--verify", "--quiet", "HEAD"], cwd=root,
@@ -60,10 +86,9 @@ def environment() -> dict[str, Any]:
                                     capture_output=True, text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
-    return {"torch": torch.__version__, "numpy": np.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "machine": platform.machine(), "dtype": str(torch.get_default_dtype()),
-            "torch_threads": torch.get_num_threads(), "commit": commit, "src_dirty": dirty}
+    return {**runtime(), "platform": platform.platform(), "cpu_model": cpu_model(),
+            "dtype": str(torch.get_default_dtype()), "torch_threads": torch.get_num_threads(),
+            "commit": commit, "src_dirty": dirty}
 
 
 def write_artifact(artifact: dict[str, Any], path: Path) -> None:

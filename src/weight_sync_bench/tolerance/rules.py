@@ -18,13 +18,19 @@ measured on, so reading a threshold for a config checks both against the record.
 from __future__ import annotations
 
 import math
+import os
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.model.config import ModelConfig
-from weight_sync_bench.tolerance.artifacts import artifact_path, read_artifact
+from weight_sync_bench.tolerance.artifacts import (
+    RUNTIME_FIELDS,
+    artifact_path,
+    read_artifact,
+    runtime,
+)
 
 ULP = 2.0 ** -23  # the unit deviations are recorded in
 SAFETY = 100  # the threshold sits at least this many times above the worst observation
@@ -54,9 +60,52 @@ def derive_threshold(worst_abs: float, safety: int = SAFETY) -> float:
 
 
 def load_artifact(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:
-    return read_artifact(path or artifact_path(phase), phase=phase,
-                         fields=("configs", "cells", "worst_abs"),
-                         remedy=f"python -m weight_sync_bench.tolerance --phase {phase}")
+    """The phase floor, read back; ``ToleranceMismatch`` unless its recorded worst is the
+    worst of its cells (an edited or half-merged artifact is not a measurement)."""
+    path = path or artifact_path(phase)
+    artifact = read_artifact(path, phase=phase, fields=("configs", "cells", "worst_abs"),
+                             remedy=f"python -m weight_sync_bench.tolerance --phase {phase}")
+    cells = max((cell["worst_abs"] for cell in artifact["cells"]), default=None)
+    if cells != artifact["worst_abs"]:
+        raise ToleranceMismatch(f"{path}: field 'worst_abs' records {artifact['worst_abs']!r}, "
+                                f"but the worst of its cells is {cells!r}")
+    return artifact
+
+
+def environment_drift(recorded: dict[str, Any], running: dict[str, Any] | None = None
+                      ) -> list[str]:
+    """How the running process differs from the one a floor was measured in: one line per
+    field of ``RUNTIME_FIELDS`` that differs. A floor measured under several kernel sets
+    (``kernel_sets``) covers any of them. The commit is provenance, not compared: every
+    later commit differs, and the code a floor depends on is pinned by the tests."""
+    running = running if running is not None else runtime()
+    notes = []
+    for field in RUNTIME_FIELDS:
+        if field == "cpu_capability" and "kernel_sets" in recorded:
+            if running[field] not in recorded["kernel_sets"]:
+                notes.append(f"cpu_capability {running[field]} is not among the kernel sets "
+                             f"the floor was measured under ({', '.join(recorded['kernel_sets'])})")
+        elif field in recorded and recorded[field] != running[field]:
+            notes.append(f"{field} recorded {recorded[field]} running {running[field]}")
+        elif field not in recorded:
+            notes.append(f"{field} not recorded (running {running[field]})")
+    return notes
+
+
+def strict_environment() -> bool:
+    """``WSB_STRICT_ENV=1`` (``--strict-env``): refuse a floor measured elsewhere."""
+    return os.environ.get("WSB_STRICT_ENV", "") not in ("", "0")
+
+
+def check_environment(artifact: dict[str, Any], what: str) -> tuple[str, ...]:
+    """The drift notes of ``artifact``'s environment; under ``strict_environment()`` a
+    ``ToleranceMismatch`` naming every difference instead."""
+    notes = environment_drift(artifact.get("environment", {}))
+    if notes and strict_environment():
+        raise ToleranceMismatch(f"{what}: measured in another environment (WSB_STRICT_ENV is "
+                                "set): " + "; ".join(notes) + ". Re-measure it here with "
+                                "python -m weight_sync_bench.tolerance")
+    return tuple(f"{what} measured elsewhere: {n}" for n in notes)
 
 
 def check_geometry(artifact: dict[str, Any], config: ModelConfig) -> None:
