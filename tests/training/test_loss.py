@@ -102,6 +102,21 @@ def test_maximum_and_target_on_different_ranks():
     torch.testing.assert_close(sharded, dense, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("owner", [1, 2, 3], ids=["middle-rank-1", "middle-rank-2", "last-rank"])
+def test_a_large_logit_on_a_rank_other_than_0_is_the_global_maximum(owner):
+    """A loss that took rank 0's maximum instead of the global one would overflow: with 100
+    on another rank, exp(100 - max_0) is inf in fp32 and the loss infinite."""
+    degree, width = 4, 3
+    logits = torch.zeros(2, 3, degree * width)
+    logits[:, :, owner * width + 1] = 100.0  # the maximum, on rank `owner` only
+    targets = torch.tensor([[0, owner * width + 1, 11], [5, 7, owner * width]])
+    dense, dense_grad, sharded, sharded_grad = _dense_and_sharded(logits, targets, degree,
+                                                                  degree * width)
+    assert torch.isfinite(sharded).all() and dense.max().item() > 99
+    torch.testing.assert_close(sharded, dense, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sharded_grad, dense_grad, rtol=0, atol=1e-6)
+
+
 def test_unmasked_padded_vocab_changes_the_loss_and_masked_does_not():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 4, 12, generator=gen)

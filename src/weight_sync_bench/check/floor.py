@@ -105,11 +105,12 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
 
 
 def format_table(artifact: dict[str, Any]) -> str:
-    rows = [["cell", "max ULP", "median ULP", "mean ULP", "worst abs"]]
+    rows = [["cell", "max ULP", "median ULP", "mean ULP", "worst abs", "kernel set"]]
     for cell in artifact["cells"]:
         rows.append([f"{cell['config']}, t={cell['degree']}", f"{cell['max_ulp']:.2f}",
                      f"{cell['median_ulp']:.3f}", f"{cell['mean_ulp']:.3f}",
-                     f"{cell['worst_abs']:.4g}"])
+                     f"{cell['worst_abs']:.4g}",
+                     cell.get("kernel_set", artifact["environment"].get("cpu_capability", "?"))])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.append(f"phase {artifact['phase']}: worst {artifact['worst_abs']:.4g}, "

@@ -8,11 +8,13 @@ it always did), ``training`` (``training.floor``) and ``sequence`` (``training.s
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import torch
 
 from weight_sync_bench.check import floor as phase_floor
+from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.artifacts import PHASES, artifact_path, write_artifact
 from weight_sync_bench.training import floor as training_floor
 from weight_sync_bench.training import sequence_floor
@@ -35,9 +37,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="optimizer steps (training, sequence)")
     parser.add_argument("--out", type=Path, default=None,
                         help="default: the committed artifact's path under tolerance/")
+    parser.add_argument("--kernel-sets", choices=("all", "current"), default="all",
+                        help="all (default): measure once per CPU kernel set torch can use "
+                             "here (ATEN_CPU_CAPABILITY), each in a process of its own, and "
+                             "keep the worst; current: only the kernels this process runs")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    if args.kind == "phase":
+    if args.kernel_sets == "all":
+        artifact = _across_kernel_sets(args)
+        table = (phase_floor.format_table(artifact) if args.kind == "phase"
+                 else training_floor.format_table(artifact))
+        summary = f"kernel sets {', '.join(artifact['kernel_sets'])}; "
+    elif args.kind == "phase":
         runner = None
         if args.phase == "1b":
             from weight_sync_bench.check.forwards import (
@@ -58,3 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print(f"{summary}wrote {path}")
     return 0
+
+
+def _across_kernel_sets(args: argparse.Namespace) -> dict:
+    """The same measurement under every available kernel set, merged (``tolerance.kernels``)."""
+    argv = [args.kind, "--phase", args.phase, "--steps", str(args.steps)]
+    if args.repetitions is not None:
+        argv += ["--repetitions", str(args.repetitions)]
+    measured = []
+    with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
+        for kernel_set in kernels.available():
+            print(f"measuring under ATEN_CPU_CAPABILITY={kernel_set} ...", flush=True)
+            measured.append(kernels.measure_under(kernel_set, argv,
+                                                  Path(scratch) / f"{kernel_set}.json"))
+    return kernels.merge(measured)

@@ -99,6 +99,17 @@ def write_artifact(artifact: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``, or ``ToleranceMismatch`` naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ToleranceMismatch(f"{path}: cannot read a JSON artifact ({exc})") from None
+    if not isinstance(data, dict):
+        raise ToleranceMismatch(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def read_artifact(path: Path, *, phase: str, fields: Iterable[str], remedy: str,
                   schema: int = SCHEMA) -> dict[str, Any]:
     """A measured artifact read back, or ``ToleranceMismatch`` naming the file and what is

@@ -2,13 +2,15 @@
 
 Deviations are relative to the reference's own scale, per parameter, so one threshold
 serves parameters whose gradients differ by orders of magnitude: ``max |got - want| /
-max |want|`` for the loss and the gradients, and for the parameters after AdamW steps the
-L2 error relative to the reference's own update (``update_deviation`` says why not a max).
+max |want|`` for the loss, the gradients and AdamW's two moments after every step (so a
+wrong beta shows at step 1), and for the parameters after AdamW steps the L2 error relative
+to the reference's own update (``update_deviation`` says why not a max). The hyperparameters
+each optimizer stepped with are compared exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,10 +22,14 @@ if TYPE_CHECKING:
 
 
 Params = dict[str, torch.Tensor]
-QUANTITIES = ("loss", "input_grad", "param_grad", "kv_grad", "params_step1", "params_final")
-# compared exactly, no threshold: copies that must be byte-identical, and the gradient of
-# the padded vocab rows, which are no part of the logical model and must be exactly zero
-EXACT = ("replicas", "padding_grad")
+QUANTITIES = ("loss", "input_grad", "param_grad", "kv_grad", "exp_avg", "exp_avg_sq",
+              "params_step1", "params_final")
+# compared exactly, no threshold: copies that must be byte-identical, the gradient of the
+# padded vocab rows, which are no part of the logical model and must be exactly zero, and
+# the optimizer hyperparameters each side stepped with. Those catch a wrong lr at step 1:
+# the parameters cannot (0.5% of an update of 1e-3 is below the float32 resolution of a
+# norm weight near 1, 6e-8 / 1e-3 = 6e-5 of the update, times the 100x safety factor).
+EXACT = ("replicas", "padding_grad", "hyperparameters")
 
 
 @dataclass
@@ -35,6 +41,11 @@ class Trace:
     grads: Params  # global positions
     params: list[Params]  # after each step
     replica_spread: float = 0.0  # max |difference| between copies that must be identical
+    # AdamW's moments after each step, in global positions
+    exp_avg: list[Params] = field(default_factory=list)
+    exp_avg_sq: list[Params] = field(default_factory=list)
+    # the hyperparameters of every optimizer the run stepped with (one per local rank)
+    hyperparameters: list[dict[str, float]] = field(default_factory=list)
 
 
 def deviation(got: torch.Tensor, want: torch.Tensor, scale: float) -> float:
@@ -76,6 +87,13 @@ def deviations(config: ModelConfig, start: Params, ref: Trace, got: Trace
     padding = {n: _absmax(g[config.vocab:]) for n, g in got.grads.items()  # rows >= vocab
                if n in ("tok_embeddings.weight", "lm_head.weight")}
     out["padding_grad"] = _worst({n: v if v == v else float("inf") for n, v in padding.items()})
+    for quantity in ("exp_avg", "exp_avg_sq"):
+        out[quantity] = _worst({f"{n} step {k + 1}": deviation(g[n], want, _absmax(want))
+                                for k, (w, g) in enumerate(zip(getattr(ref, quantity),
+                                                               getattr(got, quantity)))
+                                for n, want in w.items()})
+    out["hyperparameters"] = (max((relative_difference(h, ref.hyperparameters[0])
+                                   for h in got.hyperparameters), default=float("inf")), "")
     for quantity, k in (("params_step1", 0), ("params_final", len(ref.params) - 1)):
         out[quantity] = _worst({n: update_deviation(got.params[k][n], p, start[n])
                                 for n, p in ref.params[k].items()})
@@ -95,6 +113,17 @@ def update_deviation(got: torch.Tensor, want: torch.Tensor, start: torch.Tensor)
     if scale == 0.0:
         return 0.0 if diff == 0.0 else float("inf")
     return diff / scale
+
+
+def relative_difference(got: dict[str, float], want: dict[str, float]) -> float:
+    """The largest ``|got - want| / |want|`` over the hyperparameters (inf if one is missing)."""
+    worst = 0.0
+    for name, value in want.items():
+        if name not in got:
+            return float("inf")
+        worst = max(worst, abs(got[name] - value) / abs(value) if value else
+                    (0.0 if got[name] == value else float("inf")))
+    return worst
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from weight_sync_bench.layout.reshard import gather, split
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.training.compare import Trace
 from weight_sync_bench.training.mesh import Mesh
-from weight_sync_bench.training.optimizer import AdamW
+from weight_sync_bench.training.optimizer import AdamW, hyperparameters, moments
 from weight_sync_bench.training.step import (
     CORRECT,
     Recipe,
@@ -57,7 +57,8 @@ def train_rank_task(ctx: RankContext, *, config: ModelConfig, shards: Params,
     local = {n: s.clone().requires_grad_(True) for n, s in shards.items()}
     step = TrainStep(config, [[local]], mesh, recipe, adamw, groups=lambda: (coll, None),
                      dp=InProcessCollective(1))
-    out: dict[str, Any] = {"losses": [], "params": []}
+    out: dict[str, Any] = {"losses": [], "params": [], "moments": [],
+                           "hyperparameters": hyperparameters(step.optims[0][0])}
     for k, batch in enumerate(batches):
         result = step(batch, [0], keep_grads=k == 0)
         (objective,), (embedded,), (where,) = (result.objectives[0], result.embedded[0],
@@ -68,6 +69,7 @@ def train_rank_task(ctx: RankContext, *, config: ModelConfig, shards: Params,
             out["positions"] = where
             out["grads"] = result.grads[0][0]
         out["params"].append({n: p.detach().clone() for n, p in local.items()})
+        out["moments"].append(moments(step.optims[0][0], local))
     return out
 
 
@@ -89,7 +91,12 @@ def train_gloo(case: TrainingCase, pool: RankPool, recipe: Recipe = CORRECT) -> 
                  grads=gather([r["grads"] for r in results], layout),
                  params=[gather([r["params"][k] for r in results], layout)
                          for k in range(len(case.batches))],
-                 replica_spread=_spread(results, layout))
+                 replica_spread=_spread(results, layout),
+                 exp_avg=[gather([r["moments"][k][0] for r in results], layout)
+                          for k in range(len(case.batches))],
+                 exp_avg_sq=[gather([r["moments"][k][1] for r in results], layout)
+                             for k in range(len(case.batches))],
+                 hyperparameters=[r["hyperparameters"] for r in results])
 
 
 def _input_grad(results: list[dict[str, Any]]) -> torch.Tensor:

@@ -19,6 +19,9 @@ it is the identity, so a test never demands detection of a no-op:
   in the denominator. Identity where no label is ignored or padding.
 - ``doc_mask_offset``: the last DP rank's document boundaries one position late. Identity
   when unpacked, or where no valid label depends on a position the shift changes.
+- ``adamw_beta2_0999`` / ``adamw_lr_half_percent_high``: the sharded side's optimizer with
+  beta2 0.999 instead of 0.95, or lr 0.5% high. Never the identity: caught at step 1 by the
+  moments (beta2), the masked first update (lr) and the exact hyperparameter comparison.
 
 ``SEQUENCE_MUTATIONS``, the sequence- and context-parallel bugs (not in the default matrix
 of ``TRAINING_MUTATIONS``, whose cases have no SP or CP; ``ALL_TRAINING_MUTATIONS`` is
@@ -53,6 +56,7 @@ from weight_sync_bench.model.sharded import ShardedModel
 from weight_sync_bench.training.compare import TrainingReport
 from weight_sync_bench.training.loss import IGNORE_INDEX, valid_count
 from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.optimizer import AdamW
 from weight_sync_bench.training.step import CORRECT, Recipe, TrainingCase
 
 if TYPE_CHECKING:
@@ -109,6 +113,20 @@ def _equal_counts(case: TrainingCase) -> str | None:
 
 def _tp1(case: TrainingCase) -> str | None:
     return "tp=1: a group of one rank" if case.mesh.tp == 1 else None
+
+
+def _never(case: TrainingCase) -> str | None:
+    return None  # the optimizer steps every parameter of every case
+
+
+def _beta2_0999(adamw: AdamW) -> AdamW:
+    # torch's default beta2, where the recipe asks for 0.95 (Llama, Megatron configs)
+    return replace(adamw, betas=(adamw.betas[0], 0.999))
+
+
+def _lr_half_percent_high(adamw: AdamW) -> AdamW:
+    # a learning-rate schedule one warmup tick off on one side: lr 0.5% high
+    return replace(adamw, lr=adamw.lr * 1.005)
 
 
 def _no_row_bias(case: TrainingCase) -> str | None:
@@ -205,6 +223,12 @@ TRAINING_MUTATIONS: tuple[TrainingMutation, ...] = (
     TrainingMutation("doc_mask_offset",
                      "the last DP rank's document boundaries one position late",
                      replace(CORRECT, mask_shift=_last_rank_late), _no_boundary_on_last_rank),
+    TrainingMutation("adamw_beta2_0999",
+                     "the sharded side's AdamW with beta2 0.999 instead of 0.95 (torch's default)",
+                     replace(CORRECT, optimizer=_beta2_0999), _never),
+    TrainingMutation("adamw_lr_half_percent_high",
+                     "the sharded side's AdamW learning rate 0.5% high",
+                     replace(CORRECT, optimizer=_lr_half_percent_high), _never),
 )
 
 

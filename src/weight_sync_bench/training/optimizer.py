@@ -29,3 +29,33 @@ class AdamW:
     def make(self, params: Sequence[torch.Tensor]) -> torch.optim.AdamW:
         return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
                                  weight_decay=self.weight_decay, foreach=False)
+
+
+Params = dict[str, torch.Tensor]
+HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def same_optimizer(adamw: AdamW) -> AdamW:
+    """The sharded side steps with the case's optimizer (``Recipe.optimizer``)."""
+    return adamw
+
+
+def moments(optim: torch.optim.Optimizer, params: Params) -> tuple[Params, Params]:
+    """Copies of AdamW's first and second moments (``exp_avg``, ``exp_avg_sq``) of each named
+    parameter, as the optimizer holds them; zeros for a parameter it has not stepped."""
+    first, second = {}, {}
+    for name, p in params.items():
+        state = optim.state.get(p, {})
+        first[name] = state["exp_avg"].detach().clone() if "exp_avg" in state else torch.zeros_like(p)
+        second[name] = (state["exp_avg_sq"].detach().clone() if "exp_avg_sq" in state
+                        else torch.zeros_like(p))
+    return first, second
+
+
+def hyperparameters(optim: torch.optim.Optimizer) -> dict[str, float]:
+    """What the optimizer actually steps with: lr, betas, eps and weight decay of each of its
+    parameter groups (one here), compared exactly between the two sides."""
+    (group,) = optim.param_groups
+    beta1, beta2 = group["betas"]
+    return {"lr": float(group["lr"]), "beta1": float(beta1), "beta2": float(beta2),
+            "eps": float(group["eps"]), "weight_decay": float(group["weight_decay"])}

@@ -90,7 +90,12 @@ from weight_sync_bench.training.loss import (
     vocab_parallel_token_losses,
 )
 from weight_sync_bench.training.mesh import Mesh, mesh_groups
-from weight_sync_bench.training.optimizer import AdamW
+from weight_sync_bench.training.optimizer import (
+    AdamW,
+    hyperparameters,
+    moments,
+    same_optimizer,
+)
 
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.protocol import Collective, Tensors
@@ -142,6 +147,7 @@ class Recipe:
     cp_reduce: Callable[[Tensors, Collective, str], Tensors] = sum_over_group
     mask_shift: Callable[[int, Mesh], int] = no_shift
     seed: Callable[[tuple[int, ...]], list[float]] = seed_group_rank0
+    optimizer: Callable[[AdamW], AdamW] = same_optimizer  # the sharded side's AdamW
 
 
 CORRECT = Recipe()
@@ -161,6 +167,8 @@ def train_reference(config: ModelConfig, params: Params, batches: Sequence[Train
     optim = adamw.make(list(live.values()))
     model = ReferenceModel(config, live)
     losses, after = [], []
+    exp_avg: list[Params] = []
+    exp_avg_sq: list[Params] = []
     input_grad, grads = torch.empty(0), {}
     for step, batch in enumerate(batches):
         optim.zero_grad(set_to_none=True)
@@ -177,7 +185,11 @@ def train_reference(config: ModelConfig, params: Params, batches: Sequence[Train
             grads = {n: p.grad.detach().clone() for n, p in live.items()}
         optim.step()
         after.append({n: p.detach().clone() for n, p in live.items()})
-    return Trace(losses, input_grad, grads, after)
+        first, second = moments(optim, live)
+        exp_avg.append(first)
+        exp_avg_sq.append(second)
+    return Trace(losses, input_grad, grads, after, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
+                 hyperparameters=[hyperparameters(optim)])
 
 
 def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBatch],
@@ -197,6 +209,8 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
     step = TrainStep(config, replicas, mesh, recipe, adamw,
                      groups=lambda: mesh_groups(mesh, collective), dp=collective(mesh.dp))
     losses, after, spread = [], [], 0.0
+    exp_avg: list[Params] = []
+    exp_avg_sq: list[Params] = []
     input_grad, grads = torch.empty(0), {}
     for k, batch in enumerate(batches):
         result = step(batch, range(mesh.dp), keep_grads=k == 0)
@@ -213,8 +227,13 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
         spread = max(spread, _spread(replicas, step.replicated, mesh.tp, lambda p: p))
         after.append(gather([{n: p.detach() for n, p in local.items()}
                              for local in replicas[0][:mesh.tp]], layout))
+        state = [moments(optim, local) for optim, local in zip(step.optims[0][:mesh.tp],
+                                                               replicas[0][:mesh.tp])]
+        exp_avg.append(gather([first for first, _ in state], layout))
+        exp_avg_sq.append(gather([second for _, second in state], layout))
     return Trace(losses, input_grad.detach(), {n: g.detach() for n, g in grads.items()}, after,
-                 spread)
+                 spread, exp_avg, exp_avg_sq,
+                 [hyperparameters(o) for group in step.optims for o in group])
 
 
 @dataclass
@@ -249,7 +268,7 @@ class TrainStep:
                  dp: Collective) -> None:
         self.config, self.replicas, self.mesh, self.recipe = config, replicas, mesh, recipe
         self.groups, self.dp = groups, dp
-        self.optims = [[adamw.make(list(local.values())) for local in group]
+        self.optims = [[recipe.optimizer(adamw).make(list(local.values())) for local in group]
                        for group in replicas]
         self.replicated = [spec.name for spec in layout_for(config)
                            if isinstance(spec.placement, Replicate)]
