@@ -15,6 +15,7 @@ from weight_sync_bench.fuzz.floor import (
     choose_rule,
     evaluate_rule,
     fuzz_threshold_rule,
+    holdout,
     load_random_floor,
     measure_random,
     plot_path,
@@ -54,12 +55,52 @@ def test_chosen_rule_kills_every_mutation_by_the_margin_on_every_sample(artifact
     figures = evaluate_rule(rule_from(artifact), artifact["samples"])
     assert set(figures["kills"]) == set(MUTATIONS)
     assert figures["min_kill_ratio"] >= KILL_MARGIN, figures["kills"]
-    others = [f for f in artifact["rules"] if f["rule"] != artifact["chosen"]]
-    assert all(f["min_kill_ratio"] <= figures["min_kill_ratio"] for f in others)
+    held = {h["rule"]: h for h in artifact["holdout"]}
+    eligible = [f for f in artifact["rules"] if f["false_positives"] == 0
+                and f["min_headroom"] >= SAFETY and held[f["rule"]]["min_headroom"] >= SAFETY]
+    assert all(f["min_kill_ratio"] <= figures["min_kill_ratio"] for f in eligible)
+
+
+def test_the_committed_rule_keeps_its_safety_factor_on_held_out_geometries(artifact):
+    """The chosen candidate, derived from the even-numbered geometries alone, still has zero
+    false positives and SAFETY x headroom on the odd ones it never saw."""
+    held = {h["rule"]: h for h in holdout(artifact["samples"])}[artifact["chosen"]]
+    assert held["samples"] > 200
+    assert held["false_positives"] == 0 and held["min_headroom"] >= SAFETY, held
+
+
+def _geometry_sample(index, floor, scale=1.0, kill=1.0):
+    return {"geometry": {"d_model": 8 * (index + 1)}, "seed": 0, "degree": 2, "floor": floor,
+            "scale": scale, "kills": {"m": kill}}
+
+
+def test_holdout_judges_on_the_held_out_geometries_only():
+    # fitting half (even order): floors 1e-6; held-out half (odd): floors 5e-6
+    samples = [_geometry_sample(i, 1e-6 if i % 2 == 0 else 5e-6) for i in range(6)]
+    held = {h["rule"]: h for h in holdout(samples)}
+    assert held["relative"]["value"] == pytest.approx(1e-4)  # 100 x the fitting floor
+    assert held["relative"]["samples"] == 3
+    assert held["relative"]["min_headroom"] == pytest.approx(20.0)  # 1e-4 / 5e-6, not 100
+
+
+def test_a_candidate_that_does_not_generalise_is_not_chosen():
+    # fitting half at logit scale 1, held-out half at scale 0.1, the same floors: the
+    # relative rules derived from the fitting half have 10x on the held-out half
+    samples = [_geometry_sample(i, 1e-6, scale=1.0 if i % 2 == 0 else 0.1) for i in range(6)]
+    held = {h["rule"]: h for h in holdout(samples)}
+    assert held["relative"]["min_headroom"] == pytest.approx(10.0)
+    chosen, _ = choose_rule(samples)
+    assert chosen.name == "absolute_pow10" and held["absolute_pow10"]["min_headroom"] >= SAFETY
+    # twin: both halves see both scales, the floor following the scale: a relative rule
+    # generalises and, killing the small-scale mutations by more, is chosen
+    scales = [1.0 if (i // 2) % 2 == 0 else 0.1 for i in range(8)]
+    even = [_geometry_sample(i, 1e-6 * s, scale=s, kill=s) for i, s in enumerate(scales)]
+    assert all(h["min_headroom"] >= SAFETY for h in holdout(even) if h["rule"] != "absolute_pow10")
+    assert choose_rule(even)[0].kind == "relative"
 
 
 def _sample(floor, scale, kill):
-    return {"geometry": {"d_model": 8}, "degree": 2, "floor": floor, "scale": scale,
+    return {"geometry": {"d_model": 8}, "seed": 0, "degree": 2, "floor": floor, "scale": scale,
             "kills": {"m": kill}}
 
 

@@ -119,16 +119,31 @@ def evaluate_rule(rule: ThresholdRule, samples: list[dict[str, Any]]) -> dict[st
 
 
 def choose_rule(samples: list[dict[str, Any]]) -> tuple[ThresholdRule, list[dict[str, Any]]]:
-    """The candidate with zero false positives and ``SAFETY`` x headroom whose smallest kill
-    ratio is largest, and every candidate's figures."""
+    """The candidate with the largest smallest kill ratio among those that deliver, over the
+    samples, zero false positives and ``SAFETY`` x headroom, and that generalise: the same
+    candidate derived from half the geometries keeps zero false positives and ``SAFETY`` x
+    headroom on the other half (``holdout``; not applied where the samples are too few to
+    split). Returns it and every candidate's figures."""
     figures = [(rule, evaluate_rule(rule, samples)) for rule in candidate_rules(samples)]
+    held = {h["rule"]: h for h in holdout(samples)}
     eligible = [(rule, f) for rule, f in figures
-                if f["false_positives"] == 0 and f["min_headroom"] >= SAFETY]
+                if f["false_positives"] == 0 and f["min_headroom"] >= SAFETY
+                and (not held or (held[rule.name]["false_positives"] == 0
+                                  and held[rule.name]["min_headroom"] >= SAFETY))]
     if not eligible:
         raise ToleranceMismatch("no candidate threshold rule has zero false positives and "
-                                f"{SAFETY}x headroom over the samples")
+                                f"{SAFETY}x headroom over the samples and on held-out ones")
     chosen = max(eligible, key=lambda rf: rf[1]["min_kill_ratio"])[0]
     return chosen, [f for _, f in figures]
+
+
+def rederive(artifact: dict[str, Any]) -> dict[str, Any]:
+    """``artifact`` with its rule figures (``chosen``, ``rules``, ``holdout``) derived anew from
+    its own samples by this code's rule: the samples, their environment and provenance are
+    kept as measured. Pure."""
+    chosen, figures = choose_rule(artifact["samples"])
+    return {**artifact, "chosen": chosen.name, "rules": figures,
+            "holdout": holdout(artifact["samples"])}
 
 
 def holdout(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
