@@ -33,7 +33,7 @@ def test_train_check_mutations_reports_each_ratio(capsys):
     assert _run(["train-check", "--config", "small_tied_bias", "--dp", "2", "--tp", "2",
                  "--batch", "packed", "--mutations"]) == 0
     out = capsys.readouterr().out
-    assert "7 of 7 detected, 0 identity cells skipped" in out
+    assert "9 of 9 detected, 0 identity cells skipped" in out
 
 
 def test_train_check_rejects_unknown_configs_and_meshes():

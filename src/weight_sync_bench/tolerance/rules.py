@@ -100,7 +100,10 @@ def strict_environment() -> bool:
 def check_environment(artifact: dict[str, Any], what: str) -> tuple[str, ...]:
     """The drift notes of ``artifact``'s environment; under ``strict_environment()`` a
     ``ToleranceMismatch`` naming every difference instead."""
-    notes = environment_drift(artifact.get("environment", {}))
+    recorded = dict(artifact.get("environment", {}))
+    if "kernel_sets" in artifact:  # merged over kernel sets (tolerance.kernels)
+        recorded["kernel_sets"] = artifact["kernel_sets"]
+    notes = environment_drift(recorded)
     if notes and strict_environment():
         raise ToleranceMismatch(f"{what}: measured in another environment (WSB_STRICT_ENV is "
                                 "set): " + "; ".join(notes) + ". Re-measure it here with "
