@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "weight_sync_bench"
 
 # Lowest first: a module of layer i may import layers 0..i, never i+1.. .
-LAYERS = ("layout", "collectives", "model", "conventions", "tolerance", "check", "training",
+LAYERS = ("layout", "collectives", "model", "conventions", "tolerance", "check", "sync", "training",
           "fuzz", "cli")
 ANYWHERE = ("errors", "paths")  # importable from every layer; they import no layer themselves
 # Entry points may import anything: the package's public surface and ``python -m`` targets.

@@ -25,3 +25,22 @@ def test_the_worked_example_prints_the_report_shown():
         for body in code:
             exec(compile(body, str(README), "exec"), namespace)
     assert out.getvalue() == shown
+
+
+def test_the_converter_example_prints_the_verdicts_shown():
+    """Each python block of the conversion section, run in order, prints exactly the block
+    that follows it."""
+    blocks = re.findall(r"```(\w*)\n(.*?)```", _section("Check a converter between frameworks"),
+                        re.S)
+    namespace: dict = {}
+    checked = 0
+    for (lang, body), (next_lang, shown) in zip(blocks, blocks[1:]):
+        if lang != "python":
+            continue
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(body, str(README), "exec"), namespace)
+        if next_lang == "":
+            assert out.getvalue() == shown
+            checked += 1
+    assert checked == 2

@@ -19,6 +19,18 @@ class UnsupportedLayout(WsbError, ValueError):
     """
 
 
+class UnsupportedConvention(UnsupportedLayout):
+    """A storage convention that cannot store this config at this degree, or a config
+    field it has no counterpart for. The message names the convention, the stored
+    parameter, the degree and the rule, e.g. ``vllm: model.layers.0.self_attn.qkv_proj.weight
+    needs t % n_kv_heads == 0 when t > n_kv_heads (n_kv_heads=2, t=3)``."""
+
+
+class UnknownConvention(WsbError, ValueError):
+    """A convention name (or a ``name:degree`` endpoint) the harness does not define or
+    cannot parse; the message lists the known conventions."""
+
+
 class InvalidShards(WsbError, ValueError):
     """Rank-local shards (from a user's split or reshard function) that do not fit the layout:
     a missing or extra name, a wrong shape or dtype, or the wrong number of ranks."""
@@ -51,15 +63,16 @@ class RankFailure(WsbError, RuntimeError):
     collective number, op, parameter or layer) and, where there is one, the rank's own
     traceback (``remote_traceback``) and the time it raised (``raised_at``, ``time.time()``
     on the rank). ``pids`` are the task's rank processes, all gone by the time this is
-    raised. Subclasses say how the rank failed.
+    raised. ``breadcrumb`` is the blamed rank's last breadcrumb, as text. Subclasses say how
+    the rank failed.
     """
 
     def __init__(self, message: str, *, rank: int | None = None,
                  remote_traceback: str | None = None, raised_at: float | None = None,
-                 pids: tuple[int, ...] = ()) -> None:
+                 pids: tuple[int, ...] = (), breadcrumb: str | None = None) -> None:
         super().__init__(message)
         self.rank, self.remote_traceback, self.raised_at = rank, remote_traceback, raised_at
-        self.pids = pids
+        self.pids, self.breadcrumb = pids, breadcrumb
 
 
 class RankCrash(RankFailure):
@@ -81,6 +94,18 @@ class RankTimeout(RankFailure):
                  stacks: dict[int, str] | None = None, **kwargs: object) -> None:
         super().__init__(message, **kwargs)  # type: ignore[arg-type]
         self.stuck, self.stacks = stuck, stacks or {}
+
+
+class RankStopped(RankTimeout):
+    """Ranks that did not answer the watchdog's stack request because they were not running:
+    stopped (``/proc`` state ``T``, SIGSTOP or SIGTSTP), traced (``t``) or in uninterruptible
+    sleep (``D``). ``states`` maps each such rank to its one-letter process state, read from
+    /proc when the deadline passed, not inferred from breadcrumbs."""
+
+    def __init__(self, message: str, *, states: dict[int, str] | None = None,
+                 **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.states = states or {}
 
 
 class PeerAborted(WsbError, RuntimeError):
@@ -123,3 +148,88 @@ class UnevenSequence(InvalidMesh):
 class MissingArtifacts(WsbError, FileNotFoundError):
     """The harness's committed files (tolerance artifacts, corpus) cannot be located: no
     checkout around the installed package and no environment variable naming them."""
+
+
+class InvalidNumber(WsbError, ValueError):
+    """A count, size, degree, duration or seed that is not a number in its range: zero or
+    negative where work must be done, NaN or infinite, a bool, or a seed outside
+    0..2^63-1. Names the argument and the value: ``--minutes must be a finite number > 0,
+    got nan``. ``count``, ``positive`` and ``seed`` check one value and return it."""
+
+    SEED_MAX = 2**63 - 1
+
+    @classmethod
+    def count(cls, name: str, value: object, *, minimum: int = 1) -> int:
+        """``value`` as an int >= ``minimum`` (a bool is not a count)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise cls(f"{name} must be an int >= {minimum}, got {value!r}")
+        return value
+
+    @classmethod
+    def positive(cls, name: str, value: object) -> float:
+        """``value`` as a finite float > 0: a duration, a size or a limit."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not value > 0 or value == float("inf"):
+            raise cls(f"{name} must be a finite number > 0, got {value!r}")
+        return float(value)
+
+    @classmethod
+    def seed(cls, name: str, value: object) -> int:
+        """``value`` as an int in 0..2^63-1, the range every seed of the harness takes."""
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 0 <= value <= cls.SEED_MAX:
+            raise cls(f"{name} must be an int in 0..2^63-1, got {value!r}")
+        return value
+
+
+class UserCodeError(WsbError):
+    """The user's own code failed as code: a resharder or splitter (``--resharder``,
+    ``--splitter``, the function given to ``check_split`` / ``check_reshard``) raised, could
+    not be imported, or has a signature the harness cannot call. The message frames it
+    ("your resharder `mod:fn` raised ValueError ...") and quotes the user's frames of the
+    traceback, not the harness's (``user_traceback``); ``__cause__`` is the original."""
+
+    def __init__(self, message: str, *, role: str | None = None, function: str | None = None,
+                 user_traceback: str | None = None) -> None:
+        super().__init__(message)
+        self.role, self.function, self.user_traceback = role, function, user_traceback
+
+
+class InvalidUserShards(UserCodeError, InvalidShards):
+    """The user's function returned something that is not shards of the layout: not a list
+    of dicts of str -> CPU tensors (meta tensors, non-string keys), or shards with missing
+    or extra names, wrong shapes or dtypes. Names the rank and the parameter."""
+
+
+class CorpusEntryTooLarge(CorruptCorpusEntry):
+    """A corpus entry whose geometry would need more memory or work than the replay limit,
+    refused before anything is allocated. Names the file, the field that drives the
+    estimate and the estimate (``estimate`` in bytes, ``flops``)."""
+
+    def __init__(self, message: str, *, estimate: int | None = None, flops: int | None = None,
+                 **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.estimate, self.flops = estimate, flops
+
+
+class ArtifactProtected(WsbError):
+    """A measuring command that would replace a committed artifact without ``--write``, or a
+    larger measurement with a smaller one without ``--force``. Names the file and the
+    figures (samples, threshold or rule) on both sides."""
+
+
+class InvalidCover(WsbError, ValueError):
+    """A layout's index boxes that do not cover the canonical model as the layout states
+    (phase 2, checked before anything moves): a box out of bounds, two boxes of one rank
+    overlapping, a canonical index held more or fewer times than the stated replication, a
+    total volume that differs. Names the layout, the parameter, the rank and the box."""
+
+    def __init__(self, message: str, *, param: str | None = None, rank: int | None = None,
+                 box: object = None) -> None:
+        super().__init__(message)
+        self.param, self.rank, self.box = param, rank, box
+
+
+class UnsupportedLauncher(WsbError, ValueError):
+    """A launcher or backend the running machine cannot provide (``--backend nccl`` without
+    CUDA, ``--launcher torchrun`` outside a torchrun job). Names what is missing."""

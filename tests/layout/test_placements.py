@@ -7,6 +7,7 @@ from weight_sync_bench import (
     TOY_KV4,
     FusedPaired,
     HeadPartitioned,
+    HeadReplicated,
     Replicate,
     Shard,
     ShardSpec,
@@ -50,6 +51,11 @@ CASES = [
     (HeadPartitioned(8, 2, 32), (384, 256), 4, None),  # fewer KV heads than ranks: no replication
     (HeadPartitioned(6, 3, 8), (96, 16), 2, None),  # 6 query heads split 2 ways but 3 KV heads don't
     (HeadPartitioned(8, 2, 32), (383, 256), 1, None),  # row count is not (8 + 2*2) * 32
+    (HeadReplicated(8, 2, 32), (384, 256), 4, (128, 256)),  # 2 Q heads + a copy of 1 KV head
+    (HeadReplicated(8, 2, 32), (384,), 8, (96,)),  # the bias, 1-D, alike
+    (HeadReplicated(8, 2, 32), (384, 256), 2, None),  # t == n_kv_heads: HeadPartitioned's job
+    (HeadReplicated(6, 2, 8), (80, 16), 3, None),  # t=3 is no multiple of 2 KV heads
+    (HeadReplicated(8, 2, 32), (384, 256), 16, None),  # 8 Q heads do not split 16 ways
     (FusedPaired(704, 704), (1408, 256), 4, (352, 256)),
     (FusedPaired(6, 6), (12, 4), 4, None),  # 6 % 4 != 0
     (FusedPaired(4, 4), (12, 4), 1, None),  # 4 + 4 != 12 rows
@@ -67,8 +73,9 @@ def test_placement_validates_shape_and_degree(placement, shape, degree, local):
 
 
 def test_placements_print_compactly_and_repr_machine_readably():
-    assert [str(p) for p in (Replicate(), Shard(1), HeadPartitioned(8, 2, 32), FusedPaired(7, 7))] == [
-        "R", "S(1)", "HP(8,2,32)", "FP(7,7)"]
+    assert [str(p) for p in (Replicate(), Shard(1), HeadPartitioned(8, 2, 32),
+                             HeadReplicated(8, 2, 32), FusedPaired(7, 7))] == [
+        "R", "S(1)", "HP(8,2,32)", "HR(8,2,32)", "FP(7,7)"]
     assert repr(Shard(1)) == "Shard(dim=1)"
 
 
@@ -86,3 +93,19 @@ def test_layout_table_prints_placement_and_local_shape_per_degree():
     assert re.split(r"\s{2,}", qkv) == ["layers.0.qkv.weight", "[384, 256]", "HP(8,2,32)",
                                       "[384, 256]", "[192, 256]", "-"]
     assert len(lines) == 1 + len(layout_for(TOY))
+
+
+def test_head_replicated_rank_r_holds_kv_head_r_times_n_kv_over_t():
+    # TOY's qkv at t=4: Q heads 2r, 2r+1 (32 rows each), then K and V of head r // 2
+    spec = ShardSpec("layers.0.qkv.weight", (384, 256), HeadReplicated(8, 2, 32))
+    assert [spec.ranges(4, r) for r in range(4)] == [
+        (0, [(0, 64), (256, 288), (320, 352)]), (0, [(64, 128), (256, 288), (320, 352)]),
+        (0, [(128, 192), (288, 320), (352, 384)]), (0, [(192, 256), (288, 320), (352, 384)])]
+    assert [HeadReplicated(8, 2, 32).kv_head(8, r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_head_replicated_names_the_replication_rule_it_needs():
+    with pytest.raises(UnsupportedLayout) as info:
+        ShardSpec("layers.0.qkv.weight", (80, 16), HeadReplicated(6, 2, 8)).validate(3)
+    assert str(info.value) == ("layers.0.qkv.weight: HeadReplicated needs t % n_kv_heads == 0 "
+                               "(n_kv_heads=2, t=3)")

@@ -25,6 +25,8 @@ import torch
 
 from weight_sync_bench.check.diagnosis import _bit_equal, diagnose, mismatching
 from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.check.user_code import call_user
+from weight_sync_bench.errors import InvalidNumber
 from weight_sync_bench.layout.reshard import (
     reshard,
     reshard_tensor,
@@ -71,6 +73,9 @@ class Verdict:
     phase: str = "1a"
     mutation: str | None = None
     own_forward: bool = False  # False: the shards equal the declared split and reused its forward
+    # (source, destination) convention names when the check is of a conversion
+    # (``check_convert``): src and dst are then the degrees of those conventions.
+    conventions: tuple[str, str] | None = None
     # How the running environment differs from the one the threshold was measured in
     # (``tolerance.rules.check_environment``); empty when it is the same.
     notes: tuple[str, ...] = ()
@@ -90,6 +95,8 @@ class Verdict:
 
     @property
     def route(self) -> str:
+        if self.conventions is not None:
+            return f"{self.conventions[0]}:{self.src} -> {self.conventions[1]}:{self.dst}"
         return f"{self.src} -> {self.dst}" if self.src is not None else f"split -> {self.dst}"
 
     def __str__(self) -> str:
@@ -167,7 +174,10 @@ class Checker:
 
     def error(self, shards: list[Params]) -> float:
         """Max |sharded logits - reference| under these shards (NaN/inf pass through)."""
-        logits = self.forward(self.config, shards, self.tokens)
+        return self.deviation(self.forward(self.config, shards, self.tokens))
+
+    def deviation(self, logits: torch.Tensor) -> float:
+        """Max |logits - reference| (NaN/inf pass through)."""
         return float(torch.sub(logits, self.reference, out=self._scratch).abs_().max())
 
     def declared_error(self, degree: int) -> float:
@@ -181,7 +191,7 @@ class Checker:
         validate_shards(shards, self.layout, dst, {n: x.dtype for n, x in self.full.items()})
         checked = [dict(params) for params in shards]
         declared = self.declared(dst)
-        differ = mismatching(checked, declared, self.layout)
+        differ = mismatching(checked, declared, self.layout.names)
         assert self.threshold is not None
         common = dict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
                       phase=self.phase, mutation=mutation, notes=self.notes)
@@ -241,6 +251,7 @@ def sweep(config: ModelConfig, *, seed: int = 0, pairs: Iterable[tuple[int, int]
     """The invariant over degree pairs: ``reshard(split(full, src), dst)`` (mutated, if a
     mutation is given) checked against the reference. One reference forward, one declared
     forward per destination, one more forward per shard set that differs."""
+    InvalidNumber.seed("seed", seed)
     checker = checker or checker_for(config, seed=seed, backend=backend)
     verdicts = []
     for src, dst in (pairs if pairs is not None else degree_pairs(checker.layout)):
@@ -256,22 +267,36 @@ def sweep(config: ModelConfig, *, seed: int = 0, pairs: Iterable[tuple[int, int]
 def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
                 threshold: float | None = None, backend: str = "inprocess") -> Verdict:
     """Check a user's split function ``fn(full, degree) -> [rank-local dict] * degree``
-    (the harness's parameter names) against the declared layout at ``degree``."""
+    (the harness's parameter names) against the declared layout at ``degree``. What ``fn``
+    raises, or returns that is not shards, is framed as its own (``UserCodeError``)."""
+    InvalidNumber.seed("seed", seed)
+    layout_for(config).validate(degree)
     checker = checker_for(config, seed=seed, threshold=threshold, backend=backend)
-    checker.layout.validate(degree)
-    shards = fn({name: t.clone() for name, t in checker.full.items()}, degree)
+    full = {name: t.clone() for name, t in checker.full.items()}
+    shards = call_user(fn, (full, degree), role="splitter", call="fn(full, degree)",
+                       during=f"while splitting {config.name} for t={degree}",
+                       layout=checker.layout, degree=degree, dtypes=_dtypes(checker))
     return checker.verdict(shards, dst=degree)
 
 
 def check_reshard(fn: ReshardFn, config: ModelConfig, src: int, dst: int, *, seed: int = 0,
                   threshold: float | None = None, backend: str = "inprocess") -> Verdict:
     """Check a user's reshard function ``fn(shards_at_src, dst) -> shards_at_dst`` starting
-    from the declared split at ``src``."""
+    from the declared split at ``src``. What ``fn`` raises, or returns that is not shards, is
+    framed as its own (``UserCodeError``)."""
+    InvalidNumber.seed("seed", seed)
+    layout_for(config).validate(src)
+    layout_for(config).validate(dst)
     checker = checker_for(config, seed=seed, threshold=threshold, backend=backend)
-    checker.layout.validate(src)
-    checker.layout.validate(dst)
     source = [{n: t.clone() for n, t in params.items()} for params in checker.declared(src)]
-    return checker.verdict(fn(source, dst), src=src, dst=dst)
+    shards = call_user(fn, (source, dst), role="resharder", call="fn(shards, dst)",
+                       during=f"while resharding {config.name} {src} -> {dst}",
+                       layout=checker.layout, degree=dst, dtypes=_dtypes(checker))
+    return checker.verdict(shards, src=src, dst=dst)
+
+
+def _dtypes(checker: Checker) -> dict[str, torch.dtype]:
+    return {n: x.dtype for n, x in checker.full.items()}
 
 
 def format_verdicts(verdicts: Sequence[Verdict]) -> str:

@@ -15,15 +15,18 @@ import torch
 from weight_sync_bench.layout.placements import format_ranges
 
 if TYPE_CHECKING:
-    from weight_sync_bench.layout.table import LayoutTable, ShardSpec
+    from collections.abc import Iterable
+
+    from weight_sync_bench.layout.table import ShardSpec
 
 
 Params = dict[str, torch.Tensor]
 
-def mismatching(shards: list[Params], declared: list[Params], layout: LayoutTable) -> list[str]:
-    """Names (in layout order) whose bytes differ from the declared split on any rank."""
-    return [spec.name for spec in layout
-            if any(not _bit_equal(s[spec.name], d[spec.name]) for s, d in zip(shards, declared))]
+def mismatching(shards: list[Params], declared: list[Params], names: Iterable[str]) -> list[str]:
+    """Those of ``names`` (in their order: a layout's, or a convention's stored names) whose
+    bytes differ from the declared shards on any rank."""
+    return [name for name in names
+            if any(not _bit_equal(s[name], d[name]) for s, d in zip(shards, declared))]
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -49,11 +52,11 @@ def diagnose(full: torch.Tensor, spec: ShardSpec, shards: list[torch.Tensor]) ->
     lines = []
     for rank, shard in enumerate(shards):
         dim, declared = spec.ranges(degree, rank)
+        if _bit_equal(shard, _take(full, dim, declared)):
+            continue  # byte-correct, whatever repeated rows (zeros, padding) locate says
         axis = "elements" if full.dim() == 1 else _AXIS.get(dim, f"indices of dim {dim}")
         held = locate(full, shard, dim)
         declared_idx = [i for start, stop in declared for i in range(start, stop)]
-        if held == declared_idx and _bit_equal(shard, _take(full, dim, declared)):
-            continue
         if held == declared_idx:
             lines.append(f"rank {rank} {spec.name} holds the declared {axis} "
                          f"{format_ranges(declared)}, with values changed")
@@ -67,15 +70,23 @@ def _take(full: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> torch.
     return torch.cat([full.narrow(dim, a, b - a) for a, b in ranges], dim=dim)
 
 
-def locate(full: torch.Tensor, shard: torch.Tensor, dim: int) -> list[int | None]:
+def locate(full: torch.Tensor, shard: torch.Tensor, dim: int,
+           index: dict[bytes, int] | None = None) -> list[int | None]:
     """For each slice of ``shard`` along ``dim``, the index of the identical slice of ``full``
-    along ``dim`` (the first, if repeated), or None if no slice of ``full`` has those bytes."""
+    along ``dim`` (the first, if repeated), or None if no slice of ``full`` has those bytes.
+    ``index`` is ``slice_index(full, dim)`` when the caller keeps one."""
     if full.shape[:dim] + full.shape[dim + 1:] != shard.shape[:dim] + shard.shape[dim + 1:]:
         return [None] * shard.shape[dim]
+    index = index if index is not None else slice_index(full, dim)
+    return [index.get(key) for key in _slice_keys(shard, dim)]
+
+
+def slice_index(full: torch.Tensor, dim: int) -> dict[bytes, int]:
+    """The bytes of each slice of ``full`` along ``dim`` -> its first index."""
     index: dict[bytes, int] = {}
     for i, key in enumerate(_slice_keys(full, dim)):
         index.setdefault(key, i)
-    return [index.get(key) for key in _slice_keys(shard, dim)]
+    return index
 
 
 def _slice_keys(x: torch.Tensor, dim: int) -> list[bytes]:

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from weight_sync_bench.conventions.megatron import (  # noqa: F401 (re-exported)
+    grouped_qkv_order as interleaved_qkv_order,
+)
 from weight_sync_bench.errors import UnknownMutation
 from weight_sync_bench.layout.placements import Replicate
 from weight_sync_bench.layout.reshard import gather_tensor, split_tensor
@@ -140,19 +143,6 @@ def _halves_swapped(shards: list[torch.Tensor], spec: ShardSpec, config: ModelCo
                     ) -> list[torch.Tensor]:
     """Each rank's gate and up halves exchanged: ``[up_r | gate_r]``."""
     return [torch.cat(list(reversed(s.chunk(2, dim=0))), dim=0) for s in shards]
-
-
-def interleaved_qkv_order(n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Row indices of a plain ``[Q | K | V]`` tensor in the interleaved-per-query-group order
-    (Megatron-Core's): ``[Q heads of group 0, K_0, V_0, Q heads of group 1, K_1, V_1, ...]``.
-    ``plain[order]`` is the interleaved tensor; ``interleaved[argsort(order)]`` the plain one."""
-    group, q_rows, kv_rows = n_heads // n_kv_heads, n_heads * head_dim, n_kv_heads * head_dim
-    rows: list[torch.Tensor] = []
-    for g in range(n_kv_heads):
-        rows.append(torch.arange(g * group * head_dim, (g + 1) * group * head_dim))
-        rows.append(q_rows + torch.arange(g * head_dim, (g + 1) * head_dim))
-        rows.append(q_rows + kv_rows + torch.arange(g * head_dim, (g + 1) * head_dim))
-    return torch.cat(rows)
 
 
 def _resplit(shards: list[torch.Tensor], spec: ShardSpec, order: torch.Tensor

@@ -7,6 +7,10 @@ shard is a non-contiguous selection of source rows, so the harness adds two plac
 - ``HeadPartitioned``: fused qkv ``[(n_heads + 2 * n_kv_heads) * head_dim, d_model]``
   stored as the plain concatenation ``[Q | K | V]``; rank r holds its Q heads, its K heads
   and its V heads: three disjoint row ranges, concatenated in that order.
+- ``HeadReplicated``: the same fused qkv when there are fewer KV heads than ranks (vLLM's
+  ``QKVParallelLinear`` with ``num_kv_head_replicas > 1``): rank r holds its Q heads and a
+  whole copy of KV head ``r * n_kv_heads // t``, so each KV head is replicated on
+  ``t / n_kv_heads`` consecutive ranks.
 - ``FusedPaired``: fused gate_up ``[first + second, d_model]`` stored as ``[gate | up]``;
   rank r holds its slice of gate and the matching slice of up: two row ranges.
 
@@ -18,14 +22,9 @@ Every placement divides evenly or is rejected: an uneven split is an ``Unsupport
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, assert_never
+from typing import assert_never
 
 from weight_sync_bench.errors import UnsupportedLayout
-
-if TYPE_CHECKING:
-
-    pass
-
 
 Shape = tuple[int, ...]
 
@@ -72,6 +71,16 @@ class Shard:
         return f"S({self.dim})"
 
 
+def _need_heads(placement: HeadPartitioned | HeadReplicated, shape: Shape, degree: int,
+                name: str) -> None:
+    """What both head placements need: the fused qkv's row count, Q heads split evenly."""
+    nh, nkv, hd = placement.n_heads, placement.n_kv_heads, placement.head_dim
+    _need(len(shape) in (1, 2) and shape[0] == placement.rows, name, placement, degree,
+          "shape[0] == (n_heads + 2 * n_kv_heads) * head_dim",
+          f"shape={list(shape)}, n_heads={nh}, n_kv_heads={nkv}, head_dim={hd}")
+    _need(nh % degree == 0, name, placement, degree, "n_heads % t == 0", f"n_heads={nh}")
+
+
 @dataclass(frozen=True)
 class HeadPartitioned:
     """Fused ``[Q | K | V]`` rows split per head: rank r holds Q heads
@@ -91,17 +100,55 @@ class HeadPartitioned:
 
     def validate(self, shape: Shape, degree: int, name: str) -> None:
         _check_degree(name, degree)
-        _need(len(shape) in (1, 2) and shape[0] == self.rows, name, self, degree,
-              "shape[0] == (n_heads + 2 * n_kv_heads) * head_dim",
-              f"shape={list(shape)}, n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads}, "
-              f"head_dim={self.head_dim}")
-        _need(self.n_heads % degree == 0, name, self, degree, "n_heads % t == 0",
-              f"n_heads={self.n_heads}")
+        _need_heads(self, shape, degree, name)
         _need(self.n_kv_heads % degree == 0, name, self, degree, "n_kv_heads % t == 0",
               f"n_kv_heads={self.n_kv_heads}")
 
     def __str__(self) -> str:
         return f"HP({self.n_heads},{self.n_kv_heads},{self.head_dim})"
+
+
+@dataclass(frozen=True)
+class HeadReplicated:
+    """Fused ``[Q | K | V]`` rows with fewer KV heads than ranks: rank r holds Q heads
+    ``[r*n_heads/t, (r+1)*n_heads/t)`` and a whole copy of KV head ``r * n_kv_heads // t``
+    (its K rows, then its V rows), as ``[Q_r | K_g | V_g]``. Valid only where
+    ``HeadPartitioned`` is not: ``t > n_kv_heads`` and ``t % n_kv_heads == 0``, so each KV
+    head has ``t / n_kv_heads`` replicas on consecutive ranks (vLLM ``QKVParallelLinear``:
+    ``num_kv_head_replicas = t / n_kv_heads``, KV shard ``tp_rank // num_kv_head_replicas``).
+    Applies to the fused weight and, 1-D, to its bias."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    kind = "HeadReplicated"
+
+    @property
+    def rows(self) -> int:
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+
+    def kv_head(self, degree: int, rank: int) -> int:
+        """The KV head rank ``rank`` holds a copy of: ``rank * n_kv_heads // t``."""
+        return rank * self.n_kv_heads // degree
+
+    def validate(self, shape: Shape, degree: int, name: str) -> None:
+        _check_degree(name, degree)
+        _need_heads(self, shape, degree, name)
+        _need(degree > self.n_kv_heads, name, self, degree,
+              "t > n_kv_heads (otherwise HeadPartitioned splits the KV heads)",
+              f"n_kv_heads={self.n_kv_heads}")
+        _need(degree % self.n_kv_heads == 0, name, self, degree, "t % n_kv_heads == 0",
+              f"n_kv_heads={self.n_kv_heads}")
+
+    def __str__(self) -> str:
+        return f"HR({self.n_heads},{self.n_kv_heads},{self.head_dim})"
+
+
+def local_kv_heads(n_kv_heads: int, degree: int) -> int:
+    """KV heads each rank attends with: ``n_kv_heads / t`` when they split
+    (``HeadPartitioned``), one replicated head when there are fewer than ranks
+    (``HeadReplicated``): ``max(1, n_kv_heads // t)``, vLLM's ``num_kv_heads``."""
+    return max(1, n_kv_heads // degree)
 
 
 @dataclass(frozen=True)
@@ -127,7 +174,7 @@ class FusedPaired:
         return f"FP({self.first},{self.second})"
 
 
-Placement = Replicate | Shard | HeadPartitioned | FusedPaired
+Placement = Replicate | Shard | HeadPartitioned | HeadReplicated | FusedPaired
 
 
 def _chunk(start: int, size: int, degree: int, rank: int) -> tuple[int, int]:
@@ -148,6 +195,10 @@ def index_ranges(placement: Placement, shape: Shape, degree: int, rank: int
             q, kv = nh * hd, nkv * hd
             return 0, [_chunk(0, q, degree, rank), _chunk(q, kv, degree, rank),
                        _chunk(q + kv, kv, degree, rank)]
+        case HeadReplicated(n_heads=nh, n_kv_heads=nkv, head_dim=hd):
+            q, kv, g = nh * hd, nkv * hd, placement.kv_head(degree, rank)
+            return 0, [_chunk(0, q, degree, rank), (q + g * hd, q + (g + 1) * hd),
+                       (q + kv + g * hd, q + kv + (g + 1) * hd)]
         case FusedPaired(first=first, second=second):
             return 0, [_chunk(0, first, degree, rank), _chunk(first, second, degree, rank)]
         case _:

@@ -87,11 +87,14 @@ def reshard_tensor(shards: list[torch.Tensor], spec: ShardSpec, dst: int) -> lis
     if isinstance(spec.placement, Replicate):
         return [shards[0].clone() for _ in range(dst)]
     segments = []  # (global start, global stop, source rank, offset in that rank's shard)
+    seen: set[tuple[int, int]] = set()
     for rank in range(src):
         dim, ranges = spec.ranges(src, rank)
         offset = 0
         for start, stop in ranges:
-            segments.append((start, stop, rank, offset))
+            if (start, stop) not in seen:  # a replicated range (HeadReplicated's KV head) is
+                seen.add((start, stop))    # read from its lowest rank, as gather does
+                segments.append((start, stop, rank, offset))
             offset += stop - start
     out = []
     for rank in range(dst):

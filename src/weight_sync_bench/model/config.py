@@ -9,7 +9,11 @@ gate_up, two row-parallel projections and replicated norms.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,6 +45,10 @@ class ModelConfig:
     vocab_multiple: int = 1  # pad the vocab-parallel tables to a multiple of this
     tie_embeddings: bool = False  # lm_head reads tok_embeddings.weight
     bias: bool = False  # a qkv bias and row-parallel o_proj and down biases
+    # The bias variant split by where it sits (``bias=True`` means all three): HF Qwen2 has
+    # q/k/v biases only (``qkv_bias``), HF Llama ``attention_bias`` q/k/v and o_proj biases.
+    qkv_bias: bool = False
+    o_bias: bool = False
 
     def __post_init__(self) -> None:
         for field in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -48,7 +56,7 @@ class ModelConfig:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidConfig(f"{self.name}: {field} must be a positive int, got {value!r}")
-        for field in ("tie_embeddings", "bias"):
+        for field in ("tie_embeddings", "bias", "qkv_bias", "o_bias"):
             if not isinstance(getattr(self, field), bool):
                 raise InvalidConfig(f"{self.name}: {field} must be a bool, "
                                     f"got {getattr(self, field)!r}")
@@ -72,6 +80,21 @@ class ModelConfig:
         return self.q_rows + 2 * self.kv_rows
 
     @property
+    def has_qkv_bias(self) -> bool:
+        """A bias on the fused qkv rows (``bias`` or ``qkv_bias``)."""
+        return self.bias or self.qkv_bias
+
+    @property
+    def has_o_bias(self) -> bool:
+        """A row-parallel o_proj bias (``bias`` or ``o_bias``)."""
+        return self.bias or self.o_bias
+
+    @property
+    def has_down_bias(self) -> bool:
+        """A row-parallel down bias (``bias`` only: the block has no gate_up bias)."""
+        return self.bias
+
+    @property
     def token_shape(self) -> tuple[int, int]:
         return (self.batch, self.seq_len)
 
@@ -89,15 +112,15 @@ class ModelConfig:
             p = f"layers.{i}."
             shapes[p + "attn_norm.weight"] = (d,)
             shapes[p + "qkv.weight"] = (self.qkv_rows, d)
-            if self.bias:
+            if self.has_qkv_bias:
                 shapes[p + "qkv.bias"] = (self.qkv_rows,)
             shapes[p + "o_proj.weight"] = (d, self.q_rows)
-            if self.bias:
+            if self.has_o_bias:
                 shapes[p + "o_proj.bias"] = (d,)
             shapes[p + "ffn_norm.weight"] = (d,)
             shapes[p + "gate_up.weight"] = (2 * self.ffn, d)
             shapes[p + "down.weight"] = (d, self.ffn)
-            if self.bias:
+            if self.has_down_bias:
                 shapes[p + "down.bias"] = (d,)
         shapes["norm.weight"] = (d,)
         if not self.tie_embeddings:
@@ -136,8 +159,132 @@ class ModelConfig:
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    @classmethod
+    def from_hf_config(cls, source: str | Path | Mapping[str, Any], *,
+                       n_layers: int | None = None, vocab: int | None = None,
+                       name: str | None = None) -> ModelConfig:
+        """The geometry of a Hugging Face ``config.json`` (a path, or the parsed dict), in the
+        harness's Llama-style block (RMSNorm, RoPE rotate-half, GQA, SwiGLU).
 
-VARIANT_FIELDS = ("vocab_multiple", "tie_embeddings", "bias")
+        Reads ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads`` (default: the
+        heads), ``head_dim`` (default ``hidden_size // num_attention_heads``, as
+        ``LlamaAttention``), ``intermediate_size``, ``num_hidden_layers``, ``vocab_size``,
+        ``rope_theta``, ``rms_norm_eps``, ``tie_word_embeddings``, ``attention_bias`` (HF
+        Llama/Mistral: q, k, v *and* o_proj biases) and ``architectures`` (``Qwen2ForCausalLM``:
+        q, k, v biases only, ``Qwen2Attention``). ``n_layers`` and ``vocab`` override the file
+        (a reduced copy of a real geometry); ``name`` defaults to the file's stem.
+
+        What the block cannot model is rejected with ``InvalidConfig`` naming the field:
+        ``mlp_bias`` (gate/up/down biases; the block has no gate_up bias), an activation other
+        than SiLU, ``rope_scaling``. A sliding window is not modelled either; it changes
+        nothing while ``seq_len`` stays below it (every window in the shipped configs does).
+        """
+        if isinstance(source, Mapping):
+            data, label = dict(source), name or "hf"
+        else:
+            path = Path(source)
+            try:
+                data = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise InvalidConfig(f"{path}: no such HF config.json") from None
+            except json.JSONDecodeError as exc:
+                raise InvalidConfig(f"{path}: not valid JSON ({exc})") from None
+            label = name or (path.parent.name if path.name == "config.json" else path.stem)
+        if not isinstance(data, dict):
+            raise InvalidConfig(f"{label}: an HF config is a JSON object, got {type(data).__name__}")
+
+        def field(key: str, kind: type | tuple[type, ...], default: object = _REQUIRED) -> Any:
+            value = data.get(key)
+            if value is None:
+                if default is _REQUIRED:
+                    raise InvalidConfig(f"{label}: HF config has no {key!r}")
+                return default
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise InvalidConfig(f"{label}: HF config field {key!r} is {value!r}, expected "
+                                    f"{getattr(kind, '__name__', kind)}")
+            return value
+
+        hidden = field("hidden_size", int)
+        heads = field("num_attention_heads", int)
+        if field("mlp_bias", bool, False):
+            raise InvalidConfig(f"{label}: HF config field 'mlp_bias' is true: the harness block "
+                                "has no gate_up bias, so gate/up/down biases are not modelled")
+        act = field("hidden_act", str, "silu")
+        if act != "silu":
+            raise InvalidConfig(f"{label}: HF config field 'hidden_act' is {act!r}: the harness "
+                                "block is SwiGLU (silu)")
+        if data.get("rope_scaling") is not None:
+            raise InvalidConfig(f"{label}: HF config field 'rope_scaling' is "
+                                f"{data['rope_scaling']!r}: only plain RoPE is modelled")
+        head_dim = field("head_dim", int, None)
+        if head_dim is None:
+            if hidden % heads:
+                raise InvalidConfig(f"{label}: HF config has no 'head_dim' and hidden_size % "
+                                    f"num_attention_heads != 0 (hidden_size={hidden}, "
+                                    f"num_attention_heads={heads})")
+            head_dim = hidden // heads
+        architectures = field("architectures", list, [])
+        qwen2 = "Qwen2ForCausalLM" in architectures
+        attention_bias = field("attention_bias", bool, False)
+        return cls(
+            name=label,
+            vocab=vocab if vocab is not None else field("vocab_size", int),
+            d_model=hidden,
+            n_layers=n_layers if n_layers is not None else field("num_hidden_layers", int),
+            n_heads=heads,
+            n_kv_heads=field("num_key_value_heads", int, heads),
+            head_dim=head_dim,
+            ffn=field("intermediate_size", int),
+            rope_theta=float(field("rope_theta", (int, float), 10000.0)),
+            norm_eps=float(field("rms_norm_eps", (int, float), 1e-6)),
+            tie_embeddings=field("tie_word_embeddings", bool, False),
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+        )
+
+
+_REQUIRED = object()
+
+VARIANT_FIELDS = ("vocab_multiple", "tie_embeddings", "bias", "qkv_bias", "o_bias")
+
+# The Hugging Face config.json files shipped with the package (model/hf_configs/), as on the
+# Hub for these revisions. The Hub was not reachable when they were written: values come from
+# the research notes (conventions.md, section 3.1), cross-checked against secondary copies.
+# UNCONFIRMED (memory only, no copy seen): Qwen2.5-7B max_position_embeddings 131072 and its
+# bos/eos ids; every Mistral-7B-v0.1 value except the Llama-shared geometry (hidden 4096,
+# 32 heads, 8 KV heads, intermediate 14336), in particular rope_theta 10000.0 and
+# sliding_window 4096; Mistral-Nemo-Base-2407 rope_theta 1000000.0 and
+# max_position_embeddings 128000. None of the unconfirmed values is a shape.
+HF_CONFIGS = {
+    "llama3_8b": "meta-llama/Meta-Llama-3-8B",
+    "qwen2_5_7b": "Qwen/Qwen2.5-7B",
+    "mistral_7b": "mistralai/Mistral-7B-v0.1",
+    "mistral_nemo": "mistralai/Mistral-Nemo-Base-2407",  # head_dim 128 != 5120 / 32
+}
+
+
+def hf_config_path(name: str) -> Path:
+    """The shipped ``config.json`` of one of ``HF_CONFIGS`` (package data)."""
+    if name not in HF_CONFIGS:
+        raise InvalidConfig(f"unknown shipped HF config {name!r}; known: {', '.join(HF_CONFIGS)}")
+    return Path(__file__).resolve().parent / "hf_configs" / f"{name}.json"
+
+
+def shipped_hf_config(name: str, *, shrink: int = 1, n_layers: int | None = None,
+                      vocab: int | None = None) -> ModelConfig:
+    """A shipped HF geometry (``HF_CONFIGS``), optionally reduced for fast checks: hidden
+    size, intermediate size and head_dim divided by ``shrink`` (head counts kept, so the
+    GQA grouping and the head_dim / (hidden / heads) ratio are the model's), ``n_layers``
+    and ``vocab`` overridden. ``shipped_hf_config("mistral_nemo", shrink=16)`` has
+    d_model 320, head_dim 8 (5120 / 32 / 16 would be 10)."""
+    data = json.loads(hf_config_path(name).read_text())
+    for key in ("hidden_size", "intermediate_size", "head_dim"):
+        if data.get(key) is not None:
+            if data[key] % shrink:
+                raise InvalidConfig(f"{name}: {key}={data[key]} is not divisible by "
+                                    f"shrink={shrink}")
+            data[key] //= shrink
+    return ModelConfig.from_hf_config(data, n_layers=n_layers, vocab=vocab, name=name)
 
 TOY = ModelConfig(name="toy", vocab=32000, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2,
                   head_dim=32, ffn=704)  # 19,204,352 parameters

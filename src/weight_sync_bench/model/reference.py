@@ -156,7 +156,7 @@ class ReferenceModel:
             pre = f"layers.{i}."
             x = rms_norm(h, p[pre + "attn_norm.weight"], c.norm_eps)
             qkv = x @ p[pre + "qkv.weight"].T
-            if c.bias:
+            if c.has_qkv_bias:
                 qkv = qkv + p[pre + "qkv.bias"]
             a = attention(qkv, c.n_heads, c.n_kv_heads, c.head_dim, rope, mask)
             h = h + add_bias(a @ p[pre + "o_proj.weight"].T, p.get(pre + "o_proj.bias"))

@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from weight_sync_bench.collectives.protocol import Collective, Tensors
-from weight_sync_bench.errors import UnevenSequence
+from weight_sync_bench.errors import UnevenSequence, UnsupportedLayout
+from weight_sync_bench.layout.placements import Placement, Shard, local_kv_heads
 from weight_sync_bench.model.reference import (
     add_bias,
     attend,
@@ -54,6 +55,10 @@ if TYPE_CHECKING:
     from weight_sync_bench.model.config import ModelConfig
 
 
+# The embedding's placement when none is given: vocab-parallel, as ``layout_for`` declares it.
+EMBEDDING: Placement = Shard(0)
+
+
 class ShardedModel:
     """The model over rank-local shards: ``ShardedModel(config, shards, collective)(tokens)``.
 
@@ -65,11 +70,15 @@ class ShardedModel:
     ``sequence_parallel`` shards the residual stream along the sequence over the TP group;
     ``context`` is the CP group (``context.ranks[i]``: local activation i's CP rank), or
     None for no context parallelism. See the module docstring for both layouts.
+    ``embedding`` is the placement of ``tok_embeddings.weight`` (``Shard(0)``, vocab-parallel,
+    or ``Shard(1)``, split on the hidden dimension: see ``embed``). The fused qkv may hold
+    replicated KV heads (``HeadReplicated``): each rank attends with
+    ``local_kv_heads(n_kv_heads, t)`` of them.
     """
 
     def __init__(self, config: ModelConfig, shards: Sequence[Mapping[str, torch.Tensor]],
                  collective: Collective, *, sequence_parallel: bool = False,
-                 context: Collective | None = None) -> None:
+                 context: Collective | None = None, embedding: Placement = EMBEDDING) -> None:
         if len(shards) != len(collective.ranks):
             raise ValueError(f"ShardedModel: {len(shards)} shard dicts for local ranks "
                              f"{list(collective.ranks)}")
@@ -81,6 +90,7 @@ class ShardedModel:
         self.collective = collective
         self.sequence_parallel = sequence_parallel
         self.context = context
+        self.embedding = embedding
         self.embedding_output: Tensors | None = None  # per local rank, set by each forward
         # per local rank: the global positions [start, stop) its embedding output holds
         self.embedding_positions: list[tuple[int, int]] | None = None
@@ -111,7 +121,7 @@ class ShardedModel:
         """
         c, coll, shards = self.config, self.collective, self.shards
         t = coll.degree
-        heads, kv_heads = c.n_heads // t, c.n_kv_heads // t
+        heads, kv_heads = c.n_heads // t, local_kv_heads(c.n_kv_heads, t)
         seq_len = tokens.shape[1]
         chunks = self.chunks(seq_len)
         rope = rope_tables(seq_len, c.head_dim, c.rope_theta)
@@ -123,9 +133,7 @@ class ShardedModel:
             ropes = [(rope[0][a:b], rope[1][a:b]) for a, b in chunks]
             masks = [self.chunk_mask(segments, a, b, seq_len) for a, b in chunks]
 
-        h = self.leave_region([_vocab_parallel_embed(tokens[:, a:b], p["tok_embeddings.weight"], r)
-                               for p, r, (a, b) in zip(shards, coll.ranks, chunks)],
-                              "tok_embeddings.weight")  # (B, Tc, d), or (B, Tc / t, d) with SP
+        h = self.embed([tokens[:, a:b] for a, b in chunks])  # (B, Tc, d), (B, Tc / t, d) with SP
         self.embedding_output = h
         self.embedding_positions = self.residual_positions(chunks)
         for i in range(c.n_layers):
@@ -133,7 +141,7 @@ class ShardedModel:
             x = self.enter_region([rms_norm(hr, p[pre + "attn_norm.weight"], c.norm_eps)
                                    for hr, p in zip(h, shards)], pre + "qkv.weight")  # (B, Tc, d)
             qkv = [xr @ p[pre + "qkv.weight"].T for xr, p in zip(x, shards)]
-            if c.bias:
+            if c.has_qkv_bias:
                 qkv = [q + p[pre + "qkv.bias"] for q, p in zip(qkv, shards)]
             a = self.attend(qkv, heads, kv_heads, ropes, masks, chunks, pre + "attention")
             partial = [ar @ p[pre + "o_proj.weight"].T for ar, p in zip(a, shards)]  # partial sums
@@ -150,6 +158,33 @@ class ShardedModel:
             return local_logits
         logits = coll.all_gather(local_logits, dim=-1, tag=c.head_name)  # (B, Tc, Vp)
         return [x[..., :c.vocab] for x in logits] if c.padded_vocab != c.vocab else logits
+
+    def embed(self, tokens: list[torch.Tensor]) -> Tensors:
+        """Each rank's residual stream from its tokens ``(B, Tc)``, by the embedding's placement:
+
+        - ``Shard(0)`` (vocab-parallel, Megatron / vLLM / Llama 3): a masked lookup in the
+          rank's vocab slice, then summed over the group (``leave_region``);
+        - ``Shard(1)`` (Llama 2's fairscale ``ParallelEmbedding``, the Meta convention): a
+          lookup of every token in the rank's ``d / t`` columns, then an all-gather of the
+          hidden dimension; with SP each rank then keeps its own sequence shard.
+        """
+        coll, name = self.collective, "tok_embeddings.weight"
+        tables = [p[name] for p in self.shards]
+        match self.embedding:
+            case Shard(dim=0):
+                return self.leave_region([_vocab_parallel_embed(x, table, r) for x, table, r
+                                          in zip(tokens, tables, coll.ranks)], name)
+            case Shard(dim=1):
+                h = coll.all_gather([F.embedding(x, table) for x, table in zip(tokens, tables)],
+                                    dim=-1, tag=name)  # (B, Tc, d/t) each -> (B, Tc, d)
+                if not self.sequence_parallel:
+                    return h
+                w = h[0].shape[1] // coll.degree
+                return [x[:, r * w:(r + 1) * w] for x, r in zip(h, coll.ranks)]  # (B, Tc/t, d)
+            case _:
+                raise UnsupportedLayout(f"{name}: the forward reads an embedding split on the "
+                                        f"vocabulary (S(0)) or the hidden dimension (S(1)), "
+                                        f"not {self.embedding}")
 
     def residual_positions(self, chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Per local rank, the global positions its residual stream holds: its chunk, or

@@ -1,0 +1,347 @@
+"""``check_convert``: the verdict on a user's converter between two frameworks' conventions.
+
+``fn(shards, degree)`` gets the source convention's rank-local tensors (``shards_for``) and
+returns the destination's. The verdict is ``check_split``'s, for conventions:
+
+- the output's structure first: a list of ``degree`` dicts of exactly the destination's
+  names, shapes and dtypes, else ``InvalidShards`` naming the convention, rank and name;
+- data movement, bit-exactly, against ``shards_for(config, dst)``; the first parameter that
+  differs is diagnosed in CANONICAL terms, each rank's rows matched by their bytes to the
+  rows of the full canonical tensor, in heads for the fused qkv
+  (``rank 1 model.layers.0.self_attn.qkv_proj.weight holds Q heads 0-3, K head 0, V head 0;
+  declared Q heads 4-7, K head 1, V head 1``);
+- computation: the destination's forward, reading the tensors as that framework does
+  (``conventions.reading``), against the dense reference within the threshold
+  ``check_split`` uses for the config. Non-finite logits never pass; a byte mismatch fails
+  even when the logits stay within tolerance.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weight_sync_bench.check.checker import Checker, Verdict, checker_for
+from weight_sync_bench.check.diagnosis import (
+    _bit_equal,
+    format_indices,
+    locate,
+    mismatching,
+    slice_index,
+)
+from weight_sync_bench.check.user_code import check_signature, frame_error
+from weight_sync_bench.check.user_code import describe as describe_fn
+from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.conventions import (
+    endpoint,
+    forward_inputs,
+    materialize,
+    reading_plan,
+)
+from weight_sync_bench.conventions.meta import permute_index
+from weight_sync_bench.errors import (
+    InvalidNumber,
+    InvalidShards,
+    UnsupportedConvention,
+    WrongShardShape,
+)
+from weight_sync_bench.model.config import init_params, make_tokens
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, derive_threshold
+
+if TYPE_CHECKING:
+    from weight_sync_bench.conventions import Endpoint, Piece
+    from weight_sync_bench.model.config import ModelConfig
+
+
+Params = dict[str, torch.Tensor]
+# (source convention's shards, destination degree) -> destination convention's shards
+ConvertFn = Callable[[list[dict[str, torch.Tensor]], int], list[dict[str, torch.Tensor]]]
+
+
+@dataclass
+class ConversionChecker:
+    """Checks conversions of one (config, seed): the reference and threshold are the
+    ``Checker``'s (computed once), each destination's declared shards and their forward
+    once; a shard set byte-identical to the declared one reuses that forward."""
+
+    config: ModelConfig
+    seed: int = 0
+    backend: str = "inprocess"
+    threshold: float | None = None
+    checker: Checker = field(init=False)
+    _declared: dict[str, list[Params]] = field(init=False, default_factory=dict)
+    _declared_error: dict[str, float] = field(init=False, default_factory=dict)
+    _slices: dict[tuple[str, int], dict[bytes, int]] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.checker = checker_for(self.config, seed=self.seed, backend=self.backend,
+                                   threshold=self.threshold)
+
+    def source(self, where: str | Endpoint) -> list[Params]:
+        """Fresh copies of a convention's declared shards (what ``fn`` receives)."""
+        return materialize(endpoint(where).pieces(self.config), self.checker.full)
+
+    def declared(self, where: str | Endpoint) -> list[Params]:
+        """``shards_for(config, where)`` at the checker's seed (cached; do not mutate)."""
+        key = str(endpoint(where))
+        if key not in self._declared:
+            self._declared[key] = self.source(where)
+        return self._declared[key]
+
+    def error(self, where: str | Endpoint, shards: Sequence[Mapping[str, torch.Tensor]]) -> float:
+        """Max |logits - reference| of ``where``'s forward reading ``shards``."""
+        ep = endpoint(where)
+        plan = reading_plan(ep.convention, self.config, ep.degree)
+        inputs = forward_inputs(shards, ep.convention, self.config, ep.degree)
+        forward = plan.forward
+        tokens = self.checker.tokens
+        assert tokens is not None
+        if self.backend == "inprocess":
+            logits = ShardedModel(forward.config, inputs, InProcessCollective(ep.degree),
+                                  embedding=forward.embedding)(tokens)[0]
+        else:
+            plain = layout_for(forward.config)
+            own = [s for s in forward.layout if s.placement != plain[s.name].placement]
+            if own:
+                raise UnsupportedConvention(
+                    f"{ep}: backend {self.backend!r} is not yet supported for this "
+                    "conversion: GlooTransport scatters layout_for's placements, and this "
+                    "forward reads " + ", ".join(f"{s.name} as {s.placement}" for s in own))
+            logits = self.checker.forward(forward.config, inputs, tokens)
+        return self.checker.deviation(logits)
+
+    def slice_index(self, source: str, dim: int) -> dict[bytes, int]:
+        """``diagnosis.slice_index`` of a canonical parameter (cached: a diagnosis matches
+        every shard's slices against it)."""
+        if (source, dim) not in self._slices:
+            self._slices[source, dim] = slice_index(self.checker.full[source], dim)
+        return self._slices[source, dim]
+
+    def declared_error(self, where: str | Endpoint) -> float:
+        key = str(endpoint(where))
+        if key not in self._declared_error:
+            self._declared_error[key] = self.error(where, self.declared(where))
+        return self._declared_error[key]
+
+    def verdict(self, shards: object, *, src: str | Endpoint, dst: str | Endpoint,
+                mutation: str | None = None) -> Verdict:
+        """Validate, compare bytes with the declared destination, run a forward only if
+        they differ (with a diagnosis of the first parameter that does)."""
+        source, target = endpoint(src), endpoint(dst)
+        validate_convention_shards(shards, target, self.config,
+                                   {n: x.dtype for n, x in self.checker.full.items()})
+        assert isinstance(shards, Sequence)
+        checked = [dict(params) for params in shards]
+        declared = self.declared(target)
+        pieces = target.pieces(self.config)
+        differ = mismatching(checked, declared, list(pieces[0]))
+        assert self.checker.threshold is not None
+        common: dict[str, Any] = {
+            "config": self.config.name, "src": source.degree, "dst": target.degree,
+            "threshold": self.checker.threshold, "phase": self.checker.phase,
+            "mutation": mutation, "conventions": (source.name, target.name),
+            "notes": self.checker.notes}
+        if not differ:
+            return Verdict(max_abs_error=self.declared_error(target), first_mismatch=None,
+                           **common)
+        first = differ[0]
+        lines = diagnose_piece(self.checker.full, self.config, first,
+                               [p[first] for p in pieces], [s[first] for s in checked],
+                               index=self.slice_index)
+        return Verdict(max_abs_error=self.error(target, checked), first_mismatch=first,
+                       mismatches=tuple(differ), own_forward=True, diagnosis=tuple(lines),
+                       **common)
+
+
+def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, seed: int = 0,
+                  backend: str = "inprocess", threshold: float | None = None) -> Verdict:
+    """Check a user's converter ``fn(shards, degree)`` from ``src`` to ``dst`` (``"megatron:4"``,
+    ``"vllm:2"``, ``"hf"`` for degree 1): it gets fresh copies of ``shards_for(config, src)``
+    and the destination degree, and must return ``shards_for(config, dst)`` byte for byte.
+
+    The threshold is the one ``check_split`` uses for ``config`` (the measured floor of its
+    geometry, ``tolerance.rules.threshold_for``), or ``threshold`` when given: a geometry
+    with no committed floor can pass one ``measure_threshold`` derived. ``backend="gloo"``
+    runs the destination forward one process per rank where its layout is ``layout_for``'s
+    (not yet for Meta's hidden-split embedding or vLLM's replicated KV heads)."""
+    InvalidNumber.seed("seed", seed)
+    source, target = endpoint(src), endpoint(dst)
+    source.pieces(config)  # both conventions' rules, before the user's code runs
+    target.pieces(config)
+    checker = ConversionChecker(config, seed=seed, backend=backend, threshold=threshold)
+    args = (checker.source(source), target.degree)
+    check_signature(fn, args, role="converter", call="fn(shards, degree)")
+    try:
+        out = fn(*args)
+    except Exception as exc:
+        raise frame_error(exc, role="converter", function=describe_fn(fn),
+                          during=f"while converting {config.name} {source} -> {target}") from exc
+    return checker.verdict(out, src=source, dst=target)
+
+
+def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
+                      seeds: Iterable[int] = range(4)) -> float:
+    """A threshold for a geometry with no committed floor (an HF config, reduced): the
+    floor measured as the phase 1a artifact is, the max |logits - reference| of every
+    endpoint's declared shards over model seeds ``s`` and token seeds ``1000 + s``, then
+    ``derive_threshold`` (the smallest power of ten >= 100x it)."""
+    worst = 0.0
+    eps = [endpoint(e) for e in endpoints]
+    for seed in seeds:
+        params = init_params(config, seed)
+        tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+        reference = ReferenceModel(config, params)(tokens)
+        for ep in eps:
+            plan = reading_plan(ep.convention, config, ep.degree)
+            shards = materialize(ep.pieces(config), params)
+            logits = ShardedModel(plan.forward.config,
+                                  forward_inputs(shards, ep.convention, config, ep.degree),
+                                  InProcessCollective(ep.degree),
+                                  embedding=plan.forward.embedding)(tokens)[0]
+            worst = max(worst, float((logits - reference).abs().max()))
+    return derive_threshold(worst)
+
+
+def validate_convention_shards(shards: object, where: Endpoint, config: ModelConfig,
+                               dtypes: Mapping[str, torch.dtype]) -> None:
+    """Raise unless ``shards`` is a list of ``where.degree`` dicts holding exactly the
+    convention's stored names (str keys) with their declared shapes and the canonical
+    parameters' dtypes. ``InvalidShards`` (``WrongShardShape`` for a shape or dtype) names
+    the endpoint, the rank, the stored name, the expected and the actual value."""
+    degree, pieces, shapes = where.degree, where.pieces(config), config.param_shapes()
+    if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
+        raise InvalidShards(f"{where}: expected a list of {degree} rank dicts, got "
+                            f"{type(shards).__name__}")
+    if len(shards) != degree:
+        raise InvalidShards(f"{where}: expected {degree} rank dicts, got {len(shards)}")
+    for rank, (params, expected) in enumerate(zip(shards, pieces)):
+        if not isinstance(params, Mapping):
+            raise InvalidShards(f"{where} rank {rank}: expected a dict of tensors, got "
+                                f"{type(params).__name__}")
+        for key in params:
+            if not isinstance(key, str):
+                raise InvalidShards(f"{where} rank {rank}: key {key!r} is a "
+                                    f"{type(key).__name__}, expected a str parameter name")
+        missing = [n for n in expected if n not in params]
+        extra = sorted(set(params) - set(expected))
+        if missing or extra:
+            parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
+                [f"unexpected {', '.join(extra)}"] if extra else [])
+            tied = (" (tied embeddings: the output layer reads the embedding table, not a "
+                    "stored copy)" if config.tie_embeddings and extra else "")
+            raise InvalidShards(f"{where} rank {rank}: {'; '.join(parts)}{tied}")
+        for name, piece in expected.items():
+            x = params[name]
+            if not isinstance(x, torch.Tensor):
+                raise InvalidShards(f"{where} rank {rank} {name}: expected a Tensor, got "
+                                    f"{type(x).__name__}")
+            want, actual = piece.local_shape(shapes[piece.source]), tuple(x.shape)
+            if actual != want:
+                raise WrongShardShape(f"{where} rank {rank} {name}: shape {list(actual)}, "
+                                      f"declared {list(want)}", rank=rank, name=name,
+                                      expected=want, actual=actual)
+            if x.device.type != "cpu":
+                raise InvalidShards(f"{where} rank {rank} {name}: on the {x.device.type} "
+                                    "device: the check compares values, so return CPU tensors")
+            if x.dtype != dtypes[piece.source]:
+                raise WrongShardShape(f"{where} rank {rank} {name}: dtype {x.dtype}, declared "
+                                      f"{dtypes[piece.source]}", rank=rank, name=name,
+                                      expected_dtype=dtypes[piece.source], actual_dtype=x.dtype)
+
+
+def diagnose_piece(canonical: Mapping[str, torch.Tensor], config: ModelConfig, name: str,
+                   declared: list[Piece], shards: list[torch.Tensor], *,
+                   index: Callable[[str, int], dict[bytes, int]] | None = None) -> list[str]:
+    """For each rank whose ``name`` is not the declared one: which canonical indices it
+    holds (its slices matched by bytes to the full canonical tensor's; an all-zero slice
+    reads as padding) against the declared ones, in heads for the fused qkv."""
+    lines = []
+    for rank, (piece, shard) in enumerate(zip(declared, shards)):
+        full = canonical[piece.source]
+        if _bit_equal(shard, piece.take(full)):
+            continue
+        held: list[int | None] = locate(full, shard, piece.dim, index(piece.source, piece.dim)
+                                        if index is not None else None)
+        zero = (shard.movedim(piece.dim, 0).reshape(shard.shape[piece.dim], -1) == 0).all(1)
+        held = [-1 if i is None and z else i for i, z in zip(held, zero.tolist())]
+        want = piece.idx.tolist()
+        if held == want:
+            lines.append(f"rank {rank} {name} holds the declared "
+                         f"{describe(want, piece, config)}, with values changed")
+            continue
+        lines.append(f"rank {rank} {name} holds {describe(held, piece, config)}; "
+                     f"declared {describe(want, piece, config)}")
+    return lines
+
+
+def describe(indices: list[int | None], piece: Piece, config: ModelConfig) -> str:
+    """Canonical indices as a person reads them: ``Q heads 0-3, K head 1, V head 1`` for the
+    fused qkv (``... in pair order`` for Meta's interleaved-pair rows), ``gate rows 0-351,
+    up rows 0-351`` for gate_up, else ``rows 0-15999, padding x64`` (``?`` for a slice found
+    nowhere in the canonical tensor)."""
+    if piece.dim == 0 and piece.source.endswith(("qkv.weight", "qkv.bias")):
+        heads = _in_heads(indices, config)
+        if heads is not None:
+            return heads
+    if piece.dim == 0 and piece.source.endswith("gate_up.weight"):
+        blocks = _in_blocks(indices, [("gate", 0, config.ffn), ("up", config.ffn, 2 * config.ffn)])
+        if blocks is not None:
+            return blocks
+    axis = ("elements" if len(config.param_shapes()[piece.source]) == 1
+            else {0: "rows", 1: "columns"}.get(piece.dim, f"indices of dim {piece.dim}"))
+    return f"{axis} {_with_padding(indices)}"
+
+
+def _with_padding(indices: list[int | None]) -> str:
+    """``format_indices``, with each run of padding (-1) written ``padding xN``."""
+    return ", ".join(f"padding x{len(run)}" if pad else format_indices(run)
+                     for pad, group in itertools.groupby(indices, key=lambda i: i == -1)
+                     for run in [list(group)])
+
+
+def _in_blocks(indices: list[int | None], blocks: list[tuple[str, int, int]]) -> str | None:
+    """``gate rows 0-351, up rows 0-351``: each run of indices inside one named block."""
+    out: list[tuple[str, list[int]]] = []
+    for i in indices:
+        if i is None or i < 0:
+            return None
+        label, start = next((lb, a) for lb, a, b in blocks if a <= i < b)
+        if out and out[-1][0] == label:
+            out[-1][1].append(i - start)
+        else:
+            out.append((label, [i - start]))
+    return ", ".join(f"{label} rows {format_indices(list(rows))}" for label, rows in out)
+
+
+def _in_heads(indices: list[int | None], config: ModelConfig) -> str | None:
+    """The fused qkv's canonical rows as whole heads, or None when they are not whole heads
+    (each hd-row unit one head's rows, in rotate-half or Meta's pair order)."""
+    hd, q, kv = config.head_dim, config.q_rows, config.kv_rows
+    if len(indices) % hd or any(i is None or i < 0 for i in indices):
+        return None
+    pair = [int(x) for x in torch.argsort(permute_index(hd, 1)).tolist()]  # Meta row order
+    units: list[tuple[str, int, str]] = []  # (block, head, order)
+    for u in range(0, len(indices), hd):
+        unit = [int(i) for i in indices[u:u + hd]]  # type: ignore[arg-type]
+        block, base = ("Q", 0) if unit[0] < q else ("K", q) if unit[0] < q + kv else ("V", q + kv)
+        head, offsets = (unit[0] - base) // hd, [i - base - ((unit[0] - base) // hd) * hd
+                                                   for i in unit]
+        order = "" if offsets == list(range(hd)) else " in pair order" if offsets == pair else None
+        if order is None:
+            return None
+        units.append((block, head, order))
+    parts: list[tuple[str, int, int, str]] = []  # (block, first head, last head, order)
+    for block, head, order in units:
+        if parts and parts[-1][0] == block and parts[-1][2] == head - 1 and parts[-1][3] == order:
+            parts[-1] = (block, parts[-1][1], head, order)
+        else:
+            parts.append((block, head, head, order))
+    return ", ".join(f"{b} head {a}{o}" if a == z else f"{b} heads {a}-{z}{o}"
+                     for b, a, z, o in parts)

@@ -1,0 +1,83 @@
+"""Storage conventions of real frameworks, as data: how Megatron-Core, vLLM, Hugging Face and
+Meta's original checkpoints name, order and split every tensor of the harness's
+Llama-style model at a TP degree, and how each framework's forward reads them.
+
+- ``CONVENTIONS``: ``plain`` (the harness's own), ``megatron``, ``vllm``, ``hf``, ``meta``;
+- ``shards_for(config, convention, degree, *, seed=0)``: the declared rank-local tensors, what
+  a correct converter must produce;
+- ``convert(shards, src, dst, config)``: the harness's own converter (gather to the canonical
+  model through the source's index maps, then cut the destination's);
+- ``endpoint("megatron:4")``: a convention at a degree (``"hf"`` is degree 1);
+- ``render(config, convention)``: its layout as a printable table.
+
+Everything is built from one primitive (``maps.Piece``): each stored tensor is an index
+selection of one canonical parameter, so conversions are exact data movement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from weight_sync_bench.conventions.convention import (
+    Convention,
+    Endpoint,
+    ForwardLayout,
+    parse_endpoint,
+)
+from weight_sync_bench.conventions.hf import HF
+from weight_sync_bench.conventions.maps import Piece, gather_canonical, materialize
+from weight_sync_bench.conventions.megatron import MEGATRON
+from weight_sync_bench.conventions.meta import META
+from weight_sync_bench.conventions.plain import PLAIN
+from weight_sync_bench.conventions.reading import forward_inputs, reading_plan
+from weight_sync_bench.conventions.table import render
+from weight_sync_bench.conventions.vllm import VLLM
+from weight_sync_bench.errors import UnknownConvention
+from weight_sync_bench.model.config import ModelConfig, init_params
+
+CONVENTIONS: dict[str, Convention] = {c.name: c for c in (PLAIN, MEGATRON, VLLM, HF, META)}
+
+__all__ = ["CONVENTIONS", "Convention", "Endpoint", "ForwardLayout", "Piece", "convention_by_name",
+           "convert", "endpoint", "forward_inputs", "gather_canonical", "materialize",
+           "reading_plan", "render", "shards_for"]
+
+
+def convention_by_name(name: str | Convention) -> Convention:
+    if isinstance(name, Convention):
+        return name
+    try:
+        return CONVENTIONS[name]
+    except (KeyError, TypeError):
+        raise UnknownConvention(f"unknown convention {name!r}; known: "
+                                f"{', '.join(CONVENTIONS)}") from None
+
+
+def endpoint(text: str | Endpoint) -> Endpoint:
+    """``"megatron:4"`` -> the megatron convention at degree 4; ``"hf"`` -> degree 1."""
+    return parse_endpoint(text, CONVENTIONS)
+
+
+def shards_for(config: ModelConfig, convention: str | Convention, degree: int, *,
+               seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """The declared rank-local tensors of ``convention`` at ``degree`` for the parameters
+    ``init_params(config, seed)``: ``result[rank][stored name]``. Raises
+    ``UnsupportedConvention`` naming the rule where the convention cannot store ``config``
+    at ``degree``."""
+    conv = convention_by_name(convention)
+    pieces = conv.pieces(config, degree)
+    return materialize(pieces, init_params(config, seed))
+
+
+def convert(shards: Sequence[Mapping[str, torch.Tensor]], src: str | Endpoint,
+            dst: str | Endpoint, config: ModelConfig) -> list[dict[str, torch.Tensor]]:
+    """The harness's own converter: ``src`` shards (``len(shards)`` ranks; ``src`` may omit the
+    degree) -> ``dst`` shards, gathering the canonical model through ``src``'s index maps
+    and cutting ``dst``'s. Exact: ``convert(shards_for(c, a, s), a, b, c)`` equals
+    ``shards_for(c, b, d)`` byte for byte."""
+    source = endpoint(src)
+    if source.degree != len(shards):  # "megatron" or "megatron:1" given for 4 shards
+        source = Endpoint(source.convention, len(shards))
+    canonical = gather_canonical(shards, source.pieces(config), config.param_shapes())
+    return materialize(endpoint(dst).pieces(config), canonical)

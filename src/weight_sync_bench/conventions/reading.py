@@ -1,0 +1,125 @@
+"""How a framework's forward reads its own local tensors, as inputs of the harness forward.
+
+For a convention at degree t, ``Convention.forward_layout`` says which canonical rows each
+rank's forward consumes (``layout_for``'s placements, with KV heads per ``HeadReplicated``
+where replicated and the embedding per ``Shard(1)`` where split on the hidden dimension,
+over the vocabulary padded as the convention pads it). ``reading_plan`` computes, from the
+declared index maps only (never from the data), a per-rank permutation: for every forward
+parameter, which stored tensors to concatenate and which of their slices to take, e.g.
+Megatron's grouped qkv de-interleaved on the rank, Meta's q and k rows put back in
+rotate-half order. ``forward_inputs`` applies it to whatever tensors a user supplied, so a
+wrong shard computes the wrong logits the framework would, instead of failing in the harness.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from weight_sync_bench.conventions.maps import Piece, rows
+
+if TYPE_CHECKING:
+    from weight_sync_bench.conventions.convention import Convention, ForwardLayout
+    from weight_sync_bench.model.config import ModelConfig
+
+
+Params = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """One forward input on one rank: the stored tensors ``names`` concatenated along ``dim``,
+    then the slices at ``positions`` (None: the single stored tensor as it is); ``zero``
+    lists output slices with no stored counterpart (padding the convention does not store),
+    filled with zeros."""
+
+    names: tuple[str, ...]
+    dim: int
+    positions: torch.Tensor | None
+    zero: torch.Tensor | None
+
+    def apply(self, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        pool = (stored[self.names[0]] if len(self.names) == 1
+                else torch.cat([stored[n] for n in self.names], dim=self.dim))
+        if self.positions is None:
+            return pool
+        out = pool.index_select(self.dim, self.positions)
+        if self.zero is not None:
+            out.index_fill_(self.dim, self.zero, 0.0)
+        return out
+
+
+@dataclass(frozen=True)
+class ReadingPlan:
+    """The forward layout and, per rank, ``{canonical parameter: Selection}``."""
+
+    forward: ForwardLayout
+    ranks: tuple[dict[str, Selection], ...]
+
+    @property
+    def identity(self) -> bool:
+        """True where every forward input is a stored tensor as it is (plain, vLLM)."""
+        return all(s.positions is None for rank in self.ranks for s in rank.values())
+
+
+def _select(pieces: list[tuple[str, Piece]], needed: torch.Tensor, dim: int, where: str
+            ) -> Selection:
+    """Positions in the concatenated pieces of each needed canonical index (-1: padding)."""
+    names = tuple(name for name, _ in pieces)
+    pool = torch.cat([p.idx for _, p in pieces]).numpy()
+    need = needed.numpy()
+    if len(pieces) == 1 and np.array_equal(pool, need):
+        return Selection(names, dim, None, None)
+    positions = np.full(need.shape, -1, dtype=np.int64)
+    real = need >= 0
+    values, first = np.unique(pool, return_index=True)  # first occurrence of each index
+    at = np.searchsorted(values, need[real]).clip(max=len(values) - 1)
+    found = values[at] == need[real]
+    # An index the forward reads that the rank does not store: the declared maps disagree
+    # with the declared forward layout, a bug of the convention, never of the user's data.
+    assert found.all(), (f"{where}: rank stores no copy of canonical indices "
+                         f"{need[real][~found][:8].tolist()} its forward reads")
+    positions[real] = first[at]
+    pad_in, pad_out = np.flatnonzero(pool < 0), np.flatnonzero(~real)
+    k = min(len(pad_in), len(pad_out))
+    positions[pad_out[:k]] = pad_in[:k]  # the stored padding slices, read as stored
+    zero = pad_out[k:]
+    positions_t = torch.from_numpy(positions.clip(min=0))
+    return Selection(names, dim, positions_t, torch.from_numpy(zero) if len(zero) else None)
+
+
+@functools.lru_cache(maxsize=256)
+def reading_plan(convention: Convention, config: ModelConfig, degree: int) -> ReadingPlan:
+    """The per-rank permutation from ``convention``'s stored tensors to the forward inputs."""
+    forward = convention.forward_layout(config, degree)
+    canonical = config.param_shapes()
+    ranks = []
+    for rank, stored in enumerate(convention.pieces(config, degree)):
+        by_source: dict[str, list[tuple[str, Piece]]] = {}
+        for name, piece in stored.items():
+            by_source.setdefault(piece.source, []).append((name, piece))
+        plan = {}
+        for spec in forward.layout:
+            dim, ranges = spec.ranges(degree, rank)
+            needed = torch.cat([rows(a, b) for a, b in ranges])
+            needed[needed >= canonical[spec.name][dim]] = -1  # the forward's padded rows
+            pieces = by_source[spec.name]
+            assert all(p.dim == dim for _, p in pieces), (convention.name, spec.name, dim)
+            plan[spec.name] = _select(pieces, needed, dim,
+                                      f"{convention.name}:{degree} rank {rank} {spec.name}")
+        ranks.append(plan)
+    return ReadingPlan(forward, tuple(ranks))
+
+
+def forward_inputs(shards: Sequence[Mapping[str, torch.Tensor]], convention: Convention,
+                   config: ModelConfig, degree: int) -> list[Params]:
+    """Each rank's forward inputs (canonical names, the forward layout's local shapes) read
+    from that rank's stored tensors, as the framework's forward reads them."""
+    plan = reading_plan(convention, config, degree)
+    return [{name: selection.apply(stored) for name, selection in rank.items()}
+            for stored, rank in zip(shards, plan.ranks)]

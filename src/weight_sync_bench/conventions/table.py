@@ -1,0 +1,44 @@
+"""A convention's layout as a table you can print (for ``wsb layout --convention NAME``):
+each stored name, the canonical parameter it is cut from, and at each degree its local shape
+and the placement the framework's forward reads its source with."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from weight_sync_bench.errors import UnsupportedLayout
+from weight_sync_bench.layout.placements import HeadReplicated
+
+if TYPE_CHECKING:
+    from weight_sync_bench.conventions.convention import Convention
+    from weight_sync_bench.model.config import ModelConfig
+
+
+def render(config: ModelConfig, convention: Convention, degrees: list[int] | None = None) -> str:
+    """The table: ``stored name  source  t=1 ...`` with cells ``[rows, cols] placement``
+    (``-`` where the convention rejects the degree), then a legend line per placement that
+    replicates, e.g. ``HR(8,2,32): Q heads split; rank r holds replicated KV head r*2/t``."""
+    degrees = degrees if degrees is not None else convention.supported_degrees(config, 8)
+    supported = [t for t in degrees if convention.supports(config, t)]
+    if not supported:
+        raise UnsupportedLayout(f"{convention.name}: {config.name} is stored at none of the "
+                                f"degrees {degrees}")
+    names = convention.pieces(config, supported[0])[0]
+    rows = [["stored name", "source", *[f"t={t}" for t in degrees]]]
+    legend: dict[str, str] = {}
+    for name, piece in names.items():
+        cells = [name, piece.source]
+        for t in degrees:
+            if t not in supported:
+                cells.append("-")
+                continue
+            shape = convention.local_shapes(config, t)[0][name]
+            placement = convention.forward_layout(config, t).layout[piece.source].placement
+            if isinstance(placement, HeadReplicated):
+                legend[str(placement)] = (f"{placement}: Q heads split; rank r holds replicated "
+                                          f"KV head r*{placement.n_kv_heads}/t")
+            cells.append(f"[{', '.join(str(s) for s in shape)}] {placement}")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines + list(legend.values()))

@@ -1,0 +1,290 @@
+"""check_convert: a user's converter between two frameworks' storage conventions, checked
+byte for byte against the declared destination shards and by running the destination's
+forward against the reference. The worked example is the README's (Megatron TP=4 -> vLLM)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from weight_sync_bench import (
+    TOY,
+    TOY_KV4,
+    InvalidShards,
+    ModelConfig,
+    UnknownConvention,
+    UnsupportedConvention,
+    check_convert,
+    convert,
+    shards_for,
+)
+from weight_sync_bench.check.convert import measure_threshold
+from weight_sync_bench.errors import UserCodeError, WrongShardShape
+from weight_sync_bench.tolerance.rules import threshold_for
+
+
+def megatron_to_vllm(shards, degree, config=TOY_KV4):
+    """Megatron-Core TP=len(shards) -> vLLM TP=degree, for a Llama-style config without biases."""
+    nh, nkv, hd, vocab = config.n_heads, config.n_kv_heads, config.head_dim, config.vocab
+    group = nh // nkv
+
+    def full(name, dim=0):  # Megatron's rank shards are contiguous chunks of the full tensor
+        return torch.cat([s[name] for s in shards], dim=dim)
+
+    def vocab_shard(table, r):  # vLLM pads the vocabulary to a multiple of 64, then splits it
+        padded = torch.zeros(-(-vocab // 64) * 64, table.shape[1])
+        padded[:vocab] = table[:vocab]  # Megatron's own padding rows are dropped
+        return padded.chunk(degree)[r].clone()
+
+    out = [{} for _ in range(degree)]
+    embed = full("embedding.word_embeddings.weight")
+    head = full("output_layer.weight")
+    for r in range(degree):
+        out[r]["model.embed_tokens.weight"] = vocab_shard(embed, r)
+        out[r]["lm_head.weight"] = vocab_shard(head, r)
+        out[r]["model.norm.weight"] = shards[0]["decoder.final_layernorm.weight"].clone()
+    for i in range(config.n_layers):
+        m, v = f"decoder.layers.{i}.", f"model.layers.{i}."
+        # linear_qkv rows: for each KV group, its Q heads, then K, then V
+        qkv = full(m + "self_attention.linear_qkv.weight").view(nkv, group + 2, hd, -1)
+        q = qkv[:, :group].reshape(nh, hd, -1)   # (nh, hd, d)
+        k, val = qkv[:, group], qkv[:, group + 1]  # (nkv, hd, d) each
+        # linear_fc1 on each rank is [gate_r | up_r]
+        halves = [s[m + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
+        gate = torch.cat([g for g, _ in halves])
+        up = torch.cat([u for _, u in halves])
+        o_proj = full(m + "self_attention.linear_proj.weight", dim=1)
+        down = full(m + "mlp.linear_fc2.weight", dim=1)
+        for r in range(degree):
+            heads = slice(r * nh // degree, (r + 1) * nh // degree)
+            if degree <= nkv:
+                kv = slice(r * nkv // degree, (r + 1) * nkv // degree)
+            else:  # vLLM replicates KV head r * nkv // degree
+                kv = slice(r * nkv // degree, r * nkv // degree + 1)
+            out[r][v + "self_attn.qkv_proj.weight"] = torch.cat(
+                [q[heads].flatten(0, 1), k[kv].flatten(0, 1), val[kv].flatten(0, 1)])
+            out[r][v + "self_attn.o_proj.weight"] = o_proj.chunk(degree, dim=1)[r].clone()
+            out[r][v + "mlp.gate_up_proj.weight"] = torch.cat(
+                [gate.chunk(degree)[r], up.chunk(degree)[r]])
+            out[r][v + "mlp.down_proj.weight"] = down.chunk(degree, dim=1)[r].clone()
+            out[r][v + "input_layernorm.weight"] = (
+                shards[0][m + "self_attention.linear_qkv.layer_norm_weight"].clone())
+            out[r][v + "post_attention_layernorm.weight"] = (
+                shards[0][m + "mlp.linear_fc1.layer_norm_weight"].clone())
+    return out
+
+
+def read_as_plain(shards, degree, config=TOY_KV4):
+    """The classic bug: Megatron's grouped linear_qkv read as if it were [Q | K | V]."""
+    out = megatron_to_vllm(shards, degree, config)
+    q_rows, kv_rows = config.q_rows, config.kv_rows
+    for i in range(config.n_layers):
+        qkv = torch.cat([s[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] for s in shards])
+        q, k, v = qkv.split([q_rows, kv_rows, kv_rows])
+        for r in range(degree):
+            out[r][f"model.layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [q.chunk(degree)[r], k.chunk(degree)[r], v.chunk(degree)[r]])
+    return out
+
+
+def test_the_worked_megatron_to_vllm_converter_passes_at_tp2_and_with_kv_replication_at_tp8():
+    for dst in ("vllm:2", "vllm:8"):  # TOY_KV4 has 4 KV heads: at t=8 each is replicated twice
+        verdict = check_convert(megatron_to_vllm, TOY_KV4, "megatron:4", dst)
+        assert verdict.passed, str(verdict)
+        assert verdict.threshold == threshold_for(TOY_KV4)  # check_split's measured threshold
+    assert str(verdict).splitlines()[0] == "PASS toy_kv4 megatron:4 -> vllm:8 (phase 1a)"
+
+
+def test_grouped_qkv_read_as_plain_fails_with_the_heads_each_rank_holds():
+    verdict = check_convert(read_as_plain, TOY_KV4, "megatron:4", "vllm:2")
+    assert not verdict.passed and verdict.ratio > 1000
+    assert verdict.first_mismatch == "model.layers.0.self_attn.qkv_proj.weight"
+    assert verdict.mismatches == tuple(f"model.layers.{i}.self_attn.qkv_proj.weight"
+                                       for i in range(4))
+    assert verdict.diagnosis == (
+        ("rank 0 model.layers.0.self_attn.qkv_proj.weight holds Q heads 0-1, K head 0, V head 0, "
+        "Q heads 4-7; declared Q heads 0-3, K heads 0-1, V heads 0-1"),
+        ("rank 1 model.layers.0.self_attn.qkv_proj.weight holds Q heads 2-3, K head 1, V head 1, "
+        "K head 2, V head 2, K head 3, V head 3; declared Q heads 4-7, K heads 2-3, V heads 2-3"))
+    assert str(verdict).startswith("FAIL toy_kv4 megatron:4 -> vllm:2 (phase 1a)")
+
+
+QKV = "model.layers.0.self_attn.qkv_proj.weight"
+
+
+def harness(src, dst, config):
+    return lambda shards, degree: convert(shards, src, dst, config)
+
+
+def test_qkv_shards_of_two_ranks_exchanged_under_kv_replication_are_diagnosed_in_heads():
+    def swapped(shards, degree):
+        out = convert(shards, "hf", "vllm:4", TOY)  # TOY: 2 KV heads, each on 2 ranks
+        out[0][QKV], out[2][QKV] = out[2][QKV], out[0][QKV]
+        return out
+    verdict = check_convert(swapped, TOY, "hf", "vllm:4")
+    assert verdict.first_mismatch == QKV and verdict.mismatches == (QKV,)
+    assert verdict.diagnosis == (
+        (f"rank 0 {QKV} holds Q heads 4-5, K head 1, V head 1; declared Q heads 0-1, K head 0, "
+        "V head 0"),
+        (f"rank 2 {QKV} holds Q heads 0-1, K head 0, V head 0; declared Q heads 4-5, K head 1, "
+        "V head 1"))
+
+
+def test_meta_rows_left_in_hf_order_are_diagnosed_as_the_wrong_pair_order():
+    def no_permute(shards, degree):
+        out = convert(shards, "hf", "meta:2", TOY)
+        q = shards[0]["model.layers.0.self_attn.q_proj.weight"]
+        for r in range(degree):
+            out[r]["layers.0.attention.wq.weight"] = q.chunk(degree)[r].clone()
+        return out
+    verdict = check_convert(no_permute, TOY, "hf", "meta:2")
+    assert not verdict.passed and verdict.ratio > 100
+    assert verdict.diagnosis[0] == ("rank 0 layers.0.attention.wq.weight holds Q heads 0-3; "
+                                    "declared Q heads 0-3 in pair order")
+
+
+def test_one_flipped_mantissa_bit_fails_though_the_logits_stay_within_tolerance():
+    def flipped(shards, degree):
+        out = convert(shards, "megatron", "vllm:2", TOY)
+        w = out[1]["model.norm.weight"]
+        w.view(torch.int32)[5] ^= 1  # the lowest mantissa bit of one element on rank 1
+        return out
+    verdict = check_convert(flipped, TOY, "megatron:2", "vllm:2")
+    assert verdict.max_abs_error <= verdict.threshold  # the logits cannot tell
+    assert not verdict.passed and verdict.first_mismatch == "model.norm.weight"
+    assert verdict.diagnosis == (("rank 1 model.norm.weight holds elements 0-4, ?, 6-255; "
+                                 "declared elements 0-255"),)
+
+
+def test_non_finite_logits_never_pass():
+    def poisoned(shards, degree):
+        out = convert(shards, "hf", "plain:2", TOY)
+        out[0]["layers.0.down.weight"][0, 0] = float("nan")
+        return out
+    verdict = check_convert(poisoned, TOY, "hf", "plain:2")
+    assert not verdict.finite and not verdict.passed and math.isnan(verdict.ratio)
+    assert "logits are not finite" in str(verdict)
+
+
+def test_the_same_check_passes_the_harness_converter_for_each_of_those_pairs():
+    # the twin of the failures above: nothing vacuous about them
+    for src, dst, config in (("megatron:4", "vllm:2", TOY_KV4), ("hf", "vllm:4", TOY),
+                             ("hf", "meta:2", TOY), ("megatron:2", "vllm:2", TOY)):
+        assert check_convert(harness(src, dst, config), config, src, dst).passed
+
+
+def _drop(name):
+    def fn(shards, degree):
+        out = convert(shards, "hf", "vllm:2", TOY)
+        del out[1][name]
+        return out
+    return fn
+
+
+def _edit(rank, name, value):
+    def fn(shards, degree):
+        out = convert(shards, "hf", "vllm:2", TOY)
+        out[rank][name] = value(out[rank][name]) if callable(value) else value
+        return out
+    return fn
+
+
+
+@pytest.mark.parametrize("fn, error, message", [
+    (lambda s, t: convert(s, "hf", "vllm:2", TOY)[0], InvalidShards,
+     "vllm:2: expected a list of 2 rank dicts, got dict"),
+    (lambda s, t: convert(s, "hf", "vllm:4", TOY), InvalidShards,
+     "vllm:2: expected 2 rank dicts, got 4"),
+    (lambda s, t: [list(r.values()) for r in convert(s, "hf", "vllm:2", TOY)], InvalidShards,
+     "vllm:2 rank 0: expected a dict of tensors, got list"),
+    (_drop("lm_head.weight"), InvalidShards, "vllm:2 rank 1: missing lm_head.weight"),
+    (lambda s, t: [{**r, "output_layer.weight": r["lm_head.weight"]}
+                   for r in convert(s, "hf", "vllm:2", TOY)], InvalidShards,
+     "vllm:2 rank 0: unexpected output_layer.weight"),
+    (lambda s, t: [{**r, 7: r["lm_head.weight"]} for r in convert(s, "hf", "vllm:2", TOY)],
+     InvalidShards, "vllm:2 rank 0: key 7 is a int, expected a str parameter name"),
+    (_edit(1, QKV, lambda x: x.numpy()), InvalidShards,
+     f"vllm:2 rank 1 {QKV}: expected a Tensor, got ndarray"),
+    (_edit(1, QKV, lambda x: x[:-1]), WrongShardShape,
+     f"vllm:2 rank 1 {QKV}: shape [191, 256], declared [192, 256]"),
+    (_edit(0, QKV, lambda x: x.bfloat16()), WrongShardShape,
+     f"vllm:2 rank 0 {QKV}: dtype torch.bfloat16, declared torch.float32"),
+])
+def test_malformed_output_is_a_typed_error_naming_convention_rank_and_name(fn, error, message):
+    with pytest.raises(error) as info:
+        check_convert(fn, TOY, "hf", "vllm:2")
+    assert str(info.value) == message
+
+
+def test_a_tied_config_names_why_an_output_layer_is_unexpected():
+    tied = TOY.replace(name="toy_tied", tie_embeddings=True)
+    def with_head(shards, degree):
+        out = convert(shards, "hf", "vllm:2", tied)
+        return [{**r, "lm_head.weight": r["model.embed_tokens.weight"]} for r in out]
+    with pytest.raises(InvalidShards, match=r"unexpected lm_head.weight \(tied embeddings"):
+        check_convert(with_head, tied, "hf", "vllm:2", threshold=1e-4)
+
+
+@pytest.mark.parametrize("src, dst, error, message", [
+    ("foo:2", "vllm:2", UnknownConvention,
+     "unknown convention 'foo' in 'foo:2'; known: plain, megatron, vllm, hf, meta"),
+    ("hf", "vllm:two", UnknownConvention, "'vllm:two': the degree after ':' must be a positive integer"),
+    # TOY has 2 KV heads: Megatron (before f7dfb99795) does not split them 4 ways
+    ("hf", "megatron:4", UnsupportedConvention,
+     ("megatron: decoder.layers.0.self_attention.linear_qkv.weight needs n_kv_heads % t == 0 "
+     "(TP > num_query_groups is rejected, as by Megatron-Core before f7dfb99795) "
+     "(n_kv_heads=2, t=4)")),
+    ("hf:2", "vllm:2", UnsupportedConvention,
+     "hf: model.embed_tokens.weight needs t == 1 (a Hugging Face checkpoint is unsharded) (t=2)"),
+])
+def test_an_endpoint_that_cannot_exist_is_rejected_before_the_converter_runs(src, dst, error,
+                                                                            message):
+    def never(shards, degree):
+        raise AssertionError("the converter ran")
+    with pytest.raises(error) as info:
+        check_convert(never, TOY, src, dst)
+    assert str(info.value) == message
+
+
+def test_gloo_is_refused_where_the_transport_cannot_lay_out_the_forward():
+    with pytest.raises(UnsupportedConvention, match=r"^meta:2: backend 'gloo' is not yet "
+                       r"supported for this conversion: .* tok_embeddings.weight as S\(1\)"):
+        check_convert(harness("hf", "meta:2", TOY), TOY, "hf", "meta:2", backend="gloo")
+
+
+def test_an_unmeasured_geometry_takes_a_threshold_measured_for_it():
+    small = ModelConfig(name="small", vocab=64, d_model=32, n_layers=1, n_heads=8,
+                        n_kv_heads=2, head_dim=8, ffn=48)
+    threshold = measure_threshold(small, ["plain:2", "vllm:4", "meta:2"], seeds=range(2))
+    assert threshold in (1e-6, 1e-5, 1e-4)  # a power of ten, >= 100x the floor
+    verdict = check_convert(harness("meta:2", "vllm:4", small), small, "meta:2", "vllm:4",
+                            threshold=threshold)
+    assert verdict.passed and verdict.threshold == threshold
+    # rank 3 of vllm:4 holds 2 Q heads and a copy of KV head 1: (2 + 2 * 1) * 8 rows
+    assert shards_for(small, "vllm", 4)[3][QKV].shape == (32, 32)
+
+
+def test_what_the_converter_raises_is_framed_as_the_users_code():
+    def broken(shards, degree):
+        raise KeyError("decoder.layers.0.self_attention.linear_qkv.weight")
+    with pytest.raises(UserCodeError, match=r"^your converter `.*broken` raised KeyError while "
+                       r"converting toy megatron:2 -> vllm:2: "):
+        check_convert(broken, TOY, "megatron:2", "vllm:2")
+    with pytest.raises(UserCodeError, match=r"has the wrong signature"):
+        check_convert(lambda shards: shards, TOY, "megatron:2", "vllm:2")
+
+
+def test_over_gloo_the_destination_forward_runs_one_process_per_rank_with_phase_1b_threshold():
+    verdict = check_convert(harness("megatron", "vllm:2", TOY), TOY, "megatron:2", "vllm:2",
+                            backend="gloo")
+    assert verdict.passed and verdict.phase == "1b"
+    assert verdict.threshold == threshold_for(TOY, "1b")
+
+    def swapped(shards, degree):  # the twin: the same check fails a wrong shard set over gloo
+        out = convert(shards, "megatron", "vllm:2", TOY)
+        out[0], out[1] = out[1], out[0]
+        return out
+    failed = check_convert(swapped, TOY, "megatron:2", "vllm:2", backend="gloo")
+    assert not failed.passed and failed.ratio >= 10
