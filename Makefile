@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
+	@echo "wsb is $(VENV)/bin/wsb (or: source $(VENV)/bin/activate; wsb --help)"
 
 run: $(STAMP)
 	$(PY) -m weight_sync_bench check

@@ -34,7 +34,7 @@ def test_train_check_sequence_mutations_are_all_detected(capsys):
     assert _run(["train-check", "--config", "small_tied_bias", "--dp", "2", "--tp", "2",
                  "--sp", "--cp", "2", "--steps", "1", "--batch", "packed", "--mutations"]) == 0
     out = capsys.readouterr().out
-    assert "14 of 14 detected, 0 identity cells skipped" in out  # 7 training + 7 sequence
+    assert "16 of 16 detected, 0 identity cells skipped" in out  # 9 training + 7 sequence
 
 
 def test_train_check_rejects_an_uneven_split_and_gloo_with_sp():

@@ -2,117 +2,171 @@
 
     wsb fuzz [--minutes M | --examples N] [--phase 1a|1b] [--profile P] [--mutation NAME ...]
     wsb mutants [--examples N] [--profile P]
-    wsb floor --random N [--search M --keep K] [--seed S]
-    wsb replay [PATH ...]
+    wsb floor --random N [--search M --keep K] [--seed S] (--out PATH | --write [--force])
+    wsb replay [PATH ...] [--max-gib G] [--max-gflop F]
 
-``register(subparsers)`` adds them to ``wsb``'s parser; each handler returns the exit status
-(0 all held, 1 something failed) and is the only place here that prints. Progress goes to
-stderr, tables to stdout.
+``register(subparsers)`` adds them to ``wsb``'s parser; each handler returns its exit status
+(``output.EXIT_CODES``) and is the only place here that prints. Progress goes to stderr,
+tables (or ``--json`` records) to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from weight_sync_bench.check.checker import Forward
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
-from weight_sync_bench.errors import WsbError
+from weight_sync_bench.cli.output import (
+    EXIT_FAILED,
+    EXIT_HARNESS,
+    EXIT_OK,
+    EXIT_USAGE,
+    Output,
+    add_deadline_option,
+    add_output_options,
+    apply_deadline,
+    count,
+    guard_target,
+    interrupt_code,
+    pending_interrupt,
+    positive,
+    refuse_smaller,
+    seed,
+    side_by_side,
+)
+from weight_sync_bench.errors import RankFailure, WsbError
 from weight_sync_bench.tolerance.artifacts import PHASES, artifact_path, write_artifact
 
 
 def _forward(phase: str) -> Forward:
-    """Phase 1a: every rank in this process. Phase 1b: the gloo rank pool (its threshold needs
-    its own floor samples: ``wsb floor --random N --phase 1b``)."""
+    """Phase 1a: every rank in this process. Phase 1b: the shared gloo rank pool (its
+    threshold needs its own floor samples: ``wsb floor --random N --phase 1b``)."""
     if phase == "1a":
         return inprocess_forward
     from weight_sync_bench.check.forwards import gloo_forward
     return gloo_forward()
 
 
-class _ProgressLine:
-    """One progress line on stderr, rewritten in place on a terminal."""
-
-    def __init__(self) -> None:
-        self.live = sys.stderr.isatty()
-        self.width = 0
-
-    def show(self, text: str) -> None:
-        if self.live:
-            print("\r" + text.ljust(self.width), end="", file=sys.stderr, flush=True)
-            self.width = len(text)
-        else:
-            print(text, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.live and self.width:
-            print(file=sys.stderr)
-
-
-def _run_fuzz(args: argparse.Namespace, **kwargs: object):  # -> FuzzReport
+def _run_fuzz(args: argparse.Namespace, out: Output, **kwargs: object):  # -> FuzzReport
     from weight_sync_bench.fuzz.runner import FuzzReport, Progress, fuzz
 
-    line = _ProgressLine()
-    report = None
-    for item in fuzz(phase=args.phase, profile=args.profile, master_seed=args.seed,
-                     forward=_forward(args.phase), **kwargs):  # type: ignore[arg-type]
-        if isinstance(item, Progress):
+    apply_deadline(args.deadline, args.phase == "1b")
+    line = out.progress()
+    events = fuzz(phase=args.phase, profile=args.profile, master_seed=args.seed,
+                  forward=_forward(args.phase), **kwargs)  # type: ignore[arg-type]
+    try:
+        item = next(events)
+        while isinstance(item, Progress):
             line.show(item.line())
-        elif isinstance(item, FuzzReport):
-            report = item
-    line.close()
-    assert report is not None
-    return report
+            interrupt = pending_interrupt()  # signalled, yet the run goes on: it was swallowed
+            item = events.throw(interrupt) if interrupt is not None else next(events)
+    finally:
+        line.close()
+    assert isinstance(item, FuzzReport)
+    return item
 
 
-def _positive(kind: type) -> Callable[[str], int | float]:
-    """An argparse type: a number > 0 (a budget of 0 examples would "pass" having tried none)."""
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
+def _tally_record(t: Any) -> dict[str, Any]:
+    live = t.examples - t.identity
+    return {"property": t.prop, "mutation": t.mutation, "examples": t.examples,
+            "identity": t.identity, "failures": t.failures, "killed": t.killed,
+            "min_ratio": t.min_ratio if live else None, "max_ratio": t.max_ratio,
+            "min_at": str(t.min_at) if t.min_at else None,
+            "new_entries": [str(p) for p in t.new_entries], "faults": len(t.faults)}
+
+
+def _fault_record(f: Any) -> dict[str, Any]:
+    return {"property": f.label, "type": type(f.error).__name__, "rank": f.rank, "how": f.how,
+            "breadcrumb": f.error.breadcrumb, "case": str(f.case) if f.case else None,
+            "message": str(f.error).splitlines()[0] if str(f.error) else ""}
+
+
+def _finish(report: Any, out: Output, *, failed: bool, matrix: bool,
+            extra: list[str] = ()) -> int:
+    """The closing table, failures and harness faults, the summary; the exit status."""
+    from weight_sync_bench.fuzz.runner import format_report
+
+    kind = "mutant" if matrix else "property"
+    for t in report.tallies:
+        out.record(kind, **_tally_record(t))
+    for failure in report.failures:
+        out.record("counterexample", property=failure.prop, case=str(failure.outcome.case),
+                   deviation=failure.outcome.deviation, threshold=failure.outcome.threshold,
+                   ratio=failure.outcome.ratio, message=str(failure))
+    for fault in report.faults:
+        out.record("harness_fault", **_fault_record(fault))
+    out.text(format_report(report, matrix=matrix))
+    for failure in report.failures:
+        out.text(f"\nFAIL {failure}")
+    for fault in report.faults:
+        out.text(f"\nHARNESS FAULT (not a counterexample: not shrunk, not written to the "
+                 f"corpus; the rank pool restarts on its next task): {fault}")
+    for line in extra:
+        out.text(line)
+    if report.interrupted is not None:
+        code = interrupt_code(report.interrupted)
+        out.text(f"\ninterrupted: the summary above covers the {report.examples} examples "
+                 "that ran")
+    elif failed:
+        code = EXIT_FAILED
+    elif report.faults:
+        code = EXIT_HARNESS
+    elif report.examples == 0:
+        code = EXIT_USAGE
+        out.text("\ntried no example: nothing was checked (the budget ran out before the first "
+                 "example, or the profile generates none and no corpus entry applies)")
+    else:
+        code = EXIT_OK
+    out.summary(code, examples=report.examples, failures=len(report.failures),
+                harness_faults=len(report.faults), elapsed=report.elapsed,
+                profile=report.profile, master_seed=report.master_seed,
+                corpus=report.corpus, new_entries=[str(p) for p in report.new_entries],
+                stopped=report.stopped)
+    return code
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:
-    from weight_sync_bench.fuzz.runner import find_smallest, format_report
+    from weight_sync_bench.fuzz.runner import find_smallest
 
+    out = Output(args)
     if args.find_smallest:
+        apply_deadline(args.deadline, args.phase == "1b")
         for name in args.find_smallest:
             failure = find_smallest(name, profile=args.profile, phase=args.phase,
                                     forward=_forward(args.phase))
-            print(f"{name}: {failure}")
-        return 0
+            out.text(f"{name}: {failure}")
+            out.record("smallest", mutation=name, case=str(failure.outcome.case),
+                       message=str(failure))
+        out.summary(EXIT_OK, found=len(args.find_smallest))
+        return EXIT_OK
 
     budget = ({"examples": args.examples} if args.examples is not None
               else {"minutes": args.minutes if args.minutes is not None else 1.0})
-    report = _run_fuzz(args, mutations=args.mutation, invariant=not args.mutation,
+    report = _run_fuzz(args, out, mutations=args.mutation, invariant=not args.mutation,
                        chunk=args.chunk, **budget)
-    print(format_report(report))
-    for failure in report.failures:
-        print(f"\nFAIL {failure}")
-    return 1 if report.failures else 0
+    return _finish(report, out, failed=bool(report.failures), matrix=False)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    from weight_sync_bench.fuzz.runner import format_report
-
-    report = _run_fuzz(args, examples=args.examples, invariant=False, chunk=args.chunk,
+    out = Output(args)
+    report = _run_fuzz(args, out, examples=args.examples, invariant=False, chunk=args.chunk,
                        mutations=args.mutation)
-    print(format_report(report, matrix=True))
     survivors = [t.mutation for t in report.tallies if t.killed < t.examples - t.identity]
-    for failure in report.failures:
-        print(f"\nFAIL {failure}")
-    if survivors:
-        print(f"\nnot killed everywhere by 10x: {', '.join(map(str, survivors))}")
-    return 1 if survivors or report.failures else 0
+    extra = ([f"\nnot killed everywhere by 10x: {', '.join(map(str, survivors))}"]
+             if survivors else [])
+    return _finish(report, out, failed=bool(survivors or report.failures), matrix=True,
+                   extra=extra)
+
+
+def _floor_figures(artifact: dict[str, Any]) -> list[str]:
+    from weight_sync_bench.fuzz.floor import rule_from
+
+    return [f"{artifact.get('geometries', '?')} (+{artifact.get('searched', 0)} searched of "
+            f"{artifact.get('search_examples', 0)})", str(len(artifact.get("samples", []))),
+            str(rule_from(artifact)).split(": ", 1)[-1] + f" ({artifact.get('chosen')})"]
 
 
 def cmd_floor(args: argparse.Namespace) -> int:
@@ -125,53 +179,127 @@ def cmd_floor(args: argparse.Namespace) -> int:
     )
     from weight_sync_bench.fuzz.runner import draw_floor_cases, search_worst_floors
 
+    out = Output(args)
     if args.random < 2:
         raise WsbError(f"--random needs at least 2 geometries, got {args.random}")
-    forward = _forward(args.phase)
-    cases, seed = draw_floor_cases(args.random, seed=args.seed)
-    line = _ProgressLine()
-    searched = []
-    if args.search:
-        line.show(f"searching {args.search} examples for the worst floor / max|logit| ...")
-        searched = search_worst_floors(args.search, keep=args.keep, seed=seed, phase=args.phase,
-                                       forward=forward)
-    artifact = None
-    for item in measure_random(cases, searched=searched, phase=args.phase, forward=forward,
-                               profile="wsb-generate", hypothesis_seed=seed,
-                               search_examples=args.search):
-        if isinstance(item, SampleProgress):
-            line.show(f"floor sample {item.done}/{item.total}: d_model={item.config.d_model} "
-                      f"layers={item.config.n_layers} kv_heads={item.config.n_kv_heads}")
-        else:
-            artifact = item
-    line.close()
-    assert artifact is not None
+    if args.search and args.keep > args.search:
+        raise WsbError(f"--keep {args.keep} > --search {args.search}: cannot keep more of the "
+                       "searched examples than were tried")
     path = args.out or artifact_path(args.phase, kind="random_floor")
+    old = guard_target(path, named=args.out is not None, write=args.write,
+                       command="this measurement")
+    kept = args.keep if args.search else 0
+    if old is not None:
+        refuse_smaller(path, old=int(old.get("geometries", 0)) + int(old.get("searched", 0)),
+                       new=args.random + kept, what="geometries (random + searched)",
+                       force=args.force)
+    apply_deadline(args.deadline, args.phase == "1b")
+    forward = _forward(args.phase)
+    cases, hypothesis_seed = draw_floor_cases(args.random, seed=args.seed)
+    line = out.progress()
+    searched = []
+    artifact = None
+    try:
+        if args.search:
+            line.show(f"searching {args.search} examples for the worst floor / max|logit| ...")
+            searched = search_worst_floors(args.search, keep=args.keep, seed=hypothesis_seed,
+                                           phase=args.phase, forward=forward)
+        for item in measure_random(cases, searched=searched, phase=args.phase, forward=forward,
+                                   profile="wsb-generate", hypothesis_seed=hypothesis_seed,
+                                   search_examples=args.search or 0):
+            if isinstance(item, SampleProgress):
+                line.show(f"floor sample {item.done}/{item.total}: d_model={item.config.d_model} "
+                          f"layers={item.config.n_layers} kv_heads={item.config.n_kv_heads}")
+            else:
+                artifact = item
+    finally:
+        line.close()
+    assert artifact is not None
     write_artifact(artifact, path)
     png = path.with_suffix(".png") if args.out else plot_path(args.phase)
     plot(artifact, png)
     print(format_rules(artifact))
+    if old is not None:
+        try:
+            before = _floor_figures(old)
+        except (KeyError, TypeError, ValueError, WsbError):
+            before = ["?", "?", "unreadable"]
+        print("\n" + side_by_side(list(zip(("geometries", "samples", "rule"), before,
+                                           _floor_figures(artifact))),
+                                  f"replaced ({path.name})", "new"))
     print(f"wrote {path} and {png}")
-    return 0
+    return EXIT_OK
+
+
+def _replay_record(r: Any) -> dict[str, Any]:
+    case = r.entry.case
+    return {"entry": str(r.entry.path), "property": r.entry.prop, "mutation": case.mutation,
+            "phase": case.phase, "src": case.src, "dst": case.dst,
+            "deviation": r.outcome.deviation, "threshold": r.outcome.threshold,
+            "ratio": r.outcome.ratio, "status": r.status, "claim_holds": r.claim_holds}
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from weight_sync_bench.fuzz.corpus import format_replay, load_corpus, replay
+    from weight_sync_bench.fuzz.corpus import GIB, ReplayLimits, format_replay, replay, scan_corpus
 
-    entries = load_corpus([Path(p) for p in args.paths] if args.paths else None)
-    if not entries:
-        print("no corpus entries to replay")
-        return 0
-    phases = {e.case.phase for e in entries}
-    if len(phases) > 1:
-        raise WsbError(f"replay one phase at a time: these entries mix phases {sorted(phases)}")
-    results = list(replay(entries, forward=_forward(phases.pop())))
-    print(format_replay(results))
+    out = Output(args)
+    limits = ReplayLimits(max_bytes=int(args.max_gib * GIB), max_flops=args.max_gflop * 1e9)
+    scan = scan_corpus([Path(p) for p in args.paths] if args.paths else None, limits)
+    for bad in scan.bad:
+        out.record("bad_entry", entry=bad.path, field=bad.field, type=type(bad).__name__,
+                   message=str(bad))
+    phases = sorted({e.case.phase for e in scan.entries})
+    apply_deadline(args.deadline, "1b" in phases or not scan.entries)
+    results, faults = [], []
+    line = out.progress()
+    done = 0
+    try:
+        for phase in phases:  # each phase through its own forward
+            forward = _forward(phase)
+            for entry in (e for e in scan.entries if e.case.phase == phase):
+                done += 1
+                line.show(f"replay {done}/{len(scan.entries)}: {entry.path.name} (phase {phase})")
+                try:
+                    (result,) = replay([entry], forward=forward)
+                except RankFailure as exc:  # a harness fault, not the entry's verdict
+                    faults.append((entry, exc))
+                    out.record("harness_fault", entry=str(entry.path), type=type(exc).__name__,
+                               rank=exc.rank, breadcrumb=exc.breadcrumb,
+                               message=str(exc).splitlines()[0])
+                    continue
+                results.append(result)
+                out.record("replay", **_replay_record(result))
+    finally:
+        line.close()
+    if results:
+        out.text(format_replay(results))
+    for entry, exc in faults:
+        out.text(f"\nHARNESS FAULT replaying {entry.path}: {type(exc).__name__}: "
+                 f"{str(exc).splitlines()[0]}")
+    for bad in scan.bad:
+        out.text(f"\nBAD ENTRY {bad.path} (field {bad.field or '-'}): {bad}")
     statuses = [r.status for r in results]
     counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
-    print("\n" + ", ".join(f"{n} {s}" for s, n in counts.items())
-          + f"; the project's claim holds on {sum(r.claim_holds for r in results)}/{len(results)}")
-    return 0 if all(r.claim_holds for r in results) else 1
+    broken = [r for r in results if not r.claim_holds]
+    out.text("\n" + (", ".join(f"{n} {s}" for s, n in counts.items()) or "nothing replayed")
+             + f"; the project's claim holds on {len(results) - len(broken)}/{len(results)}"
+             + (f"; phases {', '.join(phases)}" if len(phases) > 1 else "")
+             + (f"; {len(scan.bad)} bad entr{'y' if len(scan.bad) == 1 else 'ies'}"
+                if scan.bad else "")
+             + (f"; {len(faults)} harness faults" if faults else ""))
+    if broken:
+        code = EXIT_FAILED
+    elif faults:
+        code = EXIT_HARNESS
+    elif scan.bad or not results:
+        code = EXIT_USAGE
+        if not results and not scan.bad:
+            out.text("no corpus entries to replay: nothing was checked")
+    else:
+        code = EXIT_OK
+    out.summary(code, replayed=len(results), broken=len(broken), bad=len(scan.bad),
+                harness_faults=len(faults), phases=phases, statuses=counts)
+    return code
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -181,16 +309,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         p.add_argument("--profile", default=None,
                        help="wsb-test, wsb-nightly, wsb-replay, wsb-generate (default: "
                             "$WSB_PROFILE, else wsb-test)")
-        p.add_argument("--seed", type=int, default=None, help="master seed (default: random)")
-        p.add_argument("--chunk", type=_positive(int), default=25, help="examples per round")
+        p.add_argument("--seed", type=seed, default=None,
+                       help="master seed, 0..2^63-1 (default: random)")
+        p.add_argument("--chunk", type=count, default=25, help="examples per round")
         p.add_argument("--mutation", action="append", choices=list(MUTATIONS), default=None,
                        help="only this mutation (repeatable)")
+        add_output_options(p)
+        add_deadline_option(p)
 
     fuzz = subparsers.add_parser("fuzz", help="fuzz every property; failures land in corpus/")
     budget = fuzz.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=_positive(float), default=None,
-                        help="time budget (default 1)")
-    budget.add_argument("--examples", type=_positive(int), default=None,
+    budget.add_argument("--minutes", type=positive, default=None,
+                        help="time budget, a finite number > 0 (default 1)")
+    budget.add_argument("--examples", type=count, default=None,
                         help="examples per property")
     budget.add_argument("--find-smallest", action="append", choices=list(MUTATIONS),
                         metavar="MUTATION", help="shrink the invariant's failure under this "
@@ -199,24 +330,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     fuzz.set_defaults(func=cmd_fuzz)
 
     mutants = subparsers.add_parser("mutants", help="the mutation kill matrix")
-    mutants.add_argument("--examples", type=_positive(int), default=40,
+    mutants.add_argument("--examples", type=count, default=40,
                          help="examples per mutation")
     common(mutants)
     mutants.set_defaults(func=cmd_mutants)
 
     floor = subparsers.add_parser("floor", help="floor samples on random geometries")
-    floor.add_argument("--random", type=_positive(int), required=True, metavar="N",
-                       help="number of geometries to sample")
-    floor.add_argument("--search", type=int, default=0, metavar="M",
+    floor.add_argument("--random", type=count, required=True, metavar="N",
+                       help="number of geometries to sample (>= 2)")
+    floor.add_argument("--search", type=count, default=None, metavar="M",
                        help="also search M examples (Hypothesis target phase) for the largest "
                             "floor / max|logit|, and sample the worst --keep of them")
-    floor.add_argument("--keep", type=int, default=20)
+    floor.add_argument("--keep", type=count, default=20, metavar="K")
     floor.add_argument("--phase", choices=PHASES, default="1a")
-    floor.add_argument("--seed", type=int, default=None, help="Hypothesis seed (default: random)")
-    floor.add_argument("--out", type=Path, default=None,
-                       help="default: tolerance/random_floor_<phase>.json (and .png)")
+    floor.add_argument("--seed", type=seed, default=None, help="Hypothesis seed (default: random)")
+    where = floor.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=None,
+                       help="write the samples here (and the plot beside them)")
+    where.add_argument("--write", action="store_true",
+                       help="replace the committed tolerance/random_floor_<phase>.json (and .png)")
+    floor.add_argument("--force", action="store_true",
+                       help="replace even a measurement of more geometries than this one")
+    add_output_options(floor, json_records=False)
+    add_deadline_option(floor)
     floor.set_defaults(func=cmd_floor)
 
     replay = subparsers.add_parser("replay", help="re-measure and classify corpus entries")
-    replay.add_argument("paths", nargs="*", help="entries (default: every file in corpus/)")
+    replay.add_argument("paths", nargs="*", help="entries or directories (default: every file "
+                                                  "in corpus/, each phase through its forward)")
+    replay.add_argument("--max-gib", type=positive, default=2.0, metavar="G",
+                        help="refuse an entry whose estimated memory exceeds G GiB (default 2)")
+    replay.add_argument("--max-gflop", type=positive, default=50.0, metavar="F",
+                        help="refuse an entry whose estimated work exceeds F GFLOP (default 50)")
+    add_output_options(replay)
+    add_deadline_option(replay)
     replay.set_defaults(func=cmd_replay)

@@ -4,16 +4,23 @@
     wsb check --resharder module:function [--config ...] [--src S --dst D]
     wsb check --splitter module:function [--config ...] [--dst D]
     wsb layout --config NAME
+    wsb --version
 
-Exit status: 0 when every check passes, 1 when one fails, 2 on bad input.
+Every subcommand takes ``-q``; check, fuzz, mutants, replay and train-check take ``--json``;
+gloo runs take ``--deadline SECONDS``. One exit-code contract for all of them
+(``output.EXIT_CODES``), applied here once: a subcommand returns 0, 1 or 2 for what its
+checks found, and ``exit_code`` maps whatever it raises.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
+import platform
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,18 +31,97 @@ from weight_sync_bench.check.checker import (
     Verdict,
     check_reshard,
     check_split,
+    checker_for,
     degree_pairs,
     format_verdicts,
     sweep,
 )
+from weight_sync_bench.check.user_code import frame_error
 from weight_sync_bench.cli.fuzz import register as register_fuzz
+from weight_sync_bench.cli.output import (
+    ENVIRONMENT,
+    EXIT_BROKEN_PIPE,
+    EXIT_CODES,
+    EXIT_FAILED,
+    EXIT_HARNESS,
+    EXIT_OK,
+    EXIT_USAGE,
+    EXIT_USER_CODE,
+    Output,
+    add_deadline_option,
+    add_output_options,
+    apply_deadline,
+    interrupt_code,
+    pending_interrupt,
+    seed,
+    signals_raise,
+)
 from weight_sync_bench.cli.train import register as register_train
-from weight_sync_bench.errors import UnsupportedLayout, WsbError
+from weight_sync_bench.cli.sync import register as register_sync
+from weight_sync_bench.errors import (
+    InvalidShards,
+    MissingArtifacts,
+    PeerAborted,
+    RankFailure,
+    UnsupportedLayout,
+    UserCodeError,
+    WsbError,
+)
 from weight_sync_bench.model.config import CONFIGS, config_by_name
 from weight_sync_bench.model.plan import layout_for
 
+FORWARD_LEGEND = ("forward: declared = the shards equal the declared split byte for byte, so "
+                  "the declared split's sharded forward was reused; own = they differ, and ran "
+                  "a forward (and a diagnosis) of their own")
+LAYOUT_LEGEND = ("-: the placement cannot split this parameter evenly at that degree "
+                 "(UnsupportedLayout; `wsb check --src T` says which rule)")
 
-def _load_function(spec: str) -> Callable[..., Any]:
+
+def exit_code(exc: BaseException) -> int:
+    """The exit status for an exception a subcommand raised (``output.EXIT_CODES``)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return interrupt_code(exc)
+    if isinstance(exc, (UserCodeError, InvalidShards)):
+        return EXIT_USER_CODE  # only the user's functions hand the CLI shards
+    if isinstance(exc, (RankFailure, PeerAborted, MissingArtifacts)):
+        return EXIT_HARNESS
+    if isinstance(exc, WsbError):
+        return EXIT_USAGE  # ToleranceMismatch included: the artifact does not cover the input
+    return EXIT_HARNESS  # not a typed error: a bug of the harness
+
+
+def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace, prog: str) -> int:
+    """``func(args)`` under the exit-code contract: SIGTERM ends it like Ctrl-C (the ranks
+    and temporary directories go with the interpreter's exit handlers), and an exception
+    becomes one line on stderr (a traceback only for a bug of the harness) and its code."""
+    out = Output(args)
+    with signals_raise():
+        try:
+            return func(args)
+        except BrokenPipeError:  # `wsb ... | head`: the reader left; say nothing more
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_BROKEN_PIPE
+        except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 - the contract maps all
+            code = exit_code(exc)
+            if isinstance(exc, KeyboardInterrupt):
+                message = f"interrupted ({'SIGTERM' if code != 130 else 'SIGINT'})"
+            elif isinstance(exc, WsbError):
+                message = str(exc) + "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
+            else:
+                message = ("internal error, a bug of the harness (exit 3):\n"
+                           + "".join(traceback.format_exception(exc)).rstrip())
+            print(f"{prog}: {message}", file=sys.stderr, flush=True)
+            out.record("error", command=out.command, exit_code=code, type=type(exc).__name__,
+                       message=message)
+            return code
+
+
+# -- wsb check
+
+
+def load_function(spec: str, role: str) -> Callable[..., Any]:
+    """``module:function`` imported as ``python -m`` would find it. A module that is not
+    there is bad input (2); a module that raises while importing is the user's code (4)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise WsbError(f"expected module:function, got {spec!r}")
@@ -43,8 +129,12 @@ def _load_function(spec: str) -> Callable[..., Any]:
         sys.path.insert(0, os.getcwd())  # a user's module beside them, as `python -m` would find it
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise WsbError(f"cannot import {module_name!r} (from {spec!r}): {exc}") from None
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise WsbError(f"cannot import {module_name!r} (from {spec!r}): {exc}") from None
+        raise frame_error(exc, role=role, function=spec, during="at import") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raises is theirs
+        raise frame_error(exc, role=role, function=spec, during="at import") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise WsbError(f"{spec}: {module_name} has no callable {attr!r}")
@@ -61,11 +151,13 @@ def _pairs(args: argparse.Namespace, degrees: list[int]) -> list[tuple[int, int]
     return [(s, d) for s in srcs for d in dsts]
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    if args.splitter and args.src is not None:
-        raise WsbError("--src has no meaning with --splitter (a split starts from the full "
-                       "model); give --dst")
-    verdicts: list[Verdict] = []
+def _plan(args: argparse.Namespace) -> tuple[list[tuple[str, Callable[[], Verdict]]], list[str]]:
+    """Every check to run, as (label, thunk), and the configs skipped (``--config all``)."""
+    fn = None
+    if args.splitter or args.resharder:
+        fn = load_function(args.splitter or args.resharder,
+                           "splitter" if args.splitter else "resharder")
+    jobs: list[tuple[str, Callable[[], Verdict]]] = []
     skipped: list[str] = []
     for name in _configs(args.config):
         config = config_by_name(name)
@@ -80,29 +172,83 @@ def cmd_check(args: argparse.Namespace) -> int:
             skipped.append(f"skipped {name}: {exc}")  # --config all: check where it applies
             continue
         degrees = layout.supported_degrees()
+        common = {"seed": args.seed, "backend": args.backend}
         if args.splitter:
-            fn = _load_function(args.splitter)
             for dst in ([args.dst] if args.dst is not None else degrees):
-                verdicts.append(check_split(fn, config, dst, seed=args.seed, backend=args.backend))
+                jobs.append((f"{name} split -> {dst}",
+                             lambda c=config, d=dst, k=common: check_split(fn, c, d, **k)))
         elif args.resharder:
-            fn = _load_function(args.resharder)
             for src, dst in _pairs(args, degrees):
-                verdicts.append(check_reshard(fn, config, src, dst, seed=args.seed,
-                                              backend=args.backend))
+                jobs.append((f"{name} {src} -> {dst}", lambda c=config, s=src, d=dst, k=common:
+                             check_reshard(fn, c, s, d, **k)))
         else:
             pairs = _pairs(args, degrees) if (args.src or args.dst) else degree_pairs(layout)
-            verdicts.extend(sweep(config, pairs=pairs, seed=args.seed, backend=args.backend))
-    if not verdicts:
+            shared: dict[str, Any] = {}  # one checker (one reference forward) per config
+
+            def one(c=config, pair=(0, 0), shared=shared) -> Verdict:
+                if "checker" not in shared:
+                    shared["checker"] = checker_for(c, seed=args.seed, backend=args.backend)
+                (verdict,) = sweep(c, pairs=[pair], seed=args.seed, checker=shared["checker"])
+                return verdict
+
+            jobs += [(f"{name} {s} -> {d}", lambda p=(s, d), one=one: one(pair=p))
+                     for s, d in pairs]
+    return jobs, skipped
+
+
+def verdict_record(v: Verdict) -> dict[str, Any]:
+    return {"config": v.config, "phase": v.phase, "src": v.src, "dst": v.dst,
+            "mutation": v.mutation, "max_abs_error": v.max_abs_error, "threshold": v.threshold,
+            "ratio": v.ratio, "forward": "own" if v.own_forward else "declared",
+            "passed": v.passed, "first_mismatch": v.first_mismatch,
+            "mismatches": list(v.mismatches)}
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    out = Output(args)
+    if args.splitter and args.src is not None:
+        raise WsbError("--src has no meaning with --splitter (a split starts from the full "
+                       "model); give --dst")
+    apply_deadline(args.deadline, args.backend == "gloo")
+    jobs, skipped = _plan(args)
+    if not jobs:
         raise WsbError("no config supports the requested degrees:\n  " + "\n  ".join(skipped))
-    print(format_verdicts(verdicts))
-    for line in skipped:
-        print(line)
+    verdicts: list[Verdict] = []
+    line = out.progress()
+    interrupted: KeyboardInterrupt | None = None
+    try:
+        for i, (label, job) in enumerate(jobs):
+            line.show(f"check {i + 1}/{len(jobs)}: {label} ({args.backend})")
+            verdicts.append(job())
+            out.record("check", **verdict_record(verdicts[-1]))
+            if pending_interrupt() is not None:  # signalled, but its raise was swallowed
+                raise pending_interrupt()
+    except KeyboardInterrupt as exc:
+        interrupted = exc
+    finally:
+        line.close()
     failed = [v for v in verdicts if not v.passed]
+    if verdicts and not out.quiet:
+        out.text(format_verdicts(verdicts))
+        out.text(FORWARD_LEGEND)
+    for note in skipped:
+        out.text(note)
     for verdict in failed:
-        print()
-        print(verdict)
-    print(f"\n{len(verdicts) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+        out.text()
+        out.text(str(verdict))
+    tally = f"{len(verdicts) - len(failed)} passed, {len(failed)} failed"
+    if interrupted is not None:
+        code = interrupt_code(interrupted)
+        out.text(f"\ninterrupted after {len(verdicts)} of {len(jobs)} checks: {tally}; not run: "
+                 + ", ".join(label for label, _ in jobs[len(verdicts):]))
+        out.summary(code, checks=len(jobs), ran=len(verdicts), passed=len(verdicts) - len(failed),
+                    failed=len(failed), interrupted=True)
+        return code
+    out.text(f"\n{tally}")
+    code = EXIT_FAILED if failed else EXIT_OK
+    out.summary(code, checks=len(jobs), ran=len(verdicts), passed=len(verdicts) - len(failed),
+                failed=len(failed), interrupted=False)
+    return code
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
@@ -110,18 +256,34 @@ def cmd_layout(args: argparse.Namespace) -> int:
     degrees = sorted(set(layout.supported_degrees()) | {1, 2, 4, 8})
     print(layout.render(degrees))
     print(f"\nsupported degrees: {', '.join(map(str, layout.supported_degrees()))}")
+    print(LAYOUT_LEGEND)
     return 0
 
 
+def _version() -> str:
+    try:
+        version = importlib.metadata.version("weight-sync-bench")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown (not installed)"
+    return (f"wsb {version} (torch {torch.__version__}, python {platform.python_version()}, "
+            f"{platform.machine()})")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="wsb", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="wsb", description=__doc__.split("\n\n")[0],
+        epilog=f"{EXIT_CODES}\n\n{ENVIRONMENT}\n\n'wsb' is the venv's console script: "
+               ".venv/bin/wsb after `make`, or `python -m weight_sync_bench`.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    check = sub.add_parser("check", help="check the invariant (or your own split/reshard function)")
+    check = sub.add_parser("check", help="check the invariant (or your own split/reshard function)",
+                           epilog=FORWARD_LEGEND)
     check.add_argument("--config", default="all", choices=[*CONFIGS, "all"])
     check.add_argument("--src", type=int, default=None, help="source degree (default: every supported)")
     check.add_argument("--dst", type=int, default=None, help="destination degree (default: every supported)")
-    check.add_argument("--seed", type=int, default=0, help="model seed (tokens use 1000 + seed)")
+    check.add_argument("--seed", type=seed, default=0, help="parameter seed (0..2^63-1)")
     check.add_argument("--backend", choices=BACKENDS, default="inprocess",
                        help="inprocess: every rank in this process (phase 1a); gloo: one process "
                             "per rank over gloo on 127.0.0.1 (phase 1b)")
@@ -130,13 +292,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="check fn(shards_at_src, dst) -> shards_at_dst against the declared layout")
     own.add_argument("--splitter", metavar="MODULE:FUNCTION",
                      help="check fn(full_params, degree) -> shards against the declared layout")
+    add_output_options(check)
+    add_deadline_option(check)
     check.set_defaults(func=cmd_check)
 
-    layout = sub.add_parser("layout", help="print the declared layout table")
+    layout = sub.add_parser("layout", help="print the declared layout table", epilog=LAYOUT_LEGEND)
     layout.add_argument("--config", default="toy", choices=list(CONFIGS))
+    add_output_options(layout, json_records=False)
     layout.set_defaults(func=cmd_layout)
 
     register_train(sub)
+    register_sync(sub)
     register_fuzz(sub)
     return parser
 
@@ -144,11 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except WsbError as exc:
-        print(f"wsb {args.command}: {exc}", file=sys.stderr)
-        return 2
+    return run(args.func, args, f"wsb {args.command}")
 
 
 if __name__ == "__main__":

@@ -3,83 +3,121 @@
 Three kinds, each beside the code it measures: ``phase`` (the logits floor of phase 1a or 1b,
 ``check.floor``; the default, so ``python -m weight_sync_bench.tolerance --phase 1b`` reads as
 it always did), ``training`` (``training.floor``) and ``sequence`` (``training.sequence_floor``).
+
+A measurement never silently replaces a committed artifact: it is written to ``--out PATH``,
+or replaces the committed file only with ``--write``; a smaller sample (fewer repetitions)
+than the file it replaces is refused without ``--force``; the old and new figures are
+printed side by side. The exit status follows ``wsb``'s contract (``output.EXIT_CODES``).
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from weight_sync_bench.check import floor as phase_floor
-from weight_sync_bench.tolerance import kernels
+from weight_sync_bench.cli.output import (
+    EXIT_OK,
+    count,
+    guard_target,
+    refuse_smaller,
+    side_by_side,
+)
 from weight_sync_bench.tolerance.artifacts import PHASES, artifact_path, write_artifact
+from weight_sync_bench.tolerance.rules import derive_threshold
 from weight_sync_bench.training import floor as training_floor
 from weight_sync_bench.training import sequence_floor
 
 KINDS = ("phase", "training", "sequence")
 
 
-def main(argv: list[str] | None = None) -> int:
+def figures(kind: str, artifact: dict[str, Any]) -> list[tuple[str, str]]:
+    """The numbers a reader compares between two measurements of one kind: the sample
+    (repetitions, steps, cells) and the thresholds it implies, re-derived from the record."""
+    rows = [("repetitions", str(artifact.get("repetitions", "?")))]
+    try:
+        if kind == "phase":
+            rows += [("cells", str(len(artifact["cells"]))),
+                     ("worst |error|", f"{artifact['worst_abs']:.4g}"),
+                     ("threshold", f"{derive_threshold(artifact['worst_abs']):g}")]
+        else:
+            rows += [("steps", str(artifact.get("steps", "?"))),
+                     ("cells", str(len(artifact["cells"])))]
+            for regime in artifact["regimes"]:
+                thresholds = training_floor.thresholds_from(artifact, regime)
+                rows += [(f"{regime} {q}", f"{t:g}") for q, t in thresholds.items()]
+    except (KeyError, TypeError, ValueError) as exc:
+        rows.append(("unreadable", f"{type(exc).__name__}: {exc}"))
+    return rows
+
+
+def _compare(kind: str, old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, str, str]]:
+    before, after = dict(figures(kind, old)), dict(figures(kind, new))
+    return [(name, before.get(name, "-"), after.get(name, "-"))
+            for name in dict.fromkeys([*after, *before])]
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m weight_sync_bench.tolerance",
-        description="Measure a numerical floor and write its artifact under tolerance/: "
-                    "phase (tolerance/phase<P>.json), training (training[_1b].json) or "
-                    "sequence (sequence[_1b].json).")
+        description="Measure a numerical floor: phase (tolerance/phase<P>.json), training "
+                    "(training[_1b].json) or sequence (sequence[_1b].json). Writes --out "
+                    "PATH, or with --write replaces the committed artifact.")
     parser.add_argument("kind", nargs="?", choices=KINDS, default="phase")
     parser.add_argument("--phase", choices=PHASES, default="1a")
-    parser.add_argument("--repetitions", type=int, default=None,
+    parser.add_argument("--repetitions", type=count, default=None,
                         help=f"default: {phase_floor.REPETITIONS} (phase), "
                              f"{training_floor.REPETITIONS} (training, sequence)")
-    parser.add_argument("--steps", type=int, default=training_floor.STEPS,
+    parser.add_argument("--steps", type=count, default=training_floor.STEPS,
                         help="optimizer steps (training, sequence)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="default: the committed artifact's path under tolerance/")
-    parser.add_argument("--kernel-sets", choices=("all", "current"), default="all",
-                        help="all (default): measure once per CPU kernel set torch can use "
-                             "here (ATEN_CPU_CAPABILITY), each in a process of its own, and "
-                             "keep the worst; current: only the kernels this process runs")
-    args = parser.parse_args(argv)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", type=Path, default=None, help="write the artifact here")
+    where.add_argument("--write", action="store_true",
+                       help="replace the committed artifact under tolerance/")
+    parser.add_argument("--force", action="store_true",
+                        help="replace even a measurement of more repetitions than this one")
+    return parser
+
+
+def measure(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
-    if args.kernel_sets == "all":
-        artifact = _across_kernel_sets(args)
-        table = (phase_floor.format_table(artifact) if args.kind == "phase"
-                 else training_floor.format_table(artifact))
-        summary = f"kernel sets {', '.join(artifact['kernel_sets'])}; "
-    elif args.kind == "phase":
+    repetitions = args.repetitions or (phase_floor.REPETITIONS if args.kind == "phase"
+                                       else training_floor.REPETITIONS)
+    path = args.out or artifact_path(args.phase, kind=args.kind)
+    old = guard_target(path, named=args.out is not None, write=args.write,
+                       command=f"measuring the {args.kind} floor")
+    if old is not None and isinstance(old.get("repetitions"), int):
+        refuse_smaller(path, old=old["repetitions"], new=repetitions, what="repetitions",
+                       force=args.force)
+    if args.kind == "phase":
         runner = None
         if args.phase == "1b":
             from weight_sync_bench.check.forwards import (
                 phase1b_runner,  # the gloo launcher
             )
             runner = phase1b_runner()
-        artifact = phase_floor.measure(args.phase, runner=runner,
-                                       repetitions=args.repetitions or phase_floor.REPETITIONS)
+        artifact = phase_floor.measure(args.phase, runner=runner, repetitions=repetitions)
         table, summary = phase_floor.format_table(artifact), ""
     else:
-        measure = training_floor.measure if args.kind == "training" else sequence_floor.measure_sequence
-        artifact = measure(args.repetitions or training_floor.REPETITIONS, args.steps,
-                           args.phase)
+        measure_kind = (training_floor.measure if args.kind == "training"
+                        else sequence_floor.measure_sequence)
+        artifact = measure_kind(repetitions, args.steps, args.phase)
         table = training_floor.format_table(artifact)
         summary = f"{len(artifact['cells'])} cells; "
-    path = args.out or artifact_path(args.phase, kind=args.kind)
     write_artifact(artifact, path)
     print(table)
+    if old is not None:
+        print("\n" + side_by_side(_compare(args.kind, old, artifact), f"replaced ({path.name})",
+                                  "new"))
     print(f"{summary}wrote {path}")
-    return 0
+    return EXIT_OK
 
 
-def _across_kernel_sets(args: argparse.Namespace) -> dict:
-    """The same measurement under every available kernel set, merged (``tolerance.kernels``)."""
-    argv = [args.kind, "--phase", args.phase, "--steps", str(args.steps)]
-    if args.repetitions is not None:
-        argv += ["--repetitions", str(args.repetitions)]
-    measured = []
-    with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
-        for kernel_set in kernels.available():
-            print(f"measuring under ATEN_CPU_CAPABILITY={kernel_set} ...", flush=True)
-            measured.append(kernels.measure_under(kernel_set, argv,
-                                                  Path(scratch) / f"{kernel_set}.json"))
-    return kernels.merge(measured)
+def main(argv: list[str] | None = None) -> int:
+    from weight_sync_bench.cli.main import run  # the exit-code contract, applied once
+
+    args = build_parser().parse_args(argv)
+    return run(measure, args, "python -m weight_sync_bench.tolerance")

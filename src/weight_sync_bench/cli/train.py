@@ -9,8 +9,9 @@ Each compared quantity is printed with its deviation, its threshold (from
 tolerance/training.json, or tolerance/sequence.json for SP / CP meshes) and the ratio.
 With ``--sp`` or ``--cp`` the meshes are the sequence-sharding ones (``--sp``: SP on;
 ``--cp C``: C context chunks), and ``--mutations`` adds the sequence mutations.
-Exit status: 0 when every check passes (with ``--mutations``: when every mutation that is
-not the identity is detected), 1 otherwise.
+Exit status (``output.EXIT_CODES``): 0 when every check passes (with ``--mutations``: when
+every mutation that is not the identity is detected), 1 otherwise; every count, degree and
+seed is validated (``--dp 0`` is an error, never a run at 1).
 """
 
 from __future__ import annotations
@@ -18,6 +19,17 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 
+from weight_sync_bench.cli.output import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    Output,
+    add_deadline_option,
+    add_output_options,
+    apply_deadline,
+    count,
+    seed,
+)
 from weight_sync_bench.errors import InvalidConfig, InvalidMesh
 from weight_sync_bench.model.config import CONFIGS, ModelConfig
 from weight_sync_bench.training.batches import default_spec
@@ -69,7 +81,8 @@ def _cases(args: argparse.Namespace) -> list[TrainingCase]:
                       and not (args.gloo and m.dp != 1)]
             if not shapes and (args.dp is not None or args.tp is not None or _sequence(args)):
                 # validated (and rejected) below
-                shapes = [Mesh(args.dp or 1, args.tp or 1, args.sp, args.cp or 1)]
+                shapes = [Mesh(1 if args.dp is None else args.dp, 1 if args.tp is None else args.tp,
+                               args.sp, 1 if args.cp is None else args.cp)]
             cases += [TrainingCase(config, m, args.seed, args.steps, spec) for m in shapes]
     return cases
 
@@ -108,12 +121,33 @@ def format_matrix(rows: Sequence[MatrixRow]) -> str:
     return _table(out)
 
 
+def _report_record(report: TrainingReport) -> dict[str, object]:
+    return {"config": report.config, "mesh": str(report.mesh), "packed": report.packed,
+            "passed": report.passed,
+            "comparisons": [{"quantity": c.quantity, "deviation": c.deviation,
+                             "threshold": c.threshold, "ratio": c.ratio, "where": c.where or None,
+                             "passed": c.passed} for c in report.comparisons]}
+
+
+def _row_record(row: MatrixRow) -> dict[str, object]:
+    worst = row.report.worst_toleranced if row.report is not None else None
+    return {"mutation": row.mutation, "case": row.case, "identity": row.identity,
+            "detected": row.detected, "ratio": worst.ratio if worst else None,
+            "quantity": worst.quantity if worst else None}
+
+
+def _label(case: TrainingCase) -> str:
+    return f"{case.config.name} {case.mesh}{' packed' if case.spec.packed else ''}"
+
+
 def cmd_train_check(args: argparse.Namespace) -> int:
+    out = Output(args)
     phase = "1b" if args.gloo else "1a"
     if args.gloo and args.mutations:
         raise InvalidMesh("--mutations runs in process; drop --gloo for the matrix")
     if args.gloo and _sequence(args):
         raise InvalidMesh("--sp and --cp run in process; drop --gloo")
+    apply_deadline(args.deadline, args.gloo)
     artifact = load(phase=phase)
     sequence_artifact = load_sequence() if _sequence(args) else None
 
@@ -123,24 +157,52 @@ def cmd_train_check(args: argparse.Namespace) -> int:
         return thresholds_for(case.config, artifact=artifact)
 
     cases = _cases(args)
+    if not cases:
+        raise InvalidMesh(f"no training case matches --config {args.config} with these options")
+    line = out.progress()
     if args.mutations:
         rows = []
         mutations = ALL_TRAINING_MUTATIONS if _sequence(args) else TRAINING_MUTATIONS
-        for case in cases:
-            rows += mutation_matrix([case], thresholds(case), mutations)
-        print(format_matrix(rows))
+        try:
+            for i, case in enumerate(cases):
+                line.show(f"train-check --mutations {i + 1}/{len(cases)}: {_label(case)} "
+                          f"({len(mutations)} mutations)")
+                new = mutation_matrix([case], thresholds(case), mutations)
+                for row in new:
+                    out.record("train_mutation", **_row_record(row))
+                rows += new
+        finally:
+            line.close()
         missed = [r for r in rows if r.detected is False]
         ran = [r for r in rows if r.report is not None]
-        print(f"\n{len(ran) - len(missed)} of {len(ran)} detected, "
-              f"{len(rows) - len(ran)} identity cells skipped")
-        return 1 if missed else 0
+        if not out.quiet:
+            out.text(format_matrix(rows))
+        elif missed:
+            out.text(format_matrix(missed))
+        out.text(f"\n{len(ran) - len(missed)} of {len(ran)} detected, "
+                 f"{len(rows) - len(ran)} identity cells skipped")
+        code = EXIT_FAILED if missed else (EXIT_OK if ran else EXIT_USAGE)
+        out.summary(code, cells=len(rows), ran=len(ran), missed=len(missed))
+        return code
     train = _gloo_trainer(cases) if args.gloo else (lambda case: None)
-    reports = [case.check(thresholds(case), trained=train(case)) for case in cases]
-    print(format_reports(reports))
+    reports = []
+    try:
+        for i, case in enumerate(cases):
+            line.show(f"train-check {i + 1}/{len(cases)}: {_label(case)} (phase {phase})")
+            reports.append(case.check(thresholds(case), trained=train(case)))
+            out.record("train", **_report_record(reports[-1]))
+    finally:
+        line.close()
     failed = [r for r in reports if not r.passed]
-    print(f"\n{len(reports) - len(failed)} passed, {len(failed)} failed "
-          f"(steps={args.steps}, seed={args.seed}, phase {phase})")
-    return 1 if failed else 0
+    shown = reports if not out.quiet else failed
+    if shown:
+        out.text(format_reports(shown))
+    out.text(f"\n{len(reports) - len(failed)} passed, {len(failed)} failed "
+             f"(steps={args.steps}, seed={args.seed}, phase {phase})")
+    code = EXIT_FAILED if failed else EXIT_OK
+    out.summary(code, checks=len(reports), passed=len(reports) - len(failed), failed=len(failed),
+                phase=phase, steps=args.steps, seed=args.seed)
+    return code
 
 
 def _gloo_trainer(cases: list[TrainingCase]) -> Callable[[TrainingCase], Trace]:
@@ -148,7 +210,7 @@ def _gloo_trainer(cases: list[TrainingCase]) -> Callable[[TrainingCase], Trace]:
         shared_pool,  # the gloo launcher, only when asked
     )
     from weight_sync_bench.training.gloo import train_gloo
-    pool = shared_pool(max([4, *(case.mesh.tp for case in cases)]))
+    pool = shared_pool(max([4, *(case.mesh.tp for case in cases)]))  # --deadline: already set
     return lambda case: train_gloo(case, pool)
 
 
@@ -158,12 +220,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                               "AdamW steps of the DP x TP model against the dense one")
     p.add_argument("--config", default="toy", help=f"{', '.join(TRAIN_CONFIGS)} or all "
                    "(default toy)")
-    p.add_argument("--dp", type=int, default=None, help="data-parallel size (default: 1, 2, 4 "
-                   "up to the batch rows)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: "
+    p.add_argument("--dp", type=count, default=None, help="data-parallel size (default: 1, 2, "
+                   "4 up to the batch rows)")
+    p.add_argument("--tp", type=count, default=None, help="tensor-parallel degree (default: "
                    "every supported)")
-    p.add_argument("--steps", type=int, default=2, help="AdamW steps (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="parameter and batch seed")
+    p.add_argument("--steps", type=count, default=2, help="AdamW steps (default 2)")
+    p.add_argument("--seed", type=seed, default=0, help="parameter and batch seed (0..2^63-1)")
     p.add_argument("--batch", choices=["unpacked", "packed", "both"], default="both")
     p.add_argument("--gloo", action="store_true",
                    help="train each TP group over gloo, one process per rank (dp = 1; "
@@ -171,9 +233,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism: the residual stream sharded along the sequence "
                    "over each TP group (thresholds from tolerance/sequence.json)")
-    p.add_argument("--cp", type=int, default=None,
+    p.add_argument("--cp", type=count, default=None,
                    help="context-parallel degree: the sequence split into CP chunks (default "
                    "with --sp: 1, 2 and 4 where the sequence splits evenly)")
     p.add_argument("--mutations", action="store_true",
                    help="run the training-mutation matrix instead of the correct check")
+    add_output_options(p)
+    add_deadline_option(p)
     p.set_defaults(func=cmd_train_check)

@@ -9,6 +9,9 @@ are judged on an outcome:
 - ``invariant``: the check passes (deviation finite and within the threshold);
 - ``kill``: a mutation that is not the identity there deviates by at least ``KILL_MARGIN``
   x the threshold; one that is the identity leaves the shards byte-identical and passes.
+
+``footprint`` estimates what running a case costs, from the geometry alone (no tensor is
+made, and nothing loops over layers), so a replay can refuse a case before allocating it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,39 @@ from weight_sync_bench.layout.reshard import reshard
 from weight_sync_bench.model.config import ModelConfig
 
 PROPERTIES = ("invariant", "kill")
+FLOAT_BYTES = 4  # fp32 everywhere
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one case costs: peak ``bytes`` held and ``flops`` done, estimated (see
+    ``footprint``), with the parameter and activation counts they come from."""
+
+    params: int
+    activations: int
+    bytes: int
+    flops: int
+
+
+def footprint(config: ModelConfig) -> Footprint:
+    """An upper estimate of running one case of ``config`` (reference, declared forward and
+    one forward of the case's own shards), in closed form from the geometry:
+
+    - parameters ``P = 2 V d + d + L (qkv d + d q + 3 ffn d + qkv + 4 d)`` (V the padded
+      vocab, biases counted whether present or not);
+    - bytes ``4 x (4 P + A)``: the full parameters, the declared split at src and at dst and
+      the case's own shards, plus the activations of one forward at a time,
+      ``A = B T (3 d + 2 qkv + 3 ffn + 5 V) + 2 B H T^2`` (per-token widths of a layer, three
+      logit tensors and the scratch, the attention scores);
+    - flops ``3 x (2 P B T + 4 L B H T^2 head_dim)``: three forwards' matmuls and attention.
+    """
+    c = config
+    d, L, qkv, q = c.d_model, c.n_layers, c.qkv_rows, c.q_rows
+    V, B, T, H = c.padded_vocab, c.batch, c.seq_len, c.n_heads
+    params = 2 * V * d + d + L * (qkv * d + d * q + 3 * c.ffn * d + qkv + 4 * d)
+    activations = B * T * (3 * d + 2 * qkv + 3 * c.ffn + 5 * V) + 2 * B * H * T * T
+    flops = 3 * (2 * params * B * T + 4 * L * B * H * T * T * c.head_dim)
+    return Footprint(params, activations, FLOAT_BYTES * (4 * params + activations), flops)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,12 @@ An entry is born failing: ``invariant`` failed (the check failed on it; with a m
 that is the mutation detected, found at its smallest geometry) or ``kill`` failed (a
 mutation slipped under the margin). ``replay`` re-measures and classifies each entry; it
 never deletes or rewrites one.
+
+Reading is bounded: an entry whose geometry would need more memory or work than
+``ReplayLimits`` allow (``case.footprint``, from the geometry alone) is refused before
+anything is allocated, naming the field that drives the estimate. ``scan_corpus`` reads
+every entry it can and reports each bad one with its file and field, so one bad file never
+blocks the good ones.
 """
 
 from __future__ import annotations
@@ -33,8 +39,14 @@ import torch
 from weight_sync_bench.check.checker import Forward, ThresholdRule
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import mutation_by_name
-from weight_sync_bench.errors import CorruptCorpusEntry, InvalidConfig, UnknownMutation
-from weight_sync_bench.fuzz.case import PROPERTIES, Case, Outcome, run_case
+from weight_sync_bench.errors import (
+    CorpusEntryTooLarge,
+    CorruptCorpusEntry,
+    InvalidConfig,
+    InvalidNumber,
+    UnknownMutation,
+)
+from weight_sync_bench.fuzz.case import PROPERTIES, Case, Outcome, footprint, run_case
 from weight_sync_bench.model.config import ModelConfig
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.paths import corpus_dir
@@ -126,10 +138,56 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 _GEOMETRY = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "batch",
              "seq_len")
 
+GIB = 2**30
 
-def case_from(entry: Any, path: Path) -> Case:
+
+@dataclass(frozen=True)
+class ReplayLimits:
+    """The most one corpus entry may cost to load and run (``case.footprint``): ``max_bytes``
+    held (default 2 GiB) and ``max_flops`` (default 50 GFLOP, about a minute on one thread).
+    ``wsb replay --max-gib / --max-gflop`` raise them."""
+
+    max_bytes: int = 2 * GIB
+    max_flops: float = 50e9
+
+    def __post_init__(self) -> None:
+        InvalidNumber.positive("max_bytes", self.max_bytes)
+        InvalidNumber.positive("max_flops", self.max_flops)
+
+
+def _check_footprint(config: ModelConfig, path: Path, limits: ReplayLimits) -> None:
+    """Refuse a geometry over the limits, naming the field furthest above the fuzz domain's
+    largest geometry (what drives the estimate) and the estimate."""
+    from weight_sync_bench.fuzz.domain import DOMAIN
+
+    cost = footprint(config)
+    over = []
+    if cost.bytes > limits.max_bytes:
+        over.append(f"about {cost.bytes / GIB:.3g} GiB (limit {limits.max_bytes / GIB:.3g} GiB; "
+                    "raise it with --max-gib)")
+    if cost.flops > limits.max_flops:
+        over.append(f"about {cost.flops / 1e9:.3g} GFLOP (limit {limits.max_flops / 1e9:.3g} "
+                    "GFLOP; raise it with --max-gflop)")
+    if not over:
+        return
+    top = DOMAIN.largest().geometry()
+    geometry = config.geometry()
+    largest = max(_GEOMETRY, key=lambda k: geometry[k] / top[k])
+    # the field furthest outside the fuzz domain drives the estimate; inside it, no one does
+    field = f"case.geometry.{largest}" if geometry[largest] > top[largest] else "case.geometry"
+    what = f"{geometry[largest]}" if field != "case.geometry" else "inside the fuzz domain"
+    raise CorpusEntryTooLarge(
+        f"{path}: field '{field}' is {what}: replaying this entry "
+        f"would need {' and '.join(over)}, refused before allocating anything (estimate: "
+        f"4 B x (4 x {cost.params:.3g} parameters + {cost.activations:.3g} activations), "
+        f"{cost.flops:.3g} flops; see fuzz.case.footprint)",
+        path=str(path), field=field, estimate=cost.bytes, flops=cost.flops)
+
+
+def case_from(entry: Any, path: Path, limits: ReplayLimits | None = None) -> Case:
     """The Case an entry names, every field checked; ``CorruptCorpusEntry`` names the file
-    and the first bad field."""
+    and the first bad field, ``CorpusEntryTooLarge`` a geometry over ``limits`` (default
+    ``ReplayLimits()``), before anything of it is built."""
     schema = _field(entry, "schema", int, path)
     if schema != SCHEMA:
         raise CorruptCorpusEntry(f"{path}: field 'schema' is {schema}, this code reads {SCHEMA}",
@@ -144,6 +202,7 @@ def case_from(entry: Any, path: Path) -> Case:
     except InvalidConfig as exc:
         raise CorruptCorpusEntry(f"{path}: field 'case.geometry': {exc}", path=str(path),
                                  field="case.geometry") from None
+    _check_footprint(config, path, limits or ReplayLimits())
     mutation = _field(entry, "case.mutation", (str, type(None)), path)
     if mutation is not None:
         try:
@@ -156,6 +215,9 @@ def case_from(entry: Any, path: Path) -> Case:
         raise CorruptCorpusEntry(f"{path}: field 'case.phase' is {phase!r}, expected one of "
                                  f"{', '.join(PHASES)}", path=str(path), field="case.phase")
     seed = _field(entry, "case.seeds.param", int, path)
+    if not 0 <= seed <= InvalidNumber.SEED_MAX:
+        raise CorruptCorpusEntry(f"{path}: field 'case.seeds.param' is {seed}, expected a seed "
+                                 "in 0..2^63-1", path=str(path), field="case.seeds.param")
     token = _field(entry, "case.seeds.token", int, path)
     if token != TOKEN_SEED_OFFSET + seed:
         raise CorruptCorpusEntry(f"{path}: field 'case.seeds.token' is {token}, this code "
@@ -189,7 +251,7 @@ class Entry:
         return float(self.data["measured"]["deviation"])
 
 
-def load_entry(path: Path) -> Entry:
+def load_entry(path: Path, limits: ReplayLimits | None = None) -> Entry:
     try:
         data = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -197,7 +259,7 @@ def load_entry(path: Path) -> Entry:
     except OSError as exc:
         raise CorruptCorpusEntry(f"{path}: cannot be read ({exc.strerror or exc})",
                                  path=str(path)) from None
-    case = case_from(data, Path(path))
+    case = case_from(data, Path(path), limits)
     _field(data, "measured.deviation", (int, float, str), Path(path))
     _field(data, "found.versions", dict, Path(path))
     return Entry(Path(path), data, case)
@@ -208,13 +270,39 @@ def entry_paths(directory: Path | None = None) -> list[Path]:
     return sorted(directory.glob("*.json")) if directory.is_dir() else []
 
 
-def load_corpus(paths: Iterable[Path] | None = None) -> list[Entry]:
-    """Every entry (of ``paths``, or of the corpus directory), all checked before any is
-    used: one corrupt file stops the load with its name and field."""
+def _files(paths: Iterable[Path] | None) -> list[Path]:
     if paths is None:
-        return [load_entry(p) for p in entry_paths()]
-    files = [q for p in paths for q in (entry_paths(Path(p)) if Path(p).is_dir() else [Path(p)])]
-    return [load_entry(p) for p in files]
+        return entry_paths()
+    return [q for p in paths for q in (entry_paths(Path(p)) if Path(p).is_dir() else [Path(p)])]
+
+
+def load_corpus(paths: Iterable[Path] | None = None,
+                limits: ReplayLimits | None = None) -> list[Entry]:
+    """Every entry (of ``paths``, or of the corpus directory), all checked before any is
+    used: one corrupt file stops the load with its name and field (the fuzz's explicit
+    examples must all be sound; ``scan_corpus`` reads past bad files)."""
+    return [load_entry(p, limits) for p in _files(paths)]
+
+
+@dataclass(frozen=True)
+class Scan:
+    """Every entry that loaded, and every file that did not with its typed error."""
+
+    entries: list[Entry]
+    bad: list[CorruptCorpusEntry]
+
+
+def scan_corpus(paths: Iterable[Path] | None = None,
+                limits: ReplayLimits | None = None) -> Scan:
+    """Like ``load_corpus``, but a bad file (corrupt, unreadable, over ``limits``) is
+    recorded and the rest still loads."""
+    entries, bad = [], []
+    for path in _files(paths):
+        try:
+            entries.append(load_entry(path, limits))
+        except CorruptCorpusEntry as exc:
+            bad.append(exc)
+    return Scan(entries, bad)
 
 
 @dataclass(frozen=True)

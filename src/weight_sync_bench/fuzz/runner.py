@@ -13,6 +13,15 @@ Profiles have names of their own (Hypothesis loads its built-in ``ci`` profile w
 A property failure is shrunk by Hypothesis and the shrunk case written to the corpus, with
 the worst deviation seen before shrinking. The runner is a generator of progress events;
 only the CLI prints. Phase 1b plugs in by passing its ``forward`` (the rank pool's).
+
+A rank fault (``RankFailure``: a rank killed, stopped, stalled or raising) is a fault of the
+harness, not a counterexample: the property body turns it into ``_HarnessAbort``, a
+``BaseException`` that is not an ``Exception``, which Hypothesis lets through at once instead
+of shrinking it as a failure. ``run_property`` records it on the tally (``HarnessFault``) and
+re-raises the typed ``RankFailure``; ``fuzz`` records it in the report, lets the pool
+restart on its next task, and goes on, up to ``max_faults``. Nothing is written to the
+corpus for it. A ``KeyboardInterrupt`` (raised in a round, or thrown into the generator at
+a ``Progress``) ends ``fuzz`` with a partial report (``FuzzReport.interrupted``).
 """
 
 from __future__ import annotations
@@ -33,13 +42,13 @@ from hypothesis.strategies import SearchStrategy
 from weight_sync_bench.check.checker import Forward, ThresholdRule
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
-from weight_sync_bench.errors import MissingArtifacts, WsbError
+from weight_sync_bench.errors import InvalidNumber, MissingArtifacts, RankFailure, WsbError
 from weight_sync_bench.fuzz.case import Case, Outcome, run_case
 from weight_sync_bench.fuzz.corpus import load_corpus, make_entry, write_entry
 from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.fuzz.strategies import cases, geometries, seeds
 from weight_sync_bench.model.config import ModelConfig
-from weight_sync_bench.paths import fuzz_dir
+from weight_sync_bench.paths import corpus_dir, fuzz_dir
 
 PROFILE_ENV = "WSB_PROFILE"
 DEFAULT_PROFILE = "wsb-test"
@@ -82,6 +91,52 @@ def profile_name(name: str | None = None) -> str:
     return chosen
 
 
+@dataclass(frozen=True)
+class HarnessFault:
+    """A rank fault seen while ``label`` ran ``case``: never a counterexample, never shrunk,
+    never written to the corpus. ``error`` is the typed ``RankFailure``."""
+
+    label: str
+    case: Case | None
+    error: RankFailure
+
+    @property
+    def rank(self) -> int | None:
+        return self.error.rank
+
+    @property
+    def how(self) -> str:
+        """``killed by SIGKILL``, ``stopped (process state T)``, ``stalled past the
+        deadline``, ``raised``: what happened to the rank, in a few words."""
+        e = self.error
+        signal_name = getattr(e, "signal_name", None)
+        if signal_name:
+            return f"killed by {signal_name}"
+        if getattr(e, "exit_code", None) is not None:
+            return f"exited with code {e.exit_code}"
+        states = getattr(e, "states", None)
+        if states and e.rank in states:
+            return f"stopped (process state {states[e.rank]})"
+        if hasattr(e, "stuck"):
+            return "stalled past the watchdog deadline"
+        return "raised"
+
+    def __str__(self) -> str:
+        first = str(self.error).splitlines()[0] if str(self.error) else type(self.error).__name__
+        return (f"{type(self.error).__name__} during {self.label}: rank {self.rank} {self.how}"
+                f"; breadcrumb: {self.error.breadcrumb or '-'}\n  {first}"
+                + (f"\n  case: {self.case}" if self.case else ""))
+
+
+class _HarnessAbort(BaseException):
+    """Carries a ``RankFailure`` out of a Hypothesis test body. A ``BaseException`` that is
+    not an ``Exception``: Hypothesis neither shrinks it nor reports it as a failure."""
+
+    def __init__(self, error: RankFailure, case: Case) -> None:
+        super().__init__(str(error))
+        self.error, self.case = error, case
+
+
 class PropertyFailed(AssertionError):
     """A property that does not hold on a case; carries the outcome for the corpus."""
 
@@ -107,6 +162,7 @@ class Tally:
     max_at: Case | None = None
     worst_failing: Outcome | None = None  # before shrinking
     new_entries: list[Path] = field(default_factory=list)
+    faults: list[HarnessFault] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -149,7 +205,10 @@ def property_test(prop: str, mutation: str | None, tally: Tally, *, phase: str =
 
     @given(case=strategy if strategy is not None else cases(mutation=mutation, phase=phase))
     def test(case: Case) -> None:
-        outcome = run_case(case, forward=forward, threshold_rule=threshold_rule)
+        try:
+            outcome = run_case(case, forward=forward, threshold_rule=threshold_rule)
+        except RankFailure as error:  # the harness failed, not the property: do not shrink
+            raise _HarnessAbort(error, case) from error
         tally.add(outcome)
         identity = case.identity_reason()
         event(f"t={case.src}->{case.dst}" + (" identity" if identity else ""))
@@ -174,8 +233,12 @@ def run_property(prop: str, mutation: str | None = None, *, profile: str | None 
                  ) -> Tally:
     """Run one property under a profile (explicit examples from the corpus first). On a
     failure the shrunk case goes to the corpus (``corpus_path`` or ``corpus/``) and the
-    failure is re-raised; otherwise returns the tally (``tally``, if given, counts)."""
+    failure is re-raised; otherwise returns the tally (``tally``, if given, counts). A rank
+    fault is recorded in ``tally.faults`` and its ``RankFailure`` re-raised, unshrunk and
+    not written to the corpus."""
     name = profile_name(profile)
+    if max_examples is not None:
+        InvalidNumber.count("max_examples", max_examples)
     tally = tally if tally is not None else Tally(prop, mutation)
     rule = threshold_rule or fuzz_threshold_rule(phase)
     examples = corpus_examples(prop, mutation) if corpus else []
@@ -190,6 +253,11 @@ def run_property(prop: str, mutation: str | None = None, *, profile: str | None 
     test = settings(PROFILES[name], **overrides)(test)
     try:
         test()
+    except _HarnessAbort as abort:
+        tally.faults.append(HarnessFault(tally.label, abort.case, abort.error))
+        abort.error.add_note(f"a harness fault during {tally.label} on {abort.case}: not a "
+                             "counterexample, not shrunk, not written to the corpus")
+        raise abort.error from None
     except PropertyFailed as failure:
         worst = tally.worst_failing or failure.outcome
         entry = make_entry(prop, failure.outcome, worst_deviation=worst.deviation,
@@ -203,6 +271,11 @@ def run_property(prop: str, mutation: str | None = None, *, profile: str | None 
         failure.args = (f"{failure.args[0]}\n  corpus entry: {path}"
                         f"{'' if created else ' (already there)'}",)
         raise
+    except Exception as exc:
+        interrupt = _interrupt_behind(exc)
+        if interrupt is None:
+            raise
+        raise interrupt from None  # a Ctrl-C, whatever Hypothesis wrapped it in
     return tally
 
 
@@ -247,29 +320,52 @@ class Progress:
 
 @dataclass(frozen=True)
 class FuzzReport:
+    """What a run did. ``faults``: rank faults (harness, not counterexamples); ``stopped``:
+    why the run ended before its budget, if it did; ``interrupted``: the KeyboardInterrupt
+    (or subclass) that ended it; ``corpus``: where new entries went."""
+
     tallies: list[Tally]
     elapsed: float
     profile: str
     master_seed: int
     failures: list[PropertyFailed]
+    faults: list[HarnessFault] = field(default_factory=list)
+    stopped: str | None = None
+    interrupted: BaseException | None = None
+    corpus: Path | None = None
 
     @property
     def examples(self) -> int:
         return sum(t.examples for t in self.tallies)
+
+    @property
+    def new_entries(self) -> list[Path]:
+        return [p for t in self.tallies for p in t.new_entries]
 
 
 def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: str = "1a",
          profile: str | None = None, mutations: list[str] | None = None,
          invariant: bool = True, chunk: int = 25, master_seed: int | None = None,
          forward: Forward = inprocess_forward, threshold_rule: ThresholdRule | None = None,
-         corpus_path: Path | None = None) -> Iterator[Progress | FuzzReport]:
+         corpus_path: Path | None = None, max_faults: int = 3
+         ) -> Iterator[Progress | FuzzReport]:
     """Cycle through the properties in rounds of ``chunk`` examples, each round under its own
     Hypothesis seed (drawn from ``master_seed``), until ``minutes`` have passed or about
     ``examples`` examples have run (``examples`` is per property when only a budget in
     examples is given: every property gets that many). Yields a ``Progress`` after every
-    round and a ``FuzzReport`` last. Failures are written to the corpus, not raised."""
+    round and a ``FuzzReport`` last. Failures are written to the corpus, not raised; rank
+    faults are recorded, and after ``max_faults`` of them the run stops; a
+    ``KeyboardInterrupt`` ends it with the report of what ran."""
     if (minutes is None) == (examples is None):
         raise WsbError("fuzz needs exactly one budget: minutes or examples")
+    if minutes is not None:
+        InvalidNumber.positive("minutes", minutes)
+    if examples is not None:
+        InvalidNumber.count("examples", examples)
+    InvalidNumber.count("chunk", chunk)
+    InvalidNumber.count("max_faults", max_faults)
+    if master_seed is not None:
+        InvalidNumber.seed("master_seed", master_seed)
     name = profile_name(profile)
     rule = threshold_rule or fuzz_threshold_rule(phase)
     master_seed = master_seed if master_seed is not None else random.SystemRandom().getrandbits(32)
@@ -278,8 +374,10 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
     merged = {t: Tally(*t) for t in work}
     failures: list[PropertyFailed] = []
     exhausted: set[tuple[str, str | None]] = set()  # ran nothing: wsb-replay after the corpus
+    stopped: str | None = None
+    interrupted: BaseException | None = None
     start, first = time.monotonic(), True
-    while True:
+    while stopped is None:
         active = [t for t in work if t not in exhausted
                   and (examples is None or merged[t].examples < examples)]
         if not active or (minutes is not None and time.monotonic() - start >= minutes * 60):
@@ -287,25 +385,59 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
         for prop, mutation in active:
             done = merged[(prop, mutation)].examples
             budget = chunk if examples is None else min(chunk, examples - done)
+            tally = Tally(prop, mutation)
             try:
-                tally = run_property(prop, mutation, profile=name, max_examples=budget,
-                                     seed=rng.getrandbits(32), phase=phase, forward=forward,
-                                     threshold_rule=rule, corpus=first,
-                                     corpus_path=corpus_path)
+                run_property(prop, mutation, profile=name, max_examples=budget,
+                             seed=rng.getrandbits(32), phase=phase, forward=forward,
+                             threshold_rule=rule, corpus=first, corpus_path=corpus_path,
+                             tally=tally)
             except PropertyFailed as failure:
                 failures.append(failure)
-                tally = failure.tally or Tally(prop, mutation, failures=1)
-            if tally.examples == 0:
+            except RankFailure:
+                pass  # recorded in tally.faults; the pool restarts on its next task
+            except KeyboardInterrupt as exc:  # SIGINT, or the CLI's SIGTERM: report what ran
+                interrupted, stopped = exc, f"interrupted ({type(exc).__name__})"
+            if tally.examples == 0 and not tally.faults and interrupted is None:
                 exhausted.add((prop, mutation))
             _merge(merged[(prop, mutation)], tally)
+            faults = sum(len(t.faults) for t in merged.values())
+            if stopped is None and faults >= max_faults:
+                stopped = f"stopped after {faults} harness faults (max_faults={max_faults})"
             elapsed = time.monotonic() - start
-            yield Progress(sum(t.examples for t in merged.values()),
-                           sum(t.failures for t in merged.values()), elapsed,
-                           merged[(prop, mutation)].label)
-            if minutes is not None and elapsed >= minutes * 60:
+            if interrupted is None:
+                try:
+                    yield Progress(sum(t.examples for t in merged.values()),
+                                   sum(t.failures for t in merged.values()), elapsed,
+                                   merged[(prop, mutation)].label)
+                except KeyboardInterrupt as exc:  # thrown in by the consumer: report what ran
+                    interrupted, stopped = exc, f"interrupted ({type(exc).__name__})"
+            if stopped is not None or (minutes is not None and elapsed >= minutes * 60):
                 break
         first = False
-    yield FuzzReport(list(merged.values()), time.monotonic() - start, name, master_seed, failures)
+    yield FuzzReport(list(merged.values()), time.monotonic() - start, name, master_seed,
+                     failures, faults=[f for t in merged.values() for f in t.faults],
+                     stopped=stopped, interrupted=interrupted,
+                     corpus=corpus_path or _corpus_or_none())
+
+
+def _interrupt_behind(exc: BaseException | None) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt ``exc`` is, or was raised while handling. Hypothesis replaces
+    one that lands in its engine before the engine is set up with an ``AssertionError`` of its
+    own, chained to it: that is still an interrupt, not an error of the run."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _corpus_or_none() -> Path | None:
+    try:
+        return corpus_dir()
+    except MissingArtifacts:
+        return None
 
 
 def _merge(into: Tally, tally: Tally) -> None:
@@ -314,6 +446,7 @@ def _merge(into: Tally, tally: Tally) -> None:
     into.failures += tally.failures
     into.killed += tally.killed
     into.new_entries.extend(tally.new_entries)
+    into.faults.extend(tally.faults)
     if tally.min_ratio < into.min_ratio:
         into.min_ratio, into.min_at = tally.min_ratio, tally.min_at
     if tally.max_ratio > into.max_ratio:
@@ -344,8 +477,14 @@ def format_report(report: FuzzReport, *, matrix: bool = False) -> str:
                   if t.mutation and MUTATIONS[t.mutation].note]
     rate = report.examples / report.elapsed if report.elapsed else 0.0
     lines.append(f"{report.examples} examples in {report.elapsed:.1f}s ({rate:.1f}/s), "
-                 f"{len(report.failures)} failures; profile {report.profile}, "
-                 f"master seed {report.master_seed}")
+                 f"{len(report.failures)} failures, {len(report.faults)} harness faults; "
+                 f"profile {report.profile}, master seed {report.master_seed}")
+    new = report.new_entries
+    if report.corpus is not None:
+        entries = "entry" if len(new) == 1 else "entries"
+        lines.append(f"corpus: {report.corpus} ({len(new)} new {entries})")
+    if report.stopped:
+        lines.append(f"{report.stopped}: a partial run, not the whole budget")
     return "\n".join(lines)
 
 
@@ -354,7 +493,9 @@ def draw_floor_cases(n: int, *, seed: int | None = None, profile: str = "wsb-gen
     """``n`` (geometry, seed) cases from the fuzz strategies under the generate-only
     profile, the domain's smallest and largest geometry first; and the Hypothesis seed."""
     from weight_sync_bench.fuzz.domain import DOMAIN
+    InvalidNumber.count("n", n)
     seed = seed if seed is not None else random.SystemRandom().getrandbits(32)
+    InvalidNumber.seed("seed", seed)
     drawn: list[tuple[ModelConfig, int]] = [(DOMAIN.smallest(), 0), (DOMAIN.largest(), 0)]
 
     @hypothesis.seed(seed)
@@ -372,6 +513,9 @@ def search_worst_floors(examples: int, *, keep: int, seed: int, phase: str = "1a
     """Hypothesis's target phase aimed at the largest floor / max |reference logit|: the
     ``keep`` worst distinct (geometry, seed) cases of ``examples`` tried."""
     from weight_sync_bench.fuzz.floor import relative_floor
+    InvalidNumber.count("examples", examples)
+    InvalidNumber.count("keep", keep)
+    InvalidNumber.seed("seed", seed)
     found: dict[tuple[tuple[tuple[str, int], ...], int], tuple[float, ModelConfig, int]] = {}
 
     @hypothesis.seed(seed)

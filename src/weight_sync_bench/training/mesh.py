@@ -36,14 +36,19 @@ class Mesh:
     cp: int = 1
 
     def validate(self, config: ModelConfig, rows: int, seq_len: int | None = None) -> None:
-        if not (isinstance(self.dp, int) and self.dp >= 1):
-            raise InvalidMesh(f"{config.name}: dp must be a positive int, got dp={self.dp!r}")
+        """Every size a positive int (never read as 1), then the rules of the batch, the
+        layout and the sequence split."""
+        for name in ("dp", "tp", "cp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidMesh(f"{config.name}: {name} must be a positive int, "
+                                  f"got {name}={value!r}")
+        if not isinstance(self.sp, bool):
+            raise InvalidMesh(f"{config.name}: sp must be a bool, got sp={self.sp!r}")
         if self.dp > rows:
             raise InvalidMesh(f"{config.name}: dp({self.dp}) > batch rows({rows}): "
                               "a data-parallel rank would hold no rows")
         layout_for(config).validate(self.tp)
-        if not (isinstance(self.cp, int) and self.cp >= 1):
-            raise InvalidMesh(f"{config.name}: cp must be a positive int, got cp={self.cp!r}")
         if seq_len is not None:
             check_sequence_split(config.name, seq_len, self.cp, self.tp, self.sp)
 

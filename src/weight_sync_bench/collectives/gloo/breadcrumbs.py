@@ -3,7 +3,7 @@
 Every rank writes where it is (phase, collective number, op, tag) into a shared memory
 slot before each collective, so the parent's watchdog can say which rank is behind and
 where the others wait. ``Fault`` is the test hook that injects a missing, stalled, raising,
-killed or wrong-shaped rank.
+killed, stopped or wrong-shaped rank.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 
-FAULT_ACTIONS = ("skip_rendezvous", "stall", "raise", "kill", "wrong_shape")
+FAULT_ACTIONS = ("skip_rendezvous", "stall", "raise", "kill", "stop", "wrong_shape")
 FAULT_PHASES = ("rendezvous", "transport", "forward", "backward")
 
 
@@ -37,6 +37,9 @@ class Fault:
     - ``skip_rendezvous``: rank ``rank`` never arrives at the process-group rendezvous.
     - ``stall`` / ``raise`` / ``kill``: just before its ``index``-th collective (1-based) of
       ``phase``, rank ``rank`` sleeps forever / raises ``InjectedFault`` / SIGKILLs itself.
+    - ``stop``: inside its ``index``-th collective of ``phase`` (its breadcrumb already says
+      ``inside``, as its waiting peers' do), rank ``rank`` SIGSTOPs itself: a process that
+      cannot answer the watchdog's stack request.
     - ``wrong_shape``: rank 0 would send rank ``rank`` a shard of the transport's
       ``index``-th parameter one row short (``GlooTransport`` must refuse to send it).
     """
@@ -162,6 +165,8 @@ class Tracer:
         self._fire()
         c = self.crumb
         self._write(Breadcrumb(c.phase, c.seq + 1, op, tag, "inside", c.task))
+        if self._due() == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         yield
         self._write(Breadcrumb(c.phase, c.seq + 1, op, tag, "after", c.task))
 
@@ -177,10 +182,17 @@ class Tracer:
             return f
         return None
 
-    def _fire(self) -> None:
+    def _due(self) -> str | None:
+        """The action of this rank's fault if it is due at the current collective."""
         f = self.fault
         if (f is None or f.rank != self.rank or f.phase != self.crumb.phase
                 or f.index != self.phase_seq):
+            return None
+        return f.action
+
+    def _fire(self) -> None:
+        f = self.fault
+        if f is None or self._due() is None:
             return
         where = f"rank {self.rank}, {f.phase} collective {f.index}"
         if f.action == "stall":

@@ -27,7 +27,10 @@ process-group timeout (so the watchdog, not gloo, sees a stuck rank), and then:
   tail (``RankCrash``);
 - the deadline passes: every live rank of the task dumps its stacks (faulthandler on
   SIGUSR1), and the ranks behind the others are named with their breadcrumbs
-  (``RankTimeout``).
+  (``RankTimeout``). First the watchdog reads each unfinished rank's process state from
+  /proc: a rank that is not running (stopped by SIGSTOP, traced, in uninterruptible sleep)
+  cannot answer the stack request, and is named as such (``RankStopped``), whatever its
+  breadcrumb says (a rank stopped inside a collective looks like its waiting peers).
 
 After any of these every rank is killed (SIGKILL, then reaped) and the pool starts afresh
 on its next task. The exception: when every rank of the task reported back after the same
@@ -46,6 +49,7 @@ import tempfile
 import threading
 import time
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -54,10 +58,10 @@ from typing import TYPE_CHECKING, Any
 
 from weight_sync_bench.collectives.gloo.breadcrumbs import BreadcrumbBoard, Fault
 from weight_sync_bench.collectives.gloo.rank import dumps, rank_main, recv, send
-from weight_sync_bench.errors import RankCrash, RankFailure, RankTimeout
+from weight_sync_bench.errors import RankCrash, RankFailure, RankStopped, RankTimeout
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Iterator, Mapping, Sequence
 
 _FORKSERVER = multiprocessing.get_context("forkserver")
 # Imported once by the forkserver, not once per rank: torch and the whole forward. Set when a
@@ -131,6 +135,7 @@ class RankPool:
         self._board: BreadcrumbBoard | None = None
         self._dir: Path | None = None
         self._task = 0
+        self._armed: Fault | None = None
         self._live = _Live()
         self._finalizer = weakref.finalize(self, self._live.kill)
 
@@ -162,12 +167,14 @@ class RankPool:
         if self._ranks:
             return
         _FORKSERVER.set_forkserver_preload(_PRELOAD)
+        _start_forkserver()
         self._dir = Path(tempfile.mkdtemp(prefix="wsb-ranks-"))
         self._live.dirs.append(self._dir)
         self._board = BreadcrumbBoard(self._dir / "breadcrumbs", self.size, create=True)
         try:
             for rank in range(self.size):
-                self._ranks.append(self._spawn(rank, fault))
+                with _signals_deferred():  # never a rank forked that the pool does not know
+                    self._ranks.append(self._spawn(rank, fault))
             self._await_ready()
         except BaseException:
             self._teardown()
@@ -234,6 +241,11 @@ class RankPool:
             self._board.close()
         self._ranks, self._board, self._dir = [], None, None
 
+    def arm(self, fault: Fault) -> None:
+        """Test hook: the next task this pool runs carries ``fault``, for faults injected
+        under code that does not pass one down (a fuzz run's forward, ``wsb check``)."""
+        self._armed = fault
+
     # -- running a task
 
     def run(self, task: Callable[..., Any], degree: int, *,
@@ -251,6 +263,8 @@ class RankPool:
                              f"degree={degree}")
         deadline = self.deadline if deadline is None else deadline
         _check_deadline(deadline, self.pg_timeout)
+        if fault is None and self._armed is not None:
+            fault, self._armed = self._armed, None
         self._task += 1
         messages = []  # pickled before anything is sent: a rank never gets half a task
         for rank in range(degree):
@@ -274,18 +288,22 @@ class RankPool:
         replies: dict[int, _Reply] = {}
         until = time.monotonic() + deadline
         grace_until: float | None = None
-        while pending:
-            limit = until if grace_until is None else min(until, grace_until)
-            timeout = limit - time.monotonic()
-            if timeout <= 0:
-                break
-            for conn in wait([r.conn for r in pending.values()], timeout):
-                r = next(r for r in pending.values() if r.conn is conn)
-                reply = self._read_reply(r)
-                replies[r.rank] = reply
-                del pending[r.rank]
-                if reply.kind != "ok" and grace_until is None:
-                    grace_until = time.monotonic() + self.grace
+        try:
+            while pending:
+                limit = until if grace_until is None else min(until, grace_until)
+                timeout = limit - time.monotonic()
+                if timeout <= 0:
+                    break
+                for conn in wait([r.conn for r in pending.values()], timeout):
+                    r = next(r for r in pending.values() if r.conn is conn)
+                    reply = self._read_reply(r)
+                    replies[r.rank] = reply
+                    del pending[r.rank]
+                    if reply.kind != "ok" and grace_until is None:
+                        grace_until = time.monotonic() + self.grace
+        except BaseException:  # Ctrl-C, SIGTERM: the ranks are mid-task, the group is lost
+            self._teardown()
+            raise
         failed = [rep for rep in replies.values() if rep.kind != "ok"]
         if not failed and not pending:
             return [replies[r.rank].value for r in ranks]
@@ -337,7 +355,8 @@ class RankPool:
                 f"rank {r.rank} breadcrumb: {self._board.read(r.rank)}\n"
                 f"other ranks:\n{self._crumbs(ranks, skip=r.rank)}\n"
                 f"rank {r.rank} log tail:\n{_tail(r.log)}")
-        return RankCrash(text, rank=r.rank, signal_name=sig, exit_code=code, pids=self.pids)
+        return RankCrash(text, rank=r.rank, signal_name=sig, exit_code=code, pids=self.pids,
+                         breadcrumb=str(self._board.read(r.rank)))
 
     def _raised_error(self, failed: list[_Reply], where: str, ranks: Sequence[_Rank]) -> RankFailure:
         # The root cause: an error raised outside a collective before one raised inside one
@@ -349,7 +368,7 @@ class RankPool:
                 f"other ranks:\n{self._crumbs(ranks, skip=root.rank)}\n"
                 f"rank {root.rank} traceback:\n{p['traceback']}")
         error = RankFailure(text, rank=root.rank, remote_traceback=p["traceback"],
-                            raised_at=p["raised_at"], pids=self.pids)
+                            raised_at=p["raised_at"], pids=self.pids, breadcrumb=p["crumb"])
         error.__cause__ = _unpickle_exception(p)
         return error
 
@@ -369,16 +388,33 @@ class RankPool:
                       deadline: float) -> RankTimeout:
         assert self._board is not None
         crumbs = {r.rank: self._board.read(r.rank) for r in pending}
-        behind = min(c.progress for c in crumbs.values())
-        stuck = tuple(r.rank for r in pending if crumbs[r.rank].progress == behind)
-        stacks = self._dump_stacks(pending)
+        # what each rank is doing, from the kernel: a stopped rank cannot answer SIGUSR1
+        states = {r.rank: process_state(r.proc.pid) for r in pending}
+        halted = {rank: s for rank, s in states.items() if s in _NOT_RUNNING}
+        stacks = self._dump_stacks([r for r in pending if r.rank not in halted])
+        for rank, state in halted.items():
+            stacks[rank] = (f"(no stack: the rank did not answer the stack request, process "
+                            f"state {state}: {_NOT_RUNNING[state]})")
+        silent = tuple(r for r in sorted(stacks) if r not in halted and stacks[r] == _NO_STACK)
         lines = [f"{where} did not finish within the watchdog deadline of {deadline:g} s "
                  f"(process-group timeout {self.pg_timeout:g} s)"]
-        if len(stuck) == len(pending):
-            lines.append("no rank is behind the others; every unfinished rank waits at:")
+        if halted or silent:
+            stuck = tuple(sorted(halted)) or silent
+            lines.append("not running, so it did not answer the stack request:" if halted else
+                         "did not answer the stack request (stuck where faulthandler cannot "
+                         "run):")
+            lines += [f"  rank {r} (pid {self._ranks[r].proc.pid}): process state "
+                      f"{states[r] or 'gone'}"
+                      + (f" ({_NOT_RUNNING[states[r]]})" if r in halted else "")
+                      + f"; last breadcrumb: {crumbs[r]}" for r in stuck]
         else:
-            lines.append("stuck (behind the others):")
-        lines += [f"  rank {r} (pid {self._ranks[r].proc.pid}): {crumbs[r]}" for r in stuck]
+            behind = min(c.progress for c in crumbs.values())
+            stuck = tuple(r.rank for r in pending if crumbs[r.rank].progress == behind)
+            if len(stuck) == len(pending):
+                lines.append("no rank is behind the others; every unfinished rank waits at:")
+            else:
+                lines.append("stuck (behind the others):")
+            lines += [f"  rank {r} (pid {self._ranks[r].proc.pid}): {crumbs[r]}" for r in stuck]
         waiting = [r for r in pending if r.rank not in stuck]
         if waiting:
             lines.append("waiting for them:")
@@ -387,8 +423,11 @@ class RankPool:
         if finished:
             lines.append(f"finished: ranks {finished}")
         lines += [f"stacks of rank {r} (faulthandler):\n{stacks[r]}" for r in sorted(stacks)]
-        return RankTimeout("\n".join(lines), rank=stuck[0], stuck=stuck, stacks=stacks,
-                           pids=self.pids)
+        kwargs = dict(rank=stuck[0], stuck=stuck, stacks=stacks, pids=self.pids,
+                      breadcrumb=str(crumbs[stuck[0]]))
+        if halted:
+            return RankStopped("\n".join(lines), states=halted, **kwargs)
+        return RankTimeout("\n".join(lines), **kwargs)
 
     def _start_timeout(self, arrived: set[int], ready: set[int], elapsed: float,
                        someone_arrived: bool) -> RankTimeout:
@@ -423,7 +462,43 @@ class RankPool:
                 break
             sizes = now
         return {r.rank: (r.stacks.read_text(errors="replace") if r.stacks.exists() else "")
-                or "(no stack written)" for r in live}
+                or _NO_STACK for r in live}
+
+
+_NO_STACK = "(no stack written)"
+# /proc states of a rank that cannot run its SIGUSR1 handler, and what each means
+_NOT_RUNNING = {"T": "stopped: SIGSTOP, SIGTSTP or a debugger", "t": "stopped by a tracer",
+                "D": "in uninterruptible sleep in the kernel"}
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """SIGINT and SIGTERM held back (and delivered at the end) while a rank is spawned: an
+    interrupt inside ``Process.start`` would leave a rank the forkserver forked but the pool
+    never registered (so never killed), reading half its start-up data from a dead parent."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _start_forkserver() -> None:
+    """Start multiprocessing's forkserver (if it is not running) with SIGINT ignored: it
+    inherits that through exec, so a Ctrl-C in the terminal, which reaches the whole process
+    group, interrupts the parent (which tears the ranks down) and never the forkserver in the
+    middle of importing torch (a traceback of its own, and a broken pool)."""
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _check_deadline(deadline: float, pg_timeout: float) -> None:
@@ -451,18 +526,38 @@ def _unpickle_exception(payload: Mapping[str, Any]) -> BaseException | None:
 
 _shared: RankPool | None = None
 _shared_lock = threading.Lock()
+_shared_deadline: float | None = None  # None: RankPool's default
 
 
-def shared_pool(size: int) -> RankPool:
+def shared_pool(size: int, *, deadline: float | None = None) -> RankPool:
     """A process-wide pool of at least ``size`` ranks, started on first use and killed at
     interpreter exit, for callers (tests, the CLI, a fuzz loop) that run many checks without
-    threading a pool through. Asking for more ranks than it has replaces it."""
-    global _shared
+    threading a pool through. Asking for more ranks than it has replaces it.
+
+    ``deadline`` (``wsb --deadline``) sets the watchdog deadline of this pool and of every
+    shared pool after it; a deadline above half the process-group timeout replaces the pool
+    with one whose timeout is twice the deadline."""
+    global _shared, _shared_deadline
+    if deadline is not None:
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) \
+                or not 0 < deadline < float("inf"):
+            raise ValueError(f"shared_pool: deadline must be a finite number of seconds > 0, "
+                             f"got deadline={deadline!r}")
+        _shared_deadline = float(deadline)
     with _shared_lock:
+        wanted = _shared_deadline
+        if _shared is not None and wanted is not None and _shared.deadline != wanted:
+            if wanted * 2 <= _shared.pg_timeout:
+                _shared.deadline = wanted
+            else:
+                _shared.close()
+                _shared = None
         if _shared is None or _shared.size < size:
             if _shared is not None:
                 _shared.close()
-            _shared = RankPool(size)
+            timing = {} if wanted is None else {"deadline": wanted,
+                                                "pg_timeout": max(300.0, 2 * wanted)}
+            _shared = RankPool(size, **timing)
         return _shared
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import faulthandler
 import io
+import multiprocessing
 import os
 import pickle
 import signal
@@ -89,7 +90,10 @@ def recv(conn: Connection) -> Any:
 def rank_main(rank: int, world: int, directory: Path, conn: Connection, pg_timeout: float,
               fault: Fault | None) -> None:
     """A rank process: join the pool's process group, then run tasks until told to stop."""
-    log = os.open(directory / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        log = os.open(directory / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    except FileNotFoundError:  # the pool was torn down (interrupted) before this rank started
+        os._exit(0)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
@@ -97,6 +101,9 @@ def rank_main(rank: int, world: int, directory: Path, conn: Connection, pg_timeo
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
     faulthandler.enable()  # a fatal signal leaves its stack in the rank's log
+    # Ctrl-C in a terminal reaches every process of the group: the parent decides, and tears
+    # the ranks down itself (a rank's KeyboardInterrupt would read as a crash of its own)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     stacks = open(directory / f"rank{rank}.stacks", "w")  # noqa: SIM115 - lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
@@ -155,8 +162,14 @@ def _error_payload(exc: BaseException, tracer: Tracer) -> dict[str, Any]:
 
 
 def _exit_when_orphaned(parent: int) -> None:
-    """A rank whose parent died exits, even while blocked in a collective."""
+    """A rank whose owner died exits, even while blocked in a collective or in rendezvous.
+
+    The owner is the process that made the pool (``multiprocessing.parent_process()``, whose
+    sentinel closes when it dies), not the forkserver that forked the rank: every rank holds
+    the forkserver's "alive" pipe open, so a forkserver outlives its owner for as long as any
+    rank does, and a rank that watched only its immediate parent would wait on itself."""
+    owner = multiprocessing.parent_process()
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent:
+        if os.getppid() != parent or (owner is not None and not owner.is_alive()):
             os._exit(70)

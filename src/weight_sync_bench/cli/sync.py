@@ -1,0 +1,127 @@
+"""``wsb sync``: phase 2 on the command line. Prints; computes nothing.
+
+    wsb sync --config toy_kv4 --from megatron:4 --to vllm:2 [--dp D] [--seed N]
+             [--bucket BYTES] [--no-forward] [--naive] [--transfers] [--mutation NAME]
+    torchrun --standalone --nproc-per-node N -m weight_sync_bench sync --launcher torchrun \\
+             --config toy_kv4 --from megatron:4 --to vllm:2 [--backend gloo|nccl]
+
+Prints the plan summary, the bytes counted at the transport against ``B_min`` (and the
+naive gather-then-scatter's), the time against ``T_min`` from a gloo bandwidth calibrated in
+the same run, the staging peak and the RSS high-water growth of every rank, the element
+check and the verdict. ``--dp D``: the source replicated over D data-parallel groups.
+Exit status (``output.EXIT_CODES``): 0 when the element check and the forward pass, 1 when
+either fails; under torchrun only rank 0 prints and judges.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from weight_sync_bench.cli.output import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Output,
+    add_deadline_option,
+    add_output_options,
+    apply_deadline,
+    count,
+    seed,
+)
+from weight_sync_bench.errors import UnsupportedLauncher
+from weight_sync_bench.model.config import CONFIGS, config_by_name
+from weight_sync_bench.sync.execute import DEFAULT_BUCKET, gather_scatter
+from weight_sync_bench.sync.mutations import PLAN_MUTATIONS
+from weight_sync_bench.sync.session import SyncSession
+from weight_sync_bench.sync.torchrun import device_for, run_torchrun
+
+if TYPE_CHECKING:
+    from weight_sync_bench.sync.session import SyncResult
+
+
+def _record(result: SyncResult) -> dict[str, Any]:
+    v = result.verdict
+    return {"plan": result.plan.label, "fn": result.fn, "bytes_moved": result.bytes_moved,
+            "b_min": result.b_min, "ratio": result.ratio, "naive_bytes": result.naive,
+            "seconds": result.seconds, "t_min": result.t_min, "bandwidth": result.bandwidth,
+            "sent_max_over_mean": result.sent_balance,
+            "plan_seconds": result.plan.build_seconds,
+            "ranks": [vars(r) for r in result.ranks], "elements_passed": result.elements_passed,
+            "coverage": result.coverage, "max_abs_error": v.max_abs_error if v else None,
+            "threshold": v.threshold if v else None, "passed": result.passed}
+
+
+def cmd_sync(args: argparse.Namespace) -> int:
+    out = Output(args)
+    config = config_by_name(args.config)
+    results = []
+    if args.launcher == "torchrun":
+        if args.mutation or args.naive:
+            raise UnsupportedLauncher("--mutation and --naive run on the rank pool only "
+                                      "(--launcher pool)")
+        result = run_torchrun(config, args.src, args.dst, dp=args.dp, seed=args.seed,
+                              bucket_bytes=args.bucket, forward_check=not args.no_forward,
+                              backend=args.backend, deadline=args.deadline or 300.0)
+        if result is None:
+            return EXIT_OK  # a rank other than 0: rank 0 prints and judges
+        results.append(result)
+    else:
+        if args.backend != "gloo":
+            device_for(args.backend, 0)  # refused without CUDA, naming why
+            raise UnsupportedLauncher(f"--backend {args.backend} needs --launcher torchrun "
+                                      "(the rank pool runs gloo on CPU)")
+        apply_deadline(args.deadline, True)
+        with SyncSession(config, args.src, args.dst, seed=args.seed, dp=args.dp,
+                         forward=not args.no_forward) as session:
+            plan = PLAN_MUTATIONS[args.mutation](session.plan) if args.mutation else None
+            results.append(session.run(plan=plan, bucket_bytes=args.bucket, calibrate=True))
+            if args.naive:
+                results.append(session.run(gather_scatter, bucket_bytes=args.bucket,
+                                           calibrate=True, forward=False))
+    plan = results[0].plan
+    out.text(str(plan))
+    if args.transfers:
+        out.text(plan.describe(limit=None))
+    for result in results:
+        out.text()
+        out.text(str(result))
+        out.record("sync", **_record(result))
+    passed = results[0].passed
+    code = EXIT_OK if passed else EXIT_FAILED
+    out.summary(code, passed=passed)
+    return code
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``sync`` to ``wsb``."""
+    p = subparsers.add_parser("sync", help="reshard between two distributed layouts, no full "
+                              "tensor anywhere: bytes against B_min, time against T_min, "
+                              "memory per rank, element check and forward")
+    p.add_argument("--config", default="toy_kv4", choices=list(CONFIGS))
+    p.add_argument("--from", dest="src", default="megatron:4",
+                   help="source layout: CONVENTION:DEGREE (plain, megatron, vllm, hf, meta) or "
+                        "fsdp:D (default megatron:4)")
+    p.add_argument("--to", dest="dst", default="vllm:2", help="destination layout (default vllm:2)")
+    p.add_argument("--dp", type=count, default=1,
+                   help="data-parallel replicas of the source (global rank dp_rank * degree + "
+                        "tp_rank; default 1)")
+    p.add_argument("--seed", type=seed, default=0, help="parameter seed (0..2^63-1)")
+    p.add_argument("--bucket", type=count, default=DEFAULT_BUCKET, metavar="BYTES",
+                   help=f"largest message; staging is at most twice this (default "
+                        f"{DEFAULT_BUCKET})")
+    p.add_argument("--no-forward", action="store_true",
+                   help="the element check only (no destination forward)")
+    p.add_argument("--naive", action="store_true",
+                   help="also run gather-then-scatter through rank 0, checked the same way")
+    p.add_argument("--transfers", action="store_true", help="list every transfer of the plan")
+    p.add_argument("--mutation", choices=list(PLAN_MUTATIONS), default=None,
+                   help="run a planner mutation instead of the plan (pool only): the checks "
+                        "must fail it")
+    p.add_argument("--launcher", choices=["pool", "torchrun"], default="pool",
+                   help="pool: the harness's rank processes; torchrun: this process is one "
+                        "rank of a torchrun job (env:// rendezvous)")
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+                   help="nccl: torchrun only, and only where CUDA is available")
+    add_output_options(p)
+    add_deadline_option(p)
+    p.set_defaults(func=cmd_sync)

@@ -1,0 +1,133 @@
+"""Ctrl-C during check, fuzz or mutants prints the partial summary and exits 130 with no
+traceback; SIGTERM exits 143 the same way; either way the ranks end and the pool's
+temporary directories (``wsb-ranks-*``, multiprocessing's ``pymp-*``) are removed.
+
+In process, Ctrl-C is a ``KeyboardInterrupt`` raised at a known point (by the user's
+resharder, or by a SIGALRM handler). Out of process, a real signal reaches a real ``wsb``
+with a private TMPDIR: SIGINT to the whole process group, as a terminal sends it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from weight_sync_bench.cli import main
+
+
+def test_ctrl_c_during_check_prints_what_ran_and_exits_130(tmp_path, monkeypatch, capsys):
+    (tmp_path / "flaky_user.py").write_text(textwrap.dedent("""
+        from weight_sync_bench import TOY, layout_for, reshard
+        calls = []
+
+        def second_call_interrupted(shards, dst):
+            calls.append(dst)
+            if len(calls) == 2:
+                raise KeyboardInterrupt  # Ctrl-C, while the user's code runs
+            return reshard(shards, layout_for(TOY), dst)
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["check", "--config", "toy", "--resharder", "flaky_user:second_call_interrupted"])
+    out, err = capsys.readouterr()
+    assert code == 130
+    assert out.count("PASS") == 1  # the one check that ran, in the table
+    assert ("interrupted after 1 of 4 checks: 1 passed, 0 failed; not run: toy 1 -> 2, "
+            "toy 2 -> 1, toy 2 -> 2") in out
+    assert "Traceback" not in err
+
+
+def _interrupt_after(seconds):
+    """SIGINT to this process after ``seconds``, through the handler ``wsb`` installs."""
+    def handler(signum, frame):
+        signal.raise_signal(signal.SIGINT)
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    return previous
+
+
+@pytest.mark.parametrize(("argv", "header"), [
+    (["fuzz", "--minutes", "5", "--chunk", "2"], "property"),
+    (["mutants", "--examples", "100000", "--chunk", "2"], "mutation"),
+])
+def test_ctrl_c_during_fuzz_or_mutants_prints_the_partial_summary(argv, header, tmp_path,
+                                                                   monkeypatch, capsys):
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path))
+    previous = _interrupt_after(0.5)
+    try:
+        start = time.monotonic()
+        code = main([*argv, "--seed", "3"])
+        elapsed = time.monotonic() - start
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    out, err = capsys.readouterr()
+    assert code == 130 and elapsed < 10, err
+    assert out.splitlines()[0].split()[0] == header  # the closing table, of what ran
+    assert f"corpus: {tmp_path} (0 new entries)" in out
+    assert "interrupted (KeyboardInterrupt): a partial run, not the whole budget" in out
+    assert "interrupted: the summary above covers the" in out
+    assert "Traceback" not in err
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (our private TMPDIR)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker.encode() in environ and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.parametrize(("signum", "group", "code"), [
+    (signal.SIGINT, True, 130),  # Ctrl-C in a terminal: every process of the group
+    (signal.SIGTERM, False, 143),  # a job runner stopping wsb
+], ids=["SIGINT-to-group", "SIGTERM"])
+def test_a_signal_during_a_gloo_check_ends_the_ranks_and_leaves_no_temporary_files(
+        tmp_path, signum, group, code):
+    # short: multiprocessing's forkserver socket lives under it (AF_UNIX paths are <= 107 bytes)
+    private = Path(tempfile.mkdtemp(prefix="wsb-sig-", dir="/tmp"))
+    stdout, stderr = tmp_path / "out", tmp_path / "err"
+    env = {**os.environ, "TMPDIR": str(private), "OMP_NUM_THREADS": "1"}
+    with stdout.open("w") as out, stderr.open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "weight_sync_bench", "check", "--backend",
+                                 "gloo", "--config", "all"], env=env, stdout=out, stderr=err,
+                                start_new_session=True)
+    try:
+        give_up = time.monotonic() + 60
+        while not list(private.glob("wsb-ranks-*/rank*.log")):  # a rank process is running
+            assert proc.poll() is None and time.monotonic() < give_up, stderr.read_text()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signum) if group else proc.send_signal(signum)
+        sent = time.monotonic()
+        assert proc.wait(timeout=30) == code
+        assert time.monotonic() - sent < 10
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        leftover = list(private.iterdir())
+        shutil.rmtree(private, ignore_errors=True)
+    assert "interrupted after" in stdout.read_text()
+    assert "Traceback" not in stderr.read_text(), stderr.read_text()
+    assert leftover == []  # no wsb-ranks-*, no pymp-*
+    give_up = time.monotonic() + 10  # the forkserver leaves once its owner has gone
+    while _processes_with(str(private)) and time.monotonic() < give_up:
+        time.sleep(0.1)
+    left = _processes_with(str(private))
+    assert left == [], [(pid, Path(f"/proc/{pid}/stat").read_text()[:80],
+                         Path(f"/proc/{pid}/cmdline").read_bytes()[:120]) for pid in left]

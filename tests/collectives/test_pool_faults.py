@@ -1,0 +1,114 @@
+"""The watchdog reads a rank's process state instead of inferring it from breadcrumbs; the
+``arm`` test hook; an interrupt while the parent waits tears the ranks down.
+
+A rank stopped inside a collective has the same breadcrumb as its waiting peers ("inside
+collective #n, waiting for peers"): only /proc says which one cannot answer.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from weight_sync_bench.check.forwards import run_phase1b
+from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
+from weight_sync_bench.collectives.gloo.pool import RankPool, is_alive, shared_pool
+from weight_sync_bench.errors import RankCrash, RankStopped, RankTimeout
+from weight_sync_bench.model.config import TOY
+
+TINY = TOY.replace(name="tiny", vocab=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                   head_dim=8, ffn=48)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, deadline=20.0, pg_timeout=60.0) as p:
+        yield p
+
+
+def _healthy_again(pool, old):
+    assert old and not any(is_alive(pid) for pid in old)
+    result = run_phase1b(TINY, 2, param_seed=1, token_seed=2, pool=pool, reference=True)
+    assert set(pool.pids).isdisjoint(old) and result.logits.isfinite().all()
+
+
+def test_a_rank_stopped_inside_a_collective_is_named_stopped_from_its_process_state(pool):
+    pool.start()
+    old = pool.pids
+    start = time.monotonic()
+    with pytest.raises(RankStopped) as caught:
+        run_phase1b(TINY, 2, param_seed=0, token_seed=0, pool=pool, deadline=1.0,
+                    fault=Fault("stop", rank=1, phase="forward", index=3))
+    elapsed = time.monotonic() - start
+    error = caught.value
+    assert (error.rank, error.stuck, error.states) == (1, (1,), {1: "T"})
+    message = str(error)
+    assert "no rank is behind the others" not in message  # the wrong inference of old
+    assert (f"not running, so it did not answer the stack request:\n  rank 1 (pid {old[1]}): "
+            "process state T (stopped: SIGSTOP, SIGTSTP or a debugger); last breadcrumb: "
+            "forward: inside collective #") in message
+    # the waiting peer's breadcrumb says the very same thing: breadcrumbs could not tell them apart
+    assert error.breadcrumb.startswith("forward: inside collective #")
+    assert f"waiting for them:\n  rank 0 (pid {old[0]}): {error.breadcrumb}" in message
+    assert "in all_reduce" in error.stacks[0] and "did not answer" in error.stacks[1]
+    assert elapsed < 1.0 + 4.0  # the deadline, and the stacks of the live rank only
+    _healthy_again(pool, old)
+
+
+def test_a_rank_stalled_but_running_is_still_judged_by_its_breadcrumb(pool):
+    """The twin: a running rank answers the stack request, so it is no RankStopped."""
+    pool.start()
+    old = pool.pids
+    with pytest.raises(RankTimeout) as caught:
+        run_phase1b(TINY, 2, param_seed=0, token_seed=0, pool=pool, deadline=1.0,
+                    fault=Fault("stall", rank=1, phase="forward", index=3))
+    assert type(caught.value) is RankTimeout and caught.value.stuck == (1,)
+    assert "stuck (behind the others)" in str(caught.value)
+    _healthy_again(pool, old)
+
+
+def test_an_armed_fault_fires_on_the_next_task_only(pool):
+    pool.start()
+    pool.arm(Fault("kill", rank=0, phase="forward", index=1))
+    with pytest.raises(RankCrash) as caught:
+        run_phase1b(TINY, 2, param_seed=0, token_seed=0, pool=pool)
+    assert caught.value.signal_name == "SIGKILL" and caught.value.breadcrumb
+    result = run_phase1b(TINY, 2, param_seed=0, token_seed=0, pool=pool, reference=True)
+    assert result.logits.isfinite().all()
+
+
+def test_an_interrupt_while_the_parent_waits_kills_the_ranks(pool):
+    """Ctrl-C (here SIGALRM raising KeyboardInterrupt, deterministically) lands in the
+    watchdog's wait: the ranks are mid-task, so they are torn down, not left running."""
+    pool.start()
+    old = pool.pids
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_phase1b(TINY, 2, param_seed=0, token_seed=0, pool=pool,
+                        fault=Fault("stall", rank=1, phase="forward", index=1))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not pool.running
+    _healthy_again(pool, old)
+
+
+def test_the_shared_pools_deadline_is_settable_and_validated():
+    pool = shared_pool(4)
+    try:
+        assert shared_pool(4, deadline=7.5) is pool and pool.deadline == 7.5  # no restart
+        assert shared_pool(4) is pool and pool.deadline == 7.5  # it holds for later callers
+        with pytest.raises(ValueError, match="deadline must be a finite number"):
+            shared_pool(4, deadline=float("nan"))
+        with pytest.raises(ValueError, match="deadline must be a finite number"):
+            shared_pool(4, deadline=0)
+    finally:
+        shared_pool(4, deadline=60.0)  # the default, for the tests after this one
