@@ -1,0 +1,116 @@
+"""One side of a sync: a model's rank-local tensors over a world of ranks, as index maps.
+
+A ``SyncLayout`` is a storage convention at a TP degree (``megatron:4``, ``vllm:2``,
+``hf``), optionally replicated over ``dp`` data-parallel groups (global rank
+``dp_rank * degree + tp_rank``, TP fastest, as Megatron orders ranks), or FSDP-style
+``fsdp:D``: every canonical parameter ``Shard(0)`` over D ranks, under the harness's names.
+Each rank's tensors are ``conventions.Piece`` index maps of the canonical parameters.
+
+Beside the maps, a layout *states* its replication in the harness's placement vocabulary
+(``statement``: a ``LayoutTable`` whose placements say which canonical indices each rank
+holds, e.g. ``Replicate`` norms, ``HeadReplicated`` KV heads, ``Shard(0)`` under FSDP), so
+``boxes.validate_cover`` can check the maps against a declaration made independently of
+them: bounds, no overlap except the stated replication, total volume.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from weight_sync_bench.conventions import convention_by_name
+from weight_sync_bench.conventions.maps import placed
+from weight_sync_bench.errors import UnknownConvention, UnsupportedLayout
+from weight_sync_bench.layout.placements import Shard
+from weight_sync_bench.layout.table import LayoutTable
+
+if TYPE_CHECKING:
+    from weight_sync_bench.conventions import Convention
+    from weight_sync_bench.conventions.maps import Pieces
+    from weight_sync_bench.model.config import ModelConfig
+
+FSDP = "fsdp"
+
+
+@dataclass(frozen=True, eq=False)
+class SyncLayout:
+    """A model's rank-local tensors over ``world = degree * dp`` ranks.
+
+    ``pieces[rank]`` is ``{stored name: Piece}``; ``statement`` (canonical parameter names,
+    at ``degree``) declares which canonical indices each TP (or FSDP) rank holds; ranks
+    ``g * degree + r`` for ``g < dp`` hold TP rank r's tensors. ``convention`` is None for
+    FSDP, which has no TP forward of its own."""
+
+    label: str
+    config: ModelConfig
+    degree: int
+    dp: int
+    pieces: tuple[dict, ...]
+    statement: LayoutTable
+    convention: Convention | None
+
+    @property
+    def world(self) -> int:
+        return self.degree * self.dp
+
+    @property
+    def key(self) -> tuple[str, ModelConfig]:
+        return (self.label, self.config)
+
+    def tp_rank(self, rank: int) -> int:
+        return rank % self.degree
+
+    def stated_ranges(self, name: str, rank: int) -> tuple[int, list[tuple[int, int]]]:
+        """``(dim, [(start, stop)])`` of canonical ``name`` that ``rank`` is stated to hold,
+        clipped to the canonical shape (a convention's forward may pad the vocabulary)."""
+        spec = self.statement[name]
+        dim, ranges = spec.ranges(self.degree, self.tp_rank(rank))
+        size = self.config.param_shapes()[name][dim]
+        return dim, [(a, min(b, size)) for a, b in ranges if a < size]
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def sync_layout(config: ModelConfig, text: str, *, dp: int = 1) -> SyncLayout:
+    """``"megatron:4"``, ``"vllm:2"``, ``"hf"`` (degree 1), ``"plain:2"`` or ``"fsdp:4"``, over
+    ``dp`` data-parallel replicas (``dp`` > 1 labels it ``"megatron:4 x dp2"``). Cached: the
+    same arguments give the same object, so plans cache on it. Raises ``UnsupportedLayout``
+    (``UnsupportedConvention``) naming the rule where the layout cannot hold ``config``."""
+    return _sync_layout(config, text, dp)
+
+
+@functools.lru_cache(maxsize=256)
+def _sync_layout(config: ModelConfig, text: str, dp: int) -> SyncLayout:
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise UnsupportedLayout(f"{text}: dp must be a positive int, got dp={dp!r}")
+    name, sep, degree_text = text.partition(":")
+    if sep and (not degree_text.isdigit() or int(degree_text) < 1):
+        raise UnknownConvention(f"{text!r}: the degree after ':' must be a positive integer")
+    degree = int(degree_text) if sep else 1
+    label = text if sep else f"{name}:1"
+    if dp > 1:
+        label += f" x dp{dp}"
+    if name == FSDP:
+        statement = fsdp_table(config)
+        statement.validate(degree)  # Shard(0) needs shape[0] % D == 0, naming the parameter
+        pieces: Pieces = [{spec.name: placed(spec, degree, r) for spec in statement}
+                          for r in range(degree)]
+        return SyncLayout(label, config, degree, dp, tuple(pieces) * dp, statement, None)
+    try:
+        convention = convention_by_name(name)
+    except UnknownConvention:
+        raise UnknownConvention(f"unknown layout {name!r} in {text!r}; known: fsdp and the "
+                                "conventions (plain, megatron, vllm, hf, meta)") from None
+    pieces = convention.pieces(config, degree)
+    statement = convention.forward_layout(config, degree).layout
+    return SyncLayout(label, config, degree, dp, tuple(pieces) * dp, statement, convention)
+
+
+def fsdp_table(config: ModelConfig) -> LayoutTable:
+    """FSDP-style sharding as a layout: every canonical parameter ``Shard(0)`` (dim-0 chunk r of
+    D, FSDP2's ``fully_shard`` placement), under the harness's names. Uneven dim 0 is
+    rejected, as every placement here is, rather than padded as FSDP2 pads it."""
+    shapes = config.param_shapes()
+    return LayoutTable.from_mapping(shapes, {name: Shard(0) for name in shapes})

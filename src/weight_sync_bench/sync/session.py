@@ -1,0 +1,321 @@
+"""Phase 2, parent side: ``check_distributed_reshard`` and the session it runs in.
+
+``SyncSession(config, src, dst)`` plans ``src -> dst`` (both covers validated first), loads
+every rank's source shards onto the rank pool once (the generator's values, made on the
+rank; ``init_params``' values, cut here, where the reference is computed anyway), then
+``run(fn)`` reshards with ``fn`` on every rank and returns a ``SyncResult``: the element
+check of every destination rank, the destination forward against the reference, and the
+figures counted at the transport, beside ``B_min``, the naive gather-then-scatter bytes and
+``T_min`` (from a bandwidth calibrated in the same task, when asked).
+
+The resharder's signature (``ReshardFn``)::
+
+    fn(ctx: SyncContext, rank: int, local_shards: dict[str, Tensor], plan: Plan)
+        -> dict[str, Tensor]   # rank's destination tensors ({} past the destination's world)
+
+run on every rank of a job of ``max(src.world, dst.world)`` ranks; ``ctx.p2p`` is the
+counting transport, ``ctx.group`` the job's gloo group, ``plan.dst.pieces[rank]`` what the
+rank must return (the harness's ``execute_plan`` is one such ``fn``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Self
+
+import torch
+
+from weight_sync_bench.check.checker import Verdict
+from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
+from weight_sync_bench.conventions import materialize
+from weight_sync_bench.errors import InvalidShards, InvalidUserShards, UserCodeError
+from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
+from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.sync.execute import DEFAULT_BUCKET, ReshardFn, execute_plan
+from weight_sync_bench.sync.layouts import SyncLayout, sync_layout
+from weight_sync_bench.sync.minimum import minimum_bytes, naive_bytes, time_bound
+from weight_sync_bench.sync.planner import Plan, plan_for
+from weight_sync_bench.sync.verify import (
+    ElementCheck,
+    drop_task,
+    forward_task,
+    load_task,
+    reshard_task,
+)
+from weight_sync_bench.tolerance.rules import (
+    TOKEN_SEED_OFFSET,
+    check_environment,
+    load_artifact,
+    threshold_for,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+PHASE = "2"
+_sessions = itertools.count()
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """One rank's figures of one reshard, counted at its transport and by its meter."""
+
+    rank: int
+    sent: int
+    received: int
+    messages: int
+    seconds: float
+    staging_peak: int  # bytes of staging alive at once (the resharder's own report)
+    largest_buffer: int
+    rss_extra: int | None  # the kernel's high-water mark above the inputs, less the outputs
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one reshard did and whether it is right. ``verdict`` is None when no forward
+    ran (an element check only: ``forward=False``, or a destination with no TP forward)."""
+
+    plan: Plan
+    fn: str
+    b_min: int
+    naive: int
+    ranks: tuple[RankFigures, ...]
+    elements: tuple[ElementCheck, ...]
+    bandwidth: float | None
+    largest_param: int
+    verdict: Verdict | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(r.sent for r in self.ranks)
+
+    @property
+    def ratio(self) -> float:
+        """Bytes counted at the transport over ``B_min`` (1.0 when both are zero)."""
+        return self.bytes_moved / self.b_min if self.b_min else float(self.bytes_moved == 0)
+
+    @property
+    def seconds(self) -> float:
+        return max(r.seconds for r in self.ranks)
+
+    @property
+    def t_min(self) -> float | None:
+        if not self.bandwidth:
+            return None
+        return time_bound([r.sent for r in self.ranks], [r.received for r in self.ranks],
+                          self.bandwidth)
+
+    @property
+    def sent_balance(self) -> float | None:
+        """max / mean of the bytes sent, over the ranks that send anything."""
+        senders = [r.sent for r in self.ranks if r.sent]
+        return max(senders) / statistics.mean(senders) if senders else None
+
+    @property
+    def elements_passed(self) -> bool:
+        """Every destination rank's element check passed (False when none ran)."""
+        return bool(self.elements) and all(e.passed for e in self.elements)
+
+    @property
+    def coverage(self) -> float:
+        total = sum(e.total for e in self.elements)
+        return sum(e.checked for e in self.elements) / total if total else 1.0
+
+    @property
+    def passed(self) -> bool:
+        """The element check (where it ran) and the forward (where it ran) passed, and at
+        least one of them ran."""
+        checked = self.elements_passed if self.elements else self.verdict is not None
+        return checked and (self.verdict is None or self.verdict.passed)
+
+    def summary(self) -> str:
+        p = self.plan
+        mutation = f", mutation {p.mutation}" if p.mutation else ""
+        head = (f"{'PASS' if self.passed else 'FAIL'} {p.src.config.name} {p.src} -> {p.dst} "
+                f"(phase {PHASE}, {self.fn}{mutation})")
+        lines = [head]
+        lines.append(f"  bytes between ranks {self.bytes_moved} (counted at the transport), "
+                     f"B_min {self.b_min}: {self.ratio:.3f}x; naive gather-then-scatter "
+                     f"{self.naive} ({self.naive / self.b_min if self.b_min else 0:.2f}x B_min)")
+        if self.t_min:
+            lines.append(f"  time {self.seconds * 1e3:.1f} ms, T_min {self.t_min * 1e3:.1f} ms "
+                         f"({self.seconds / self.t_min:.2f}x) at {self.bandwidth / 1e9:.2f} GB/s "
+                         "calibrated gloo p2p")
+        else:
+            lines.append(f"  time {self.seconds * 1e3:.1f} ms")
+        balance = self.sent_balance
+        lines.append(f"  plan built in {p.build_seconds * 1e3:.2f} ms; bytes sent max/mean "
+                     f"{balance:.3f}" if balance else
+                     f"  plan built in {p.build_seconds * 1e3:.2f} ms; nothing to send")
+        lines.append(f"  largest full parameter {self.largest_param} bytes")
+        lines.append("  rank  sent      received  messages  staging peak  RSS extra")
+        for r in self.ranks:
+            extra = "-" if r.rss_extra is None else str(r.rss_extra)
+            lines.append(f"  {r.rank:<4}  {r.sent:<8}  {r.received:<8}  {r.messages:<8}  "
+                         f"{r.staging_peak:<12}  {extra}")
+        checked = sum(e.checked for e in self.elements)
+        if self.elements:
+            lines.append(f"  element check: {checked} elements on {len(self.elements)} "
+                         f"destination ranks, {self.coverage:.0%} coverage, "
+                         + ("bit-exact" if self.elements_passed else "DIFFERENT"))
+        else:
+            lines.append("  element check: not run (the forward alone)")
+        lines += [f"    {line}" for e in self.elements for line in e.lines]
+        if self.verdict is not None:
+            lines += ["  " + line for line in str(self.verdict).splitlines()]
+        shown = self.verdict.notes if self.verdict is not None else ()
+        lines += [f"  note: {n}" for n in self.notes if n not in shown]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+class SyncSession:
+    """A source and a destination layout of one (config, seed), loaded on a rank pool once
+    for many ``run``s (``fn``s, plans, mutated plans). Use as a context manager."""
+
+    def __init__(self, config: ModelConfig, src: str | SyncLayout, dst: str | SyncLayout, *,
+                 seed: int = 0, dp: int = 1, pool: RankPool | None = None,
+                 forward: bool = True, threshold: float | None = None) -> None:
+        self.config, self.seed = config, seed
+        self.src = src if isinstance(src, SyncLayout) else sync_layout(config, src, dp=dp)
+        self.dst = dst if isinstance(dst, SyncLayout) else sync_layout(config, dst)
+        self.plan = plan_for(self.src, self.dst)  # validates both covers before anything moves
+        self.world = self.plan.world
+        self.forward = forward and self.dst.convention is not None
+        self.notes: tuple[str, ...] = ()
+        if forward and not self.forward:
+            self.notes = (f"no forward: {self.dst} is not a TP inference layout",)
+        self.threshold = threshold
+        self.reference: torch.Tensor | None = None
+        self.tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+        init = None
+        if self.forward:
+            if self.threshold is None:
+                self.threshold = threshold_for(config, "1b")  # ToleranceMismatch off TOY
+                self.notes += check_environment(load_artifact("1b"), "the phase 1b floor")
+            full = init_params(config, seed)
+            with torch.no_grad():
+                self.reference = ReferenceModel(config, full)(self.tokens)
+            init = materialize(list(self.src.pieces), full)
+            del full
+        self.pool = pool or shared_pool(self.world)
+        if self.pool.size < self.world:
+            raise ValueError(f"SyncSession: the pool has {self.pool.size} ranks, the job needs "
+                             f"{self.world} ({self.plan.label})")
+        self.key = f"{os.getpid()}-{next(_sessions)}"
+        self.pool.run(load_task, self.world, kwargs={"key": self.key, "src": self.src,
+                                                     "seed": seed},
+                      rank_kwargs=[{"init": init[r] if init and r < len(init) else None}
+                                   for r in range(self.world)])
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.pool.running:
+            self.pool.run(drop_task, self.world, kwargs={"key": self.key})
+
+    def run(self, fn: ReshardFn = execute_plan, plan: Plan | None = None, *,
+            bucket_bytes: int = DEFAULT_BUCKET, calibrate: bool = False,
+            forward: bool | None = None, elements: bool = True) -> SyncResult:
+        """Reshard with ``fn`` (the harness's executor by default) on ``plan`` (the session's,
+        or a mutated one), check every destination element (unless ``elements=False``: the
+        forward alone, its figures those of the ``init_params`` reshard) and, unless
+        ``forward=False``, run the destination forward against the reference."""
+        if not elements and not (self.forward if forward is None else forward):
+            raise ValueError("SyncSession.run: elements=False needs the forward")
+        plan = plan or self.plan
+        run_forward = self.forward if forward is None else (forward and self.forward)
+        name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+        records = self.pool.run(reshard_task, self.world, kwargs={
+            "key": self.key, "plan": plan, "fn": fn, "bucket_bytes": bucket_bytes,
+            "seed": self.seed, "forward": run_forward, "bandwidth": calibrate,
+            "elements": elements})
+        raise_user_errors(records, name, plan)
+        verdict = None
+        if run_forward:
+            logits = self.pool.run(forward_task, self.dst.degree, kwargs={
+                "key": self.key, "plan": plan, "tokens": self.tokens})[0]
+            assert self.reference is not None and self.threshold is not None
+            verdict = judge(plan, logits, self.reference, self.threshold, records, self.notes)
+        return collect(plan, name, records, verdict, self.notes)
+
+
+def collect(plan: Plan, name: str, records: Sequence[dict[str, Any]], verdict: Verdict | None,
+            notes: tuple[str, ...]) -> SyncResult:
+    """A ``SyncResult`` from every rank's record (``verify.reshard``), rank order."""
+    shapes = plan.src.config.param_shapes()
+    ranks = tuple(RankFigures(r["rank"], sum(r["sent"].values()), sum(r["received"].values()),
+                              r["messages"], r["seconds"], r["staging_peak"],
+                              r["largest_buffer"], r["rss_extra"]) for r in records)
+    elements = tuple(r["elements"] for r in records
+                     if r["rank"] < plan.dst.world and r["elements"] is not None)
+    return SyncResult(plan, name, minimum_bytes(plan.src, plan.dst), naive_bytes(plan.src, plan.dst),
+                      ranks, elements, records[0]["bandwidth"],
+                      4 * max(torch.Size(s).numel() for s in shapes.values()), verdict, notes)
+
+
+def judge(plan: Plan, logits: torch.Tensor, reference: torch.Tensor, threshold: float,
+          records: Sequence[dict[str, Any]], notes: tuple[str, ...]) -> Verdict:
+    """The verdict: the destination forward's max |logits - reference| within ``threshold``
+    and every destination element bit-exact (the first tensor that differs, diagnosed)."""
+    src, dst = plan.src, plan.dst
+    error = float((logits - reference).abs().max())
+    checked = [r["elements"] for r in records
+               if r["rank"] < dst.world and r["elements"] is not None]
+    differ = [n for e in checked for n in e.differ]
+    return Verdict(config=src.config.name, src=src.degree, dst=dst.degree,
+                   max_abs_error=error, threshold=threshold,
+                   first_mismatch=differ[0] if differ else None,
+                   mismatches=tuple(dict.fromkeys(differ)),
+                   diagnosis=tuple(line for e in checked for line in e.lines),
+                   phase=PHASE, mutation=plan.mutation, own_forward=True,
+                   conventions=(src.label.split(":")[0], dst.label.split(":")[0]), notes=notes)
+
+
+def raise_user_errors(records: Sequence[dict[str, Any]], name: str, plan: Plan) -> None:
+    for r in records:
+        if r["error"] is not None:
+            raise UserCodeError(f"your resharder {name} raised on rank {r['rank']} during "
+                                f"{plan.label}: {r['error']}", role="resharder", function=name,
+                                user_traceback=r["error"])
+        problem = r.get("structure") or r.get("forward_error")
+        if problem is not None:
+            raise InvalidUserShards(f"your resharder {name} returned what is not the "
+                                    f"destination's tensors: {problem}", role="resharder",
+                                    function=name)
+
+
+def run_distributed_reshard(fn: ReshardFn, config: ModelConfig, src: str, dst: str, *,
+                            seed: int = 0, dp: int = 1, pool: RankPool | None = None,
+                            bucket_bytes: int = DEFAULT_BUCKET, forward: bool = True,
+                            threshold: float | None = None, calibrate: bool = False
+                            ) -> SyncResult:
+    """One session, one run: ``SyncSession(...).run(fn)``."""
+    with SyncSession(config, src, dst, seed=seed, dp=dp, pool=pool, forward=forward,
+                     threshold=threshold) as session:
+        return session.run(fn, bucket_bytes=bucket_bytes, calibrate=calibrate)
+
+
+def check_distributed_reshard(fn: ReshardFn, config: ModelConfig, src: str, dst: str, *,
+                              seed: int = 0, dp: int = 1, pool: RankPool | None = None,
+                              threshold: float | None = None) -> Verdict:
+    """The verdict on a distributed resharder ``fn(ctx, rank, local_shards, plan) -> dst
+    local shards`` from ``src`` (``"megatron:4"``, ``"fsdp:4"``, ``dp`` replicas) to ``dst``
+    (``"vllm:2"``): every destination element bit-exact (``first_mismatch`` names the first
+    tensor that differs) and the destination forward within the phase 1b threshold."""
+    result = run_distributed_reshard(fn, config, src, dst, seed=seed, dp=dp, pool=pool,
+                                     threshold=threshold)
+    if result.verdict is None:
+        raise InvalidShards(f"{dst}: no forward to judge a verdict by (not a TP inference "
+                            "layout); use run_distributed_reshard for the element check")
+    return result.verdict

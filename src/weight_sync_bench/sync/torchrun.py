@@ -1,0 +1,178 @@
+"""Phase 2 under ``torchrun``: the same rank side, launched by the tool every user has.
+
+    torchrun --standalone --nproc-per-node 4 -m weight_sync_bench sync --launcher torchrun \\
+        --config toy_kv4 --from megatron:4 --to vllm:2
+
+Every process reads its rank from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``), joins the job's process group by ``env://``
+rendezvous, plans the sync itself (the planner is deterministic: every rank plans the same
+plan, none is shipped) and runs ``verify.reshard`` and ``verify.forward``, the functions the
+rank pool runs. Rank 0 plays the part the pool's parent plays for the forward check: it
+builds ``init_params`` and the dense reference and sends every rank its source shards before
+the timed reshard (the element check and the reshard itself never touch a full tensor), then
+gathers every rank's record and judges. It returns the ``SyncResult`` on rank 0, None elsewhere.
+
+Backends: ``gloo`` (CPU) everywhere; ``nccl`` only where CUDA is available (each rank on
+``cuda:LOCAL_RANK``; the element check and the byte figures, no forward: the floors were
+measured on CPU fp32 and must be re-measured on a GPU). Refused otherwise, with the reason.
+
+What torchrun's agent gives when a rank dies or hangs, and what it does not:
+
+- a rank that exits or is killed: the agent sees the exit (it polls its workers every
+  ``--monitor-interval`` seconds), terminates the other workers and fails with a
+  ``ChildFailedError`` naming the global rank, local rank, exit code or signal of the
+  first failure (a structured traceback only where the worker's entry point is wrapped in
+  ``torch.distributed.elastic.multiprocessing.errors.record``; ``wsb`` instead prints each
+  rank's typed error on that rank's stderr, which torchrun passes through);
+- a rank that is alive but stuck: the agent sees nothing (it has no worker heartbeat), so
+  the peers wait in their collective until the process-group timeout (``--deadline``
+  here) and then fail; the agent names *those* ranks, the waiting ones, not the stuck one.
+  Each failing rank's error carries its breadcrumb (phase, collective number, op, tag), so
+  the stuck rank is the one whose breadcrumb is behind, but no stack of it is dumped;
+- the pool's watchdog (stack dumps of every live rank, ``RankStopped`` for a SIGSTOPped
+  rank, the rank behind named) does not exist under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
+from weight_sync_bench.collectives.gloo.rank import RankContext
+from weight_sync_bench.conventions import materialize
+from weight_sync_bench.errors import UnsupportedLauncher
+from weight_sync_bench.model.config import init_params, make_tokens
+from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.sync.execute import DEFAULT_BUCKET, CountingP2P, execute_plan
+from weight_sync_bench.sync.layouts import sync_layout
+from weight_sync_bench.sync.planner import plan_for
+from weight_sync_bench.sync.session import SyncResult, collect, judge, raise_user_errors
+from weight_sync_bench.sync.verify import forward, load, reshard
+from weight_sync_bench.tolerance.rules import (
+    TOKEN_SEED_OFFSET,
+    check_environment,
+    load_artifact,
+    threshold_for,
+)
+
+if TYPE_CHECKING:
+    from weight_sync_bench.model.config import ModelConfig
+    from weight_sync_bench.sync.layouts import SyncLayout
+
+BACKENDS = ("gloo", "nccl")
+ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env() -> tuple[int, int, int]:
+    """``(rank, world, local rank)`` from torchrun's environment, or ``UnsupportedLauncher``
+    naming what is missing."""
+    missing = [k for k in ENV if k not in os.environ]
+    if missing:
+        raise UnsupportedLauncher(
+            f"--launcher torchrun: {', '.join(missing)} not set: this process was not started "
+            "by torchrun (run torchrun --standalone --nproc-per-node N -m weight_sync_bench "
+            "sync --launcher torchrun ...), or use --launcher pool")
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+def device_for(backend: str, local_rank: int) -> str:
+    """The device a backend's tensors live on; ``UnsupportedLauncher`` where it cannot run."""
+    if backend == "gloo":
+        return "cpu"
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise UnsupportedLauncher(
+                f"--backend nccl needs CUDA, and torch.cuda.is_available() is False here "
+                f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); "
+                "use --backend gloo")
+        return f"cuda:{local_rank}"
+    raise UnsupportedLauncher(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int = 1,
+                 seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET, forward_check: bool = True,
+                 backend: str = "gloo", calibrate: bool = True, deadline: float = 300.0
+                 ) -> SyncResult | None:
+    """This process's part of the sync (module docstring): the result on rank 0."""
+    rank, world, local_rank = torchrun_env()
+    device = device_for(backend, local_rank)
+    src, dst = sync_layout(config, src_text, dp=dp), sync_layout(config, dst_text)
+    plan = plan_for(src, dst)
+    if world != plan.world:
+        raise UnsupportedLauncher(f"{plan.label} runs on {plan.world} ranks; torchrun started "
+                                  f"{world} (--nproc-per-node {plan.world})")
+    notes: tuple[str, ...] = ()
+    run_forward = forward_check and dst.convention is not None
+    if run_forward and device != "cpu":
+        run_forward = False
+        notes += (f"no forward over {backend}: the phase 1b floor was measured on CPU fp32",)
+    threshold = threshold_for(config, "1b") if run_forward else None  # all ranks: same error
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=deadline))
+    try:
+        group = dist.group.WORLD
+        tracer = Tracer(rank)
+        tracer.mark("sync: load")
+        reference = init = None
+        tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+        if run_forward:
+            reference, init = _init_shards(rank, world, group, tracer, src, seed, tokens)
+        load(rank, "torchrun", src, seed, init, device)
+        tracer.mark("sync: reshard")
+        record = reshard(rank, world, group, tracer, key="torchrun", plan=plan,
+                         fn=execute_plan, bucket_bytes=bucket_bytes, seed=seed,
+                         forward=run_forward, bandwidth=calibrate and world > 1, device=device)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, record, group=group)
+        records: list[dict[str, Any]] = gathered
+        logits = None
+        if run_forward:
+            tracer.mark("sync: forward")
+            sub = dist.new_group(list(range(dst.degree)))
+            if rank < dst.degree:
+                logits = forward(rank, RankContext(rank, dst.degree, sub, tracer),
+                                 key="torchrun", plan=plan, tokens=tokens)
+        if rank != 0:
+            return None
+        name = f"{execute_plan.__module__}:{execute_plan.__qualname__}"
+        raise_user_errors(records, name, plan)
+        verdict = None
+        if run_forward:
+            assert logits is not None and reference is not None and threshold is not None
+            notes += check_environment(load_artifact("1b"), "the phase 1b floor")
+            verdict = judge(plan, logits, reference, threshold, records, notes)
+        return collect(plan, name, records, verdict,
+                       notes + (f"launched by torchrun ({world} ranks, {backend})",))
+    finally:
+        dist.destroy_process_group()
+
+
+def _init_shards(rank: int, world: int, group: Any, tracer: Tracer, src: SyncLayout, seed: int,
+                 tokens: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Rank 0 builds ``init_params`` and the reference and sends each source rank its
+    shards (a transport of its own, not counted in the sync's figures)."""
+    config = src.config
+    shapes = config.param_shapes()
+    p2p = CountingP2P(group, rank, tracer)
+    if rank == 0:
+        full = init_params(config, seed)
+        with torch.no_grad():
+            reference = ReferenceModel(config, full)(tokens)
+        shards = materialize(list(src.pieces), full)
+        del full
+        sends = [(r, x.contiguous()) for r in range(1, src.world) for x in shards[r].values()]
+        p2p.exchange(sends, [], tag="init shards")
+        return reference, shards[0]
+    if rank >= src.world:
+        return None, {}
+    mine = {name: torch.empty(piece.local_shape(shapes[piece.source]))
+            for name, piece in src.pieces[rank].items()}
+    p2p.exchange([], [(0, x) for x in mine.values()], tag="init shards")
+    return None, mine

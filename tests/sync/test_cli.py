@@ -1,0 +1,75 @@
+"""``wsb sync``: the plan, bytes against ``B_min``, time against ``T_min``, memory per rank and
+the verdict; exit 0 when the checks pass, 1 when they fail, 2 for what this machine or
+launcher cannot run; and the same rank side launched by torchrun (gloo, standalone)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from weight_sync_bench.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_wsb_sync_prints_the_figures_and_the_verdict_and_exits_0(capsys):
+    code = main(["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1", "-q"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.startswith("plan megatron:2 -> vllm:1 for toy_kv4: world 2, ")
+    for claim in ("(counted at the transport), B_min 38666240: 1.000x", "T_min ",
+                  "GB/s calibrated gloo p2p", "staging peak  RSS extra",
+                  "100% coverage, bit-exact", "PASS toy_kv4 megatron:2 -> vllm:1 (phase 2)"):
+        assert claim in out, claim
+
+
+def test_wsb_sync_exits_1_when_a_planner_mutation_is_run(capsys):
+    code = main(["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1",
+                 "--mutation", "dropped_transfer", "--no-forward", "-q"])
+    out = capsys.readouterr().out
+    assert code == 1 and "DIFFERENT" in out
+    assert "FAIL toy_kv4 megatron:2 -> vllm:1 (phase 2, " in out
+    assert "mutation dropped_transfer)" in out and "they hold zeros (nothing wrote them)" in out
+
+
+def test_nccl_without_cuda_and_torchrun_outside_torchrun_are_refused_naming_why(capsys,
+                                                                              monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert main(["sync", "--backend", "nccl"]) == 2
+    assert "--backend nccl needs CUDA, and torch.cuda.is_available() is False" in \
+        capsys.readouterr().err
+    assert main(["sync", "--launcher", "torchrun"]) == 2
+    assert ("--launcher torchrun: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not "
+            "set") in capsys.readouterr().err
+
+
+def test_the_sync_runs_under_torchrun_with_gloo_and_env_rendezvous():
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    assert torchrun is not None
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "weight_sync_bench", "sync",
+         "--launcher", "torchrun", "--config", "toy_kv4", "--from", "megatron:2", "--to",
+         "vllm:1", "-q"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
+        check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "B_min 38666240: 1.000x" in done.stdout
+    assert "PASS toy_kv4 megatron:2 -> vllm:1 (phase 2)" in done.stdout
+    assert "launched by torchrun (2 ranks, gloo)" in done.stdout
+    assert done.stdout.count("plan megatron:2 -> vllm:1") == 1  # rank 0 alone prints
+
+
+@pytest.mark.parametrize("flag", ["--mutation", "--naive"])
+def test_pool_only_options_are_refused_under_torchrun(flag, capsys, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    args = ["sync", "--launcher", "torchrun", flag] + (["box_overlap"] if flag == "--mutation" else [])
+    assert main(args) == 2
+    assert "run on the rank pool only" in capsys.readouterr().err

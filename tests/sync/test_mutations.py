@@ -1,0 +1,72 @@
+"""Every planner mutation is caught twice: by the element check (bit-exact, no gather), on
+tiny geometries where it costs little, and by the destination forward (over gloo, against
+the reference, within the phase 1b threshold), on TOY / TOY_KV4, whose floor is measured.
+The twin of each: the unmutated plan passes both checks in the same session."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sync.conftest import tiny
+from weight_sync_bench.model.config import TOY, TOY_KV4
+from weight_sync_bench.sync import SyncSession, plan_for, sync_layout
+from weight_sync_bench.sync.mutations import PLAN_MUTATIONS, NotApplicable
+
+# (config, source, destination, the mutations that apply there)
+FORWARD_CASES = [
+    (TOY_KV4, "megatron:4", "vllm:2", ["qk_swapped", "gate_up_swapped", "dst_ranks_swapped",
+                                       "box_overlap", "dropped_transfer"]),
+    (TOY, "megatron:2", "vllm:4", ["kv_replica_off_by_one"]),  # 2 KV heads on 4 ranks
+]
+ELEMENT_CASES = [(tiny(4), "megatron:4", "vllm:2"), (tiny(4), "plain:1", "meta:2"),
+                 (tiny(2), "megatron:2", "vllm:4"), (tiny(4), "fsdp:4", "plain:2")]
+
+
+def _applicable(plan):
+    out = {}
+    for name, mutation in PLAN_MUTATIONS.items():
+        try:
+            out[name] = mutation(plan)
+        except NotApplicable:
+            pass
+    return out
+
+
+def test_every_mutation_is_tried_by_both_checks():
+    assert sorted(m for *_, ms in FORWARD_CASES for m in ms) == sorted(PLAN_MUTATIONS)
+    tried = {name for c, a, b in ELEMENT_CASES
+             for name in _applicable(plan_for(sync_layout(c, a), sync_layout(c, b)))}
+    assert tried == set(PLAN_MUTATIONS)
+
+
+@pytest.mark.parametrize(("config", "src", "dst", "names"), FORWARD_CASES,
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_each_planner_mutation_fails_the_forward(config, src, dst, names, pool):
+    with SyncSession(config, src, dst, pool=pool) as session:
+        twin = session.run()
+        assert twin.passed and twin.verdict.passed, twin.summary()
+        for name in names:
+            plan = PLAN_MUTATIONS[name](session.plan)
+            assert plan.mutation == name and plan.transfers != session.plan.transfers
+            verdict = session.run(plan=plan, elements=False).verdict
+            assert verdict.ratio > 10 and not verdict.passed, f"{name}: {verdict}"
+            assert verdict.mutation == name
+
+
+@pytest.mark.parametrize(("config", "src", "dst"), ELEMENT_CASES,
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_each_planner_mutation_fails_the_element_check(config, src, dst, pool):
+    with SyncSession(config, src, dst, pool=pool, forward=False) as session:
+        assert session.run(bucket_bytes=4096).elements_passed
+        for name, plan in _applicable(session.plan).items():
+            result = session.run(plan=plan, bucket_bytes=4096)
+            assert not result.elements_passed and not result.passed, name
+            assert any(e.differ for e in result.elements), name
+
+
+def test_a_mutation_with_nothing_to_break_says_so():
+    plan = plan_for(sync_layout(tiny(4), "plain:2"), sync_layout(tiny(4), "plain:2"))
+    with pytest.raises(NotApplicable, match=r"plain:2 -> plain:2: no transfer between ranks"):
+        PLAN_MUTATIONS["dropped_transfer"](plan)
+    with pytest.raises(NotApplicable, match=r"plain:2 replicates no KV head \(HP\(8,4,8\)\)"):
+        PLAN_MUTATIONS["kv_replica_off_by_one"](plan)
