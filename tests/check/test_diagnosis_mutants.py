@@ -1,0 +1,87 @@
+"""Diagnosis claims that mutation testing found unpinned (mutation/report.md): a correct rank
+after rank 0 is not reported, the axis word for 1-D and 3-D tensors, a shard of another
+dtype, a shard of another width, runs after unknown slices, and the kept slice index."""
+
+import pytest
+import torch
+
+from weight_sync_bench.check import diagnosis
+from weight_sync_bench.check.diagnosis import (
+    diagnose,
+    format_indices,
+    locate,
+    mismatching,
+)
+from weight_sync_bench.layout.placements import Shard
+from weight_sync_bench.layout.reshard import split_tensor
+from weight_sync_bench.layout.table import ShardSpec
+
+
+def _arange(*shape):
+    return torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+
+
+ROWS = ShardSpec("layers.0.up.weight", (8, 3), Shard(dim=0))
+
+
+def test_only_the_wrong_rank_is_reported_when_the_others_hold_their_declared_rows():
+    full = _arange(8, 3)
+    shards = split_tensor(full, ROWS, 4)
+    shards[2] = shards[2].flip(0)  # rank 2 holds its rows reversed; ranks 1 and 3 are right
+    assert diagnose(full, ROWS, shards) == [
+        "rank 2 layers.0.up.weight holds rows 5, 4; declared 4-5"]
+
+
+@pytest.mark.parametrize("shape, dim, axis", [
+    ((8,), 0, "elements"),  # a 1-D tensor's slices are elements, whatever its dim
+    ((2, 3, 8), 2, "indices of dim 2"),  # no word for a third dim
+])
+def test_the_axis_is_named_by_the_tensor_rank_and_dim(shape, dim, axis):
+    spec = ShardSpec("w", shape, Shard(dim=dim))
+    full = _arange(*shape)
+    shards = split_tensor(full, spec, 2)
+    shards[0], shards[1] = shards[1], shards[0]
+    assert diagnose(full, spec, shards) == [f"rank 0 w holds {axis} 4-7; declared 0-3",
+                                            f"rank 1 w holds {axis} 0-3; declared 4-7"]
+
+
+def test_the_declared_bytes_under_another_dtype_are_the_declared_rows_with_values_changed():
+    full = _arange(8, 3)
+    shards = [s.view(torch.int32) for s in split_tensor(full, ROWS, 2)]  # same bytes, same width
+    assert mismatching([{"w": s} for s in shards],
+                       [{"w": s} for s in split_tensor(full, ROWS, 2)], ["w"]) == ["w"]
+    assert diagnose(full, ROWS, shards) == [
+        "rank 0 layers.0.up.weight holds the declared rows 0-3, with values changed",
+        "rank 1 layers.0.up.weight holds the declared rows 4-7, with values changed"]
+
+
+def test_a_shard_of_another_width_is_found_nowhere():
+    full = _arange(8, 3)
+    narrow = [s[:, :2].contiguous() for s in split_tensor(full, ROWS, 2)]
+    assert locate(full, narrow[0], 0) == [None] * 4
+    assert diagnose(full, ROWS, narrow)[1] == "rank 1 layers.0.up.weight holds rows ? x4; declared 4-7"
+
+
+@pytest.mark.parametrize("indices, text", [
+    ([None, 1], "?, 1"),  # a found index right after an unknown slice starts a new run
+    ([None, None, 2, 3], "? x2, 2-3"),
+    ([0, 1, None, 2], "0-1, ?, 2"),
+])
+def test_runs_after_unknown_slices_start_afresh(indices, text):
+    assert format_indices(indices) == text
+
+
+def test_a_kept_slice_index_is_used_instead_of_re_indexing_the_full_tensor(monkeypatch):
+    full = _arange(8, 3)
+    index = diagnosis.slice_index(full, 0)
+    monkeypatch.setattr(diagnosis, "slice_index", lambda *a: pytest.fail("re-indexed"))
+    assert locate(full, full[2:4], 0, index) == [2, 3]
+
+
+def test_a_byte_correct_rank_is_not_reported_even_when_the_full_tensor_repeats_rows():
+    full = torch.zeros(8, 3)
+    full[:4] = _arange(4, 3) + 1  # rows 4-7 all zero, as padded vocabulary rows are
+    shards = split_tensor(full, ROWS, 2)
+    shards[0] = shards[0].flip(0)
+    assert diagnose(full, ROWS, shards) == [
+        "rank 0 layers.0.up.weight holds rows 3, 2, 1, 0; declared 0-3"]

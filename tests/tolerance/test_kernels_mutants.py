@@ -1,0 +1,135 @@
+"""Merging floors measured under several CPU kernel sets (``tolerance.kernels``), pinned
+directly (mutation/report.md): before this file no test of the mutation selection called it.
+``merge`` is pure; the three functions that start a process are checked with the process
+replaced by a recorder."""
+
+import subprocess
+import sys
+
+import pytest
+
+from weight_sync_bench import ToleranceMismatch
+from weight_sync_bench.tolerance import kernels
+from weight_sync_bench.tolerance.kernels import merge
+
+
+def _phase(kernel_set, worsts, **extra):
+    cells = [{"config": "toy", "degree": d, "worst_abs": w, "max_ulp": w * 8e6}
+             for d, w in zip((1, 2), worsts, strict=True)]
+    return {"schema": 1, "phase": "1a", "configs": {"toy": {}}, "cells": cells,
+            "worst_abs": max(worsts), "threshold": 1.0,
+            "environment": {"cpu_capability": kernel_set}, **extra}
+
+
+def test_merged_phase_cells_keep_the_worst_kernel_set_and_every_figure():
+    a, b = _phase("AVX2", [0.0, 2e-6]), _phase("AVX512", [0.0, 9e-7])
+    b["cells"][0]["worst_abs"] = 1e-9  # AVX512 worse at t=1, AVX2 at t=2
+    out = merge([a, b])
+    assert out["kernel_sets"] == ["AVX2", "AVX512"]
+    assert out["cells"][0] == {**b["cells"][0], "kernel_set": "AVX512",
+                               "by_kernel_set": {"AVX2": 0.0, "AVX512": 1e-9}}
+    assert out["cells"][1] == {**a["cells"][1], "kernel_set": "AVX2",
+                               "by_kernel_set": {"AVX2": 2e-6, "AVX512": 9e-7}}
+    assert out["worst_abs"] == 2e-6 and out["threshold"] == 1e-3
+    assert out["environment"] == a["environment"] and "kernel_sets" not in a  # inputs kept
+    assert merge([b, a])["worst_abs"] == 2e-6  # order of the inputs does not matter
+
+
+def test_a_single_measurement_merges_to_itself_with_its_kernel_set_named():
+    a = _phase("DEFAULT", [0.0, 3e-7])
+    out = merge([a])
+    assert out["kernel_sets"] == ["DEFAULT"] and out["threshold"] == 1e-4
+    assert [c["kernel_set"] for c in out["cells"]] == ["DEFAULT", "DEFAULT"]
+
+
+def _training(kernel_set, loss, grad):
+    return {"schema": 1, "kind": "training", "phase": "1a", "cells": [{"case": kernel_set}],
+            "environment": {"cpu_capability": kernel_set},
+            "regimes": {"plain": {"loss": {"worst": loss, "case": f"{kernel_set} loss",
+                                           "threshold": 1.0},
+                                  "param_grad": {"worst": grad, "case": f"{kernel_set} grad",
+                                                 "threshold": 1.0}}}}
+
+
+def test_merged_training_quantities_keep_the_worst_kernel_set_and_re_derive_the_threshold():
+    out = merge([_training("AVX2", 2e-7, 2e-6), _training("AVX512", 5e-7, 1e-8)])
+    assert out["regimes"]["plain"] == {
+        "loss": {"worst": 5e-7, "case": "AVX512 loss", "kernel_set": "AVX512",
+                 "threshold": 1e-4},
+        "param_grad": {"worst": 2e-6, "case": "AVX2 grad", "kernel_set": "AVX2",
+                       "threshold": 1e-3}}
+    assert out["cells"] == [{"case": "AVX2", "kernel_set": "AVX2"},
+                            {"case": "AVX512", "kernel_set": "AVX512"}]
+    assert out["kernel_sets"] == ["AVX2", "AVX512"]
+
+
+@pytest.mark.parametrize("artifacts, message", [
+    ([], "no artifact to merge"),
+    ([_phase("AVX2", [0.0, 1e-6]), _phase("AVX2", [0.0, 2e-6])],
+     "two measurements under one kernel set: ['AVX2', 'AVX2']"),
+    ([_phase("AVX2", [0.0, 1e-6], repetitions=2), _phase("AVX512", [0.0, 1e-6], repetitions=3)],
+     "measurements of different things cannot merge: ['repetitions']"),
+])
+def test_measurements_that_cannot_merge_are_refused_with_the_reason(artifacts, message):
+    with pytest.raises(ToleranceMismatch) as raised:
+        merge(artifacts)
+    assert str(raised.value) == message
+
+
+def test_cells_listed_in_different_orders_are_refused():
+    a, b = _phase("AVX2", [0.0, 1e-6]), _phase("AVX512", [0.0, 1e-6])
+    b["cells"].reverse()
+    with pytest.raises(ToleranceMismatch) as raised:
+        merge([a, b])
+    assert str(raised.value) == "measurements list their cells in different orders"
+
+
+# -- the process-starting half, with subprocess.run recorded
+
+class _Run:
+    def __init__(self, monkeypatch, stdout="", returncode=0, stderr=""):
+        self.calls = []
+        self.result = subprocess.CompletedProcess([], returncode, stdout, stderr)
+        monkeypatch.setattr(kernels.subprocess, "run", self)
+
+    def __call__(self, argv, **kwargs):
+        self.calls.append((argv, kwargs))
+        return self.result
+
+
+def test_capability_under_asks_a_fresh_interpreter_with_the_kernel_set_in_its_environment(
+        monkeypatch):
+    run = _Run(monkeypatch, stdout="AVX2\n")
+    assert kernels.capability_under("avx2") == "AVX2"
+    ((argv, kwargs),) = run.calls
+    assert argv == [sys.executable, "-c",
+                    "import torch; print(torch.backends.cpu.get_cpu_capability())"]
+    assert kwargs["env"]["ATEN_CPU_CAPABILITY"] == "avx2" and "PATH" in kwargs["env"]
+    assert kwargs["capture_output"] is True and kwargs["text"] is True
+
+
+def test_available_keeps_the_kernel_sets_a_fresh_process_reports(monkeypatch):
+    reported = {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX2", "sve256": "DEFAULT"}
+    monkeypatch.setattr(kernels, "capability_under", lambda k: reported[k])
+    assert kernels.available() == ["default", "avx2"]  # avx512 fell back: not available
+
+
+def test_measure_under_runs_the_measurement_with_the_kernel_set_and_reads_its_output(
+        monkeypatch, tmp_path):
+    out = tmp_path / "m.json"
+    out.write_text('{"phase": "1a"}')
+    run = _Run(monkeypatch)
+    assert kernels.measure_under("avx512", ["--phase", "1a"], out) == {"phase": "1a"}
+    ((argv, kwargs),) = run.calls
+    assert argv == [sys.executable, "-m", "weight_sync_bench.tolerance", "--phase", "1a",
+                    "--kernel-sets", "current", "--out", str(out)]
+    assert kwargs["env"]["ATEN_CPU_CAPABILITY"] == "avx512" and "PATH" in kwargs["env"]
+
+
+def test_a_failed_measurement_names_the_kernel_set_exit_code_and_stderr_tail(monkeypatch,
+                                                                            tmp_path):
+    _Run(monkeypatch, returncode=3, stderr="x" * 2500 + "boom")
+    with pytest.raises(ToleranceMismatch) as raised:
+        kernels.measure_under("avx2", [], tmp_path / "m.json")
+    assert str(raised.value) == ("measuring under ATEN_CPU_CAPABILITY=avx2 failed (exit 3):\n"
+                                 + ("x" * 2500 + "boom")[-2000:])
