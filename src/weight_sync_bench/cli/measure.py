@@ -13,6 +13,7 @@ printed side by side. The exit status follows ``wsb``'s contract (``output.EXIT_
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from weight_sync_bench.cli.output import (
     refuse_smaller,
     side_by_side,
 )
+from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.artifacts import PHASES, artifact_path, write_artifact
 from weight_sync_bench.tolerance.rules import derive_threshold
 from weight_sync_bench.training import floor as training_floor
@@ -79,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace the committed artifact under tolerance/")
     parser.add_argument("--force", action="store_true",
                         help="replace even a measurement of more repetitions than this one")
+    parser.add_argument("--kernel-sets", choices=("all", "current"), default="all",
+                        help="all (default): measure once per CPU kernel set torch can use "
+                             "here (ATEN_CPU_CAPABILITY), each in a process of its own, and "
+                             "keep the worst (tolerance.kernels); current: only the kernels "
+                             "this process runs")
     return parser
 
 
@@ -92,7 +99,12 @@ def measure(args: argparse.Namespace) -> int:
     if old is not None and isinstance(old.get("repetitions"), int):
         refuse_smaller(path, old=old["repetitions"], new=repetitions, what="repetitions",
                        force=args.force)
-    if args.kind == "phase":
+    if args.kernel_sets == "all":
+        artifact = _across_kernel_sets(args, repetitions)
+        table = (phase_floor.format_table(artifact) if args.kind == "phase"
+                 else training_floor.format_table(artifact))
+        summary = f"kernel sets {', '.join(artifact['kernel_sets'])}; "
+    elif args.kind == "phase":
         runner = None
         if args.phase == "1b":
             from weight_sync_bench.check.forwards import (
@@ -114,6 +126,19 @@ def measure(args: argparse.Namespace) -> int:
                                   "new"))
     print(f"{summary}wrote {path}")
     return EXIT_OK
+
+
+def _across_kernel_sets(args: argparse.Namespace, repetitions: int) -> dict[str, Any]:
+    """The same measurement under every available kernel set, merged (``tolerance.kernels``)."""
+    argv = [args.kind, "--phase", args.phase, "--steps", str(args.steps),
+            "--repetitions", str(repetitions)]
+    measured = []
+    with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
+        for kernel_set in kernels.available():
+            print(f"measuring under ATEN_CPU_CAPABILITY={kernel_set} ...", flush=True)
+            measured.append(kernels.measure_under(kernel_set, argv,
+                                                  Path(scratch) / f"{kernel_set}.json"))
+    return kernels.merge(measured)
 
 
 def main(argv: list[str] | None = None) -> int:
