@@ -75,7 +75,8 @@ def test_the_tolerance_command_needs_write_and_force_too(tolerance, tmp_path, ca
     assert _stamp(target) == before
     out_path = tmp_path / "mine.json"
     shutil.copy(target, out_path)  # --out onto an existing file: compared, then replaced
-    assert measure_main(["--out", str(out_path), "--repetitions", "1", "--force"]) == 0
+    assert measure_main(["--out", str(out_path), "--repetitions", "1", "--force",
+                         "--kernel-sets", "current"]) == 0
     out = capsys.readouterr().out
     assert "replaced (mine.json)" in out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()
