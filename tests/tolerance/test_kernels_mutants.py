@@ -24,6 +24,7 @@ def _phase(kernel_set, worsts, **extra):
 def test_merged_phase_cells_keep_the_worst_kernel_set_and_every_figure():
     a, b = _phase("AVX2", [0.0, 2e-6]), _phase("AVX512", [0.0, 9e-7])
     b["cells"][0]["worst_abs"] = 1e-9  # AVX512 worse at t=1, AVX2 at t=2
+    b["threshold"] = 1e-4  # each run's own threshold differs: it is derived again, not compared
     out = merge([a, b])
     assert out["kernel_sets"] == ["AVX2", "AVX512"]
     assert out["cells"][0] == {**b["cells"][0], "kernel_set": "AVX512",
@@ -52,7 +53,9 @@ def _training(kernel_set, loss, grad):
 
 
 def test_merged_training_quantities_keep_the_worst_kernel_set_and_re_derive_the_threshold():
-    out = merge([_training("AVX2", 2e-7, 2e-6), _training("AVX512", 5e-7, 1e-8)])
+    inputs = [_training("AVX2", 2e-7, 2e-6), _training("AVX512", 5e-7, 1e-8)]
+    out = merge(inputs)
+    assert inputs == [_training("AVX2", 2e-7, 2e-6), _training("AVX512", 5e-7, 1e-8)]  # untouched
     assert out["regimes"]["plain"] == {
         "loss": {"worst": 5e-7, "case": "AVX512 loss", "kernel_set": "AVX512",
                  "threshold": 1e-4},
@@ -106,6 +109,7 @@ def test_capability_under_asks_a_fresh_interpreter_with_the_kernel_set_in_its_en
                     "import torch; print(torch.backends.cpu.get_cpu_capability())"]
     assert kwargs["env"]["ATEN_CPU_CAPABILITY"] == "avx2" and "PATH" in kwargs["env"]
     assert kwargs["capture_output"] is True and kwargs["text"] is True
+    assert kwargs["timeout"] == 120  # a probe that hangs is stopped, not waited on for ever
 
 
 def test_available_keeps_the_kernel_sets_a_fresh_process_reports(monkeypatch):
@@ -124,6 +128,7 @@ def test_measure_under_runs_the_measurement_with_the_kernel_set_and_reads_its_ou
     assert argv == [sys.executable, "-m", "weight_sync_bench.tolerance", "--phase", "1a",
                     "--kernel-sets", "current", "--out", str(out)]
     assert kwargs["env"]["ATEN_CPU_CAPABILITY"] == "avx512" and "PATH" in kwargs["env"]
+    assert kwargs["capture_output"] is True and kwargs["text"] is True  # stderr quoted as text
 
 
 def test_a_failed_measurement_names_the_kernel_set_exit_code_and_stderr_tail(monkeypatch,

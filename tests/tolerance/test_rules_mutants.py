@@ -8,6 +8,7 @@ from fractions import Fraction
 import pytest
 
 from weight_sync_bench import TOY, ToleranceMismatch
+from weight_sync_bench.tolerance.artifacts import runtime
 from weight_sync_bench.tolerance.rules import (
     RUNTIME_FIELDS,
     check_environment,
@@ -109,6 +110,20 @@ def test_an_artifact_without_an_environment_is_noted_field_by_field(monkeypatch)
     notes = check_environment({}, "phase 1a floor")
     assert [n.split(" (running")[0] for n in notes] == [
         f"phase 1a floor measured elsewhere: {field} not recorded" for field in RUNTIME_FIELDS]
+
+
+def test_a_floor_merged_over_kernel_sets_covers_each_of_them(monkeypatch):
+    """A merged artifact lists its kernel sets at the top level (``tolerance.kernels.merge``);
+    its environment records the first run's capability only."""
+    monkeypatch.delenv("WSB_STRICT_ENV", raising=False)
+    here = runtime()
+    merged = {"environment": {**here, "cpu_capability": "OTHER"},
+              "kernel_sets": ["OTHER", here["cpu_capability"]]}
+    assert check_environment(merged, "phase 1a floor") == ()
+    merged["kernel_sets"] = ["OTHER"]  # the twin: a set this process does not run is named
+    (note,) = check_environment(merged, "phase 1a floor")
+    assert note.startswith(f"phase 1a floor measured elsewhere: cpu_capability "
+                           f"{here['cpu_capability']} is not among the kernel sets")
 
 
 def test_strict_env_refuses_a_foreign_floor_naming_every_difference(monkeypatch):
