@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 export OMP_NUM_THREADS := 1
 export MKL_NUM_THREADS := 1
 
-.PHONY: run test fuzz nightly bench clean
+.PHONY: run test fuzz nightly bench mutation clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ nightly: $(STAMP)
 
 bench: $(STAMP)
 	for b in bench/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# Mutation testing of the harness's core (mutation/report.md): about 80 minutes from scratch on
+# 2 cores, one worker; `rm -rf mutants` first for a run from scratch.
+mutation: $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check mutmut==3.8.1
+	$(VENV)/bin/mutmut run --max-children 1
+	$(PY) mutation/summarize.py --json mutants/summary.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -47,6 +47,13 @@ def test_reduce_scatter_gives_rank_r_chunk_r_of_the_sum_and_its_adjoint_is_an_al
     assert all(x.grad.tolist() == [1.0, 1.0, 2.0, 2.0] for x in xs)
 
 
+def test_reduce_scatter_chunks_the_sum_along_the_dim_it_is_given():
+    c = InProcessCollective(2)
+    xs = [torch.arange(8.0).reshape(2, 4), torch.ones(2, 4)]
+    out = c.reduce_scatter(xs, -1, tag="t")
+    assert [o.tolist() for o in out] == [[[1.0, 2.0], [5.0, 6.0]], [[3.0, 4.0], [7.0, 8.0]]]
+
+
 def test_reduce_scatter_at_degree_one_is_the_input():
     c = InProcessCollective(1)
     (out,) = c.reduce_scatter(_leaves([[1.0, 2.0]]), 1, tag="t")
