@@ -28,7 +28,7 @@ fuzz: $(STAMP)
 	$(PY) -m weight_sync_bench fuzz --minutes $(or $(MINUTES),5)
 
 nightly: $(STAMP)
-	WSB_PROFILE=wsb-nightly $(PY) -m pytest -n auto
+	WSB_PROFILE=wsb-nightly $(PY) -m pytest -n auto -m "slow or not slow"
 	$(PY) -m weight_sync_bench fuzz --profile wsb-nightly --minutes $(or $(MINUTES),60)
 
 bench: $(STAMP)

@@ -18,14 +18,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "weight_sync_bench"
 
 # Lowest first: a module of layer i may import layers 0..i, never i+1.. .
+# ``testing`` (the public pytest front end of the fuzz, a module) sits at the top, beside cli.
 LAYERS = ("layout", "collectives", "model", "conventions", "tolerance", "check", "sync", "training",
-          "fuzz", "cli")
+          "fuzz", "cli", "testing")
 ANYWHERE = ("errors", "paths")  # importable from every layer; they import no layer themselves
 # Entry points may import anything: the package's public surface and ``python -m`` targets.
 ENTRY_POINTS = ("__init__", "__main__")
 STRATEGIES = "fuzz.strategies"
 # Who may import the Hypothesis strategies: the fuzz front end and what sits above it.
-STRATEGY_USERS = ("fuzz.runner", "fuzz.strategies", "cli", "testing")
+# ``fuzz.user`` is the front end for a user's own functions (``wsb fuzz --resharder``).
+STRATEGY_USERS = ("fuzz.runner", "fuzz.strategies", "fuzz.user", "cli", "testing")
 PRINTERS = ("cli",)
 
 

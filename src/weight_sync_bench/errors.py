@@ -41,6 +41,16 @@ class ToleranceMismatch(WsbError, RuntimeError):
     phase), or that is missing or malformed."""
 
 
+class FloorNotMeasured(ToleranceMismatch):
+    """A check of a geometry (or weight dtype, or phase) that no measured floor covers:
+    refused rather than judged by a threshold measured on another geometry. Names why each
+    artifact does not cover it and ``command``, what measures it."""
+
+    def __init__(self, message: str, *, command: str | None = None) -> None:
+        super().__init__(message)
+        self.command = command
+
+
 class WrongShardShape(InvalidShards):
     """A rank-local shard whose shape or dtype differs from the layout's, found before any
     collective moves it (gloo would abort in C++ with no Python traceback). Names the rank,
@@ -195,10 +205,32 @@ class UserCodeError(WsbError):
         self.role, self.function, self.user_traceback = role, function, user_traceback
 
 
+class Unsupported(WsbError):
+    """Raised by a user's own splitter, resharder or converter to decline a case it does not
+    support (``raise weight_sync_bench.Unsupported("only even vocabularies")``). Under
+    ``wsb fuzz --resharder ...`` and ``weight_sync_bench.testing``'s properties a declined
+    case is skipped and counted, never a pass; the summary gives how many were declined and
+    the smallest. Narrow the domain instead where the declined cases are many."""
+
+
 class InvalidUserShards(UserCodeError, InvalidShards):
     """The user's function returned something that is not shards of the layout: not a list
     of dicts of str -> CPU tensors (meta tensors, non-string keys), or shards with missing
     or extra names, wrong shapes or dtypes. Names the rank and the parameter."""
+
+
+class WrongUserShard(InvalidUserShards):
+    """``InvalidUserShards`` for a shard of the wrong shape or dtype, with
+    ``WrongShardShape``'s fields: ``rank``, ``name``, ``expected`` / ``actual`` (shapes) or
+    ``expected_dtype`` / ``actual_dtype`` (set only when the dtype is what differs)."""
+
+    def __init__(self, message: str, *, rank: int | None = None, name: str | None = None,
+                 expected: tuple[int, ...] | None = None,
+                 actual: tuple[int, ...] | None = None, expected_dtype: object = None,
+                 actual_dtype: object = None, **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.rank, self.name, self.expected, self.actual = rank, name, expected, actual
+        self.expected_dtype, self.actual_dtype = expected_dtype, actual_dtype
 
 
 class CorpusEntryTooLarge(CorruptCorpusEntry):
@@ -233,3 +265,16 @@ class InvalidCover(WsbError, ValueError):
 class UnsupportedLauncher(WsbError, ValueError):
     """A launcher or backend the running machine cannot provide (``--backend nccl`` without
     CUDA, ``--launcher torchrun`` outside a torchrun job). Names what is missing."""
+
+
+class CheckpointError(WsbError, ValueError):
+    """A checkpoint directory that cannot be read as the convention it is said to be in, or
+    written: a file missing, truncated or unreadable, mis-named (a ``.safetensors`` or
+    ``.pth`` file the convention's file pattern does not name), an index naming a file that is
+    not there, a tensor missing, extra or of the wrong shape or dtype, a ``config.json`` or
+    ``params.json`` that disagrees with the config checked. ``path`` is the file named (the
+    directory where no single file is to blame)."""
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path

@@ -24,23 +24,30 @@ from typing import TYPE_CHECKING
 import torch
 
 from weight_sync_bench.check.diagnosis import _bit_equal, diagnose, mismatching
+from weight_sync_bench.check.floor import computing, measure_geometry
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.user_code import call_user
-from weight_sync_bench.errors import InvalidNumber
+from weight_sync_bench.errors import FloorNotMeasured, InvalidNumber, InvalidShards
 from weight_sync_bench.layout.reshard import (
     reshard,
     reshard_tensor,
     split,
     validate_shards,
 )
-from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
+from weight_sync_bench.model.config import (
+    ModelConfig,
+    dtype_name,
+    init_params,
+    make_tokens,
+    parse_dtype,
+)
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.tolerance.rules import (
     TOKEN_SEED_OFFSET,
+    Floor,
     check_environment,
-    load_artifact,
-    threshold_for,
+    floor_for,
 )
 
 if TYPE_CHECKING:
@@ -79,6 +86,7 @@ class Verdict:
     # How the running environment differs from the one the threshold was measured in
     # (``tolerance.rules.check_environment``); empty when it is the same.
     notes: tuple[str, ...] = ()
+    dtype: str = "fp32"  # the synced weights' dtype, in which the shards were compared
 
     @property
     def finite(self) -> bool:
@@ -101,6 +109,7 @@ class Verdict:
 
     def __str__(self) -> str:
         head = f"{'PASS' if self.passed else 'FAIL'} {self.config} {self.route} (phase {self.phase}"
+        head += f", {self.dtype} weights" if self.dtype != "fp32" else ""
         head += f", mutation {self.mutation})" if self.mutation else ")"
         if not self.finite:
             numbers = f"logits are not finite (max |error| {self.max_abs_error})"
@@ -125,6 +134,15 @@ class Checker:
 
     The reference logits are computed once, each destination degree's declared split and
     its forward once; ``verdict`` then costs a byte comparison unless the shards differ.
+
+    ``dtype`` is the synced weights' dtype (``"fp32"``, ``"bf16"``, ``"fp16"`` or a
+    ``torch.dtype``): the parameters are drawn in fp32 and rounded to it, shards are
+    compared with the declared split bit for bit in it, and both forwards compute in fp32
+    from those values (a layout bug does not depend on the dtype), judged by that dtype's
+    own measured floor. The threshold comes from a floor that covers the geometry
+    (``tolerance.rules.floor_for``): the committed one, or one measured for this geometry
+    and cached; with none, ``FloorNotMeasured`` names the command that measures it, unless
+    ``measure_floor`` measures it now (``check.floor.measure_geometry``).
     """
 
     config: ModelConfig
@@ -145,21 +163,38 @@ class Checker:
     _declared_error: dict[int, float] = field(init=False, default_factory=dict)
     _scratch: torch.Tensor = field(init=False)  # reused for |logits - reference|: no page faults
     notes: tuple[str, ...] = field(init=False, default=())
+    dtype: torch.dtype | str = torch.float32  # the synced dtype (see the class docstring)
+    measure_floor: bool = False  # measure (and cache) an unmeasured geometry's floor
+    floor: Floor | None = field(init=False, default=None)  # where the threshold came from
 
     def __post_init__(self) -> None:
+        self.dtype = parse_dtype(self.dtype)
         self.layout = layout_for(self.config)
+        if self.threshold is None and self.threshold_rule is None:
+            self.floor = self.resolve_floor()  # refused before anything is drawn
+            self.threshold = self.floor.threshold
+            self.notes = environment_notes(self.floor, self.config, self.phase, self.dtype_name)
         if self.params is None:
-            self.params = init_params(self.config, self.seed)
+            self.params = init_params(self.config, self.seed, dtype=self.dtype)
+        odd = [(n, x.dtype) for n, x in self.params.items() if x.dtype != self.dtype]
+        if odd:
+            raise InvalidShards(f"params {odd[0][0]}: dtype {odd[0][1]}, the check syncs "
+                                f"{self.dtype} ({len(odd)} parameters differ)")
         if self.tokens is None:
             self.tokens = make_tokens(self.config, TOKEN_SEED_OFFSET + self.seed)
-        self.reference = ReferenceModel(self.config, self.params)(self.tokens)
+        self.reference = ReferenceModel(self.config, computing(self.params))(self.tokens)
         self._scratch = torch.empty_like(self.reference)
         if self.threshold is None and self.threshold_rule is not None:
             self.threshold = self.threshold_rule(self.config, self.reference)
-        if self.threshold is None:
-            self.threshold = threshold_for(self.config, self.phase)
-            self.notes = check_environment(load_artifact(self.phase),
-                                           f"the phase {self.phase} floor")
+
+    @property
+    def dtype_name(self) -> str:
+        assert isinstance(self.dtype, torch.dtype)
+        return dtype_name(self.dtype)
+
+    def resolve_floor(self) -> Floor:
+        return resolve_floor(self.config, self.phase, self.dtype_name,
+                             measure=self.measure_floor, forward=self.forward)
 
     @property
     def full(self) -> Params:
@@ -174,7 +209,8 @@ class Checker:
 
     def error(self, shards: list[Params]) -> float:
         """Max |sharded logits - reference| under these shards (NaN/inf pass through)."""
-        return self.deviation(self.forward(self.config, shards, self.tokens))
+        return self.deviation(self.forward(self.config, [computing(p) for p in shards],
+                                           self.tokens))
 
     def deviation(self, logits: torch.Tensor) -> float:
         """Max |logits - reference| (NaN/inf pass through)."""
@@ -194,7 +230,8 @@ class Checker:
         differ = mismatching(checked, declared, self.layout.names)
         assert self.threshold is not None
         common = dict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
-                      phase=self.phase, mutation=mutation, notes=self.notes)
+                      phase=self.phase, mutation=mutation, notes=self.notes,
+                      dtype=self.dtype_name)
         if not differ:
             return Verdict(max_abs_error=self.declared_error(dst), first_mismatch=None, **common)
         first = differ[0]
@@ -217,7 +254,29 @@ class Checker:
         assert self.threshold is not None
         return Verdict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
                        phase=self.phase, max_abs_error=self.declared_error(dst),
-                       first_mismatch=None, notes=self.notes)
+                       first_mismatch=None, notes=self.notes, dtype=self.dtype_name)
+
+
+def resolve_floor(config: ModelConfig, phase: str, dtype: str, *, measure: bool = False,
+                  forward: Forward = inprocess_forward) -> Floor:
+    """The floor covering a check (``floor_for``); with ``measure``, one measured for this
+    geometry when none does (cached: the next check of it reads it)."""
+    try:
+        return floor_for(config, phase, dtype)
+    except FloorNotMeasured:
+        if not measure:
+            raise
+    measure_geometry(config, phase=phase, dtype=dtype,
+                     forward=None if phase == "1a" else forward)
+    return floor_for(config, phase, dtype)
+
+
+def environment_notes(floor: Floor, config: ModelConfig, phase: str, dtype: str
+                      ) -> tuple[str, ...]:
+    """``check_environment``'s notes on the floor a check reads, named as a reader asks."""
+    what = f"the phase {phase} floor" if dtype == "fp32" else f"the phase {phase} {dtype} floor"
+    return check_environment(floor.artifact, what if floor.source == "committed"
+                             else f"{what} of {config.name}")
 
 
 def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:
@@ -230,29 +289,33 @@ BACKENDS = ("inprocess", "gloo")
 
 
 def checker_for(config: ModelConfig, *, seed: int = 0, backend: str = "inprocess",
-                threshold: float | None = None) -> Checker:
+                threshold: float | None = None, dtype: torch.dtype | str = torch.float32,
+                measure_floor: bool = False) -> Checker:
     """A Checker whose sharded forward runs in this process (phase 1a, ``InProcessCollective``)
     or one process per rank over gloo (phase 1b, the shared rank pool), with that phase's
-    threshold."""
+    threshold for ``dtype`` weights (see ``Checker``)."""
     if backend == "inprocess":
-        return Checker(config, seed=seed, threshold=threshold)
+        return Checker(config, seed=seed, threshold=threshold, dtype=dtype,
+                       measure_floor=measure_floor)
     if backend == "gloo":
         from weight_sync_bench.check.forwards import (
             gloo_forward,  # rank processes start on first use
         )
 
-        return Checker(config, seed=seed, threshold=threshold, phase="1b", forward=gloo_forward())
+        return Checker(config, seed=seed, threshold=threshold, phase="1b", forward=gloo_forward(),
+                       dtype=dtype, measure_floor=measure_floor)
     raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 
 def sweep(config: ModelConfig, *, seed: int = 0, pairs: Iterable[tuple[int, int]] | None = None,
           mutation: Mutation | None = None, checker: Checker | None = None,
-          backend: str = "inprocess") -> list[Verdict]:
+          backend: str = "inprocess", dtype: torch.dtype | str = torch.float32
+          ) -> list[Verdict]:
     """The invariant over degree pairs: ``reshard(split(full, src), dst)`` (mutated, if a
     mutation is given) checked against the reference. One reference forward, one declared
     forward per destination, one more forward per shard set that differs."""
     InvalidNumber.seed("seed", seed)
-    checker = checker or checker_for(config, seed=seed, backend=backend)
+    checker = checker or checker_for(config, seed=seed, backend=backend, dtype=dtype)
     verdicts = []
     for src, dst in (pairs if pairs is not None else degree_pairs(checker.layout)):
         if mutation is None:
@@ -265,13 +328,28 @@ def sweep(config: ModelConfig, *, seed: int = 0, pairs: Iterable[tuple[int, int]
 
 
 def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
-                threshold: float | None = None, backend: str = "inprocess") -> Verdict:
+                threshold: float | None = None, backend: str = "inprocess",
+                dtype: torch.dtype | str = torch.float32, measure_floor: bool = False,
+                stream: str | None = None, progress: Callable[..., None] | None = None
+                ) -> Verdict:
     """Check a user's split function ``fn(full, degree) -> [rank-local dict] * degree``
     (the harness's parameter names) against the declared layout at ``degree``. What ``fn``
-    raises, or returns that is not shards, is framed as its own (``UserCodeError``)."""
+    raises, or returns that is not shards, is framed as its own (``UserCodeError``); a
+    shard of the wrong shape or dtype is ``WrongUserShard`` naming the rank, the parameter,
+    the expected and the actual. ``dtype``: the synced weights' dtype (``fn`` gets and
+    returns tensors of it; see ``Checker``); ``measure_floor``: measure an unmeasured
+    geometry's floor rather than refuse the check. ``stream="layer"`` (or ``"parameter"``)
+    streams the check (``check.stream``): memory bounded by the largest parameter, ``fn``
+    called once per layer (or parameter) with a dict of just those parameters, the same
+    verdict; ``progress`` gets a ``stream.Progress`` after each stage."""
     InvalidNumber.seed("seed", seed)
     layout_for(config).validate(degree)
-    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend)
+    if stream is not None:
+        return _streamed(fn, config, degree, None, seed=seed, threshold=threshold,
+                         backend=backend, dtype=dtype, measure_floor=measure_floor,
+                         per=stream, progress=progress)
+    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend, dtype=dtype,
+                          measure_floor=measure_floor)
     full = {name: t.clone() for name, t in checker.full.items()}
     shards = call_user(fn, (full, degree), role="splitter", call="fn(full, degree)",
                        during=f"while splitting {config.name} for t={degree}",
@@ -280,19 +358,42 @@ def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
 
 
 def check_reshard(fn: ReshardFn, config: ModelConfig, src: int, dst: int, *, seed: int = 0,
-                  threshold: float | None = None, backend: str = "inprocess") -> Verdict:
+                  threshold: float | None = None, backend: str = "inprocess",
+                  dtype: torch.dtype | str = torch.float32, measure_floor: bool = False,
+                  stream: str | None = None, progress: Callable[..., None] | None = None
+                  ) -> Verdict:
     """Check a user's reshard function ``fn(shards_at_src, dst) -> shards_at_dst`` starting
     from the declared split at ``src``. What ``fn`` raises, or returns that is not shards, is
-    framed as its own (``UserCodeError``)."""
+    framed as its own (``UserCodeError``, ``WrongUserShard`` for a shape or dtype).
+    ``dtype``, ``measure_floor``, ``stream`` and ``progress`` as for ``check_split`` (streamed,
+    ``fn`` gets per rank the src shards of one layer or parameter)."""
     InvalidNumber.seed("seed", seed)
     layout_for(config).validate(src)
     layout_for(config).validate(dst)
-    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend)
+    if stream is not None:
+        return _streamed(fn, config, dst, src, seed=seed, threshold=threshold,
+                         backend=backend, dtype=dtype, measure_floor=measure_floor,
+                         per=stream, progress=progress)
+    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend, dtype=dtype,
+                          measure_floor=measure_floor)
     source = [{n: t.clone() for n, t in params.items()} for params in checker.declared(src)]
     shards = call_user(fn, (source, dst), role="resharder", call="fn(shards, dst)",
                        during=f"while resharding {config.name} {src} -> {dst}",
                        layout=checker.layout, degree=dst, dtypes=_dtypes(checker))
     return checker.verdict(shards, src=src, dst=dst)
+
+
+def _streamed(fn: Callable[..., list[dict[str, torch.Tensor]]], config: ModelConfig, dst: int,
+              src: int | None, *, seed: int, threshold: float | None, backend: str,
+              dtype: torch.dtype | str, measure_floor: bool, per: str,
+              progress: Callable[..., None] | None) -> Verdict:
+    if backend != "inprocess":
+        raise ValueError(f"stream={per!r} runs in process (phase 1a); backend {backend!r} "
+                         "holds the whole model on rank 0")
+    from weight_sync_bench.check.stream import stream_check  # it builds on this module
+
+    return stream_check(config, dst, fn=fn, src=src, per=per, seed=seed, dtype=dtype,
+                        threshold=threshold, measure_floor=measure_floor, progress=progress)
 
 
 def _dtypes(checker: Checker) -> dict[str, torch.dtype]:

@@ -90,7 +90,8 @@ def slice_index(full: torch.Tensor, dim: int) -> dict[bytes, int]:
 
 
 def _slice_keys(x: torch.Tensor, dim: int) -> list[bytes]:
-    rows = np.ascontiguousarray(x.detach().movedim(dim, 0).reshape(x.shape[dim], -1).numpy())
+    raw = x.detach().contiguous().view(_SAME_WIDTH_INT[x.element_size()])  # bf16 has no numpy
+    rows = np.ascontiguousarray(raw.movedim(dim, 0).reshape(x.shape[dim], -1).numpy())
     return [row.tobytes() for row in rows]
 
 

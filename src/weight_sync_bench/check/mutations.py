@@ -10,6 +10,11 @@ Every mutation takes the declared shards at degree t and returns a new list of s
 of exactly the same names, shapes and dtypes: a shape error would be caught by torch, not by
 the invariant, and would pass even if ``ShardedModel`` computed nothing. Each declares where
 it is the identity (``identity_reason``), so a test never demands detection of a no-op.
+
+``DTYPE_MUTATIONS`` (not in ``MUTATIONS``, whose kill matrix demands a logits deviation) are
+the bugs of a cast on the way: a shard silently sent through bf16 or fp16 and back. Same
+dtype, different bytes, and logits that may stay inside the tolerance: only the byte check
+catches them, which is what their tests show.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weight_sync_bench.conventions.megatron import (  # noqa: F401 (re-exported)
+from weight_sync_bench.conventions.megatron import (
     grouped_qkv_order as interleaved_qkv_order,
 )
 from weight_sync_bench.errors import UnknownMutation
@@ -56,9 +61,14 @@ class Mutation:
     # property still demands the same margin; the note says what makes it the tight one.
     note: str = ""
 
-    def identity_reason(self, config: ModelConfig, degree: int) -> str | None:
-        """Why this mutation is the identity at (config, degree), or None if it is not."""
-        return self.identity(config, degree)
+    # (synced dtype) -> why the mutation is the identity for weights of that dtype, or None
+    dtype_identity: Callable[[torch.dtype], str | None] = lambda dtype: None
+
+    def identity_reason(self, config: ModelConfig, degree: int,
+                        dtype: torch.dtype = torch.float32) -> str | None:
+        """Why this mutation is the identity at (config, degree) for ``dtype`` weights, or
+        None if it is not."""
+        return self.identity(config, degree) or self.dtype_identity(dtype)
 
     def targets(self, layout: LayoutTable) -> list[str]:
         return [name for name in layout.names if re.fullmatch(self.target, name)]
@@ -255,8 +265,54 @@ BUG_CLASS_MUTATIONS: tuple[Mutation, ...] = (
 MUTATIONS: dict[str, Mutation] = {m.name: m for m in SEED_MUTATIONS + BUG_CLASS_MUTATIONS}
 
 
+def _round_trip(via: torch.dtype) -> TensorBug:
+    """Every shard cast to ``via`` and back to its own dtype (round to nearest even each way,
+    as ``Tensor.to``): a wire or staging buffer of the wrong dtype."""
+    def bug(shards: list[torch.Tensor], spec: ShardSpec, config: ModelConfig
+            ) -> list[torch.Tensor]:
+        return [s.to(via).to(s.dtype) for s in shards]
+    return bug
+
+
+def _exact_for(via: torch.dtype, name: str) -> Callable[[torch.dtype], str | None]:
+    """The identity rule of a round trip through ``via``: exact for weights already ``via``;
+    bf16 weights through fp16 is not declared either way (exact inside fp16's normal range,
+    lossy only for values below 2^-17 or above 65504, which a small draw may not hold)."""
+    def rule(dtype: torch.dtype) -> str | None:
+        if dtype == via:
+            return f"{name} weights are already {name}: the round trip is exact"
+        if dtype == torch.bfloat16 and via == torch.float16:
+            return ("bf16 -> fp16 -> bf16 changes only values below 2^-17 or above 65504: "
+                    "not declared a bug for bf16 weights")
+        return None
+    return rule
+
+
+# Real cases: a sync that stages weights in a bf16 (or fp16) buffer for the wire and copies
+# them back into fp32 parameters. Loaders check the size, not the dtype, and ``copy_`` casts:
+# vLLM's ``model_loader.weight_utils.default_weight_loader`` asserts
+# ``param.size() == loaded_weight.size()`` then ``param.data.copy_(loaded_weight)``, so a
+# weight that went through bf16 on the way arrives rounded and nothing complains.
+DTYPE_MUTATIONS: tuple[Mutation, ...] = (
+    Mutation("bf16_round_trip", "every shard sent through bf16 and back (fp32 -> bf16 -> fp32)",
+             r".*", _round_trip(torch.bfloat16), _never,
+             dtype_identity=_exact_for(torch.bfloat16, "bf16"),
+             note="same dtype, bytes rounded to 8 significant bits: caught by the byte check, "
+                  "the logits can stay inside the tolerance"),
+    Mutation("fp16_round_trip", "every shard sent through fp16 and back", r".*",
+             _round_trip(torch.float16), _never,
+             dtype_identity=_exact_for(torch.float16, "fp16"),
+             note="11 significant bits, and values below 6.1e-5 flushed toward fp16's "
+                  "subnormals: caught by the byte check"),
+)
+
+DTYPE_MUTATIONS_BY_NAME: dict[str, Mutation] = {m.name: m for m in DTYPE_MUTATIONS}
+
+
 def mutation_by_name(name: str) -> Mutation:
-    try:
-        return MUTATIONS[name]
-    except KeyError:
-        raise UnknownMutation(f"unknown mutation {name!r}; known: {', '.join(MUTATIONS)}") from None
+    """One of ``MUTATIONS`` or ``DTYPE_MUTATIONS``, by name."""
+    found = MUTATIONS.get(name) or DTYPE_MUTATIONS_BY_NAME.get(name)
+    if found is None:
+        raise UnknownMutation(f"unknown mutation {name!r}; known: "
+                              f"{', '.join([*MUTATIONS, *DTYPE_MUTATIONS_BY_NAME])}")
+    return found

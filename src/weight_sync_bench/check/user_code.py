@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weight_sync_bench.errors import InvalidShards, InvalidUserShards, UserCodeError
+from weight_sync_bench.errors import (
+    InvalidShards,
+    InvalidUserShards,
+    UserCodeError,
+    WrongShardShape,
+    WrongUserShard,
+)
 from weight_sync_bench.layout.reshard import validate_shards
 
 if TYPE_CHECKING:
@@ -113,11 +119,17 @@ def call_user(fn: Callable[..., Any], args: Sequence[object], *, role: str, call
     function = describe(fn)
     try:
         result = fn(*args)
-    except Exception as exc:  # noqa: BLE001 - whatever the user's code raises is theirs
+    except Exception as exc:
         raise frame_error(exc, role=role, function=function, during=during) from exc
     _check_container(result, degree, role=role, function=function)
     try:
         validate_shards(result, layout, degree, dtypes)
+    except WrongShardShape as exc:  # the rank, name and expected / actual shape or dtype kept
+        raise WrongUserShard(f"your {role} `{function}` returned shards that do not fit the "
+                             f"layout: {exc}", role=role, function=function, rank=exc.rank,
+                             name=exc.name, expected=exc.expected, actual=exc.actual,
+                             expected_dtype=exc.expected_dtype,
+                             actual_dtype=exc.actual_dtype) from None
     except InvalidShards as exc:
         raise InvalidUserShards(f"your {role} `{function}` returned shards that do not fit the "
                                 f"layout: {exc}", role=role, function=function) from None

@@ -3,7 +3,12 @@
     wsb check [--config toy|toy_kv4|all] [--src S --dst D] [--seed N] [--backend inprocess|gloo]
     wsb check --resharder module:function [--config ...] [--src S --dst D]
     wsb check --splitter module:function [--config ...] [--dst D]
-    wsb layout --config NAME
+    torchrun --nproc-per-node N -m weight_sync_bench check --launcher torchrun [...] [--backend gloo|nccl]
+    wsb check --converter module:function --from megatron:4 --to vllm:2 [--config ...]
+    wsb check ... --hf-config PATH --layers N [--vocab V]   (a real geometry, reduced)
+    wsb layout --config NAME [--convention NAME] [--degree T]
+    wsb emit --convention hf|meta:T|megatron:T|vllm:T --config NAME DIR
+    wsb verify --convention vllm:2 --config NAME DIR
     wsb --version
 
 Every subcommand takes ``-q``; check, fuzz, mutants, replay and train-check take ``--json``;
@@ -15,6 +20,7 @@ checks found, and ``exit_code`` maps whatever it raises.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.metadata
 import os
@@ -36,7 +42,15 @@ from weight_sync_bench.check.checker import (
     format_verdicts,
     sweep,
 )
+from weight_sync_bench.check.convert import check_convert
 from weight_sync_bench.check.user_code import frame_error
+from weight_sync_bench.cli.checkpoint import (
+    add_model_options,
+    hf_model,
+    model_of,
+    threshold_of,
+)
+from weight_sync_bench.cli.checkpoint import register as register_checkpoint
 from weight_sync_bench.cli.fuzz import register as register_fuzz
 from weight_sync_bench.cli.output import (
     ENVIRONMENT,
@@ -51,13 +65,16 @@ from weight_sync_bench.cli.output import (
     add_deadline_option,
     add_output_options,
     apply_deadline,
+    count,
     interrupt_code,
     pending_interrupt,
     seed,
     signals_raise,
 )
+from weight_sync_bench.cli.launch import add_launcher_option, launched
 from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.cli.sync import register as register_sync
+from weight_sync_bench.conventions import convention_by_name, endpoint, render
 from weight_sync_bench.errors import (
     InvalidShards,
     MissingArtifacts,
@@ -67,12 +84,15 @@ from weight_sync_bench.errors import (
     UserCodeError,
     WsbError,
 )
-from weight_sync_bench.model.config import CONFIGS, config_by_name
+from weight_sync_bench.model.config import CONFIGS, ModelConfig, config_by_name
 from weight_sync_bench.model.plan import layout_for
 
 FORWARD_LEGEND = ("forward: declared = the shards equal the declared split byte for byte, so "
                   "the declared split's sharded forward was reused; own = they differ, and ran "
                   "a forward (and a diagnosis) of their own")
+CONVENTION_LEGEND = ("cells: [local shape] the placement the framework's forward reads the "
+                     "source parameter with; -: the convention cannot store the config at that "
+                     "degree (`wsb layout --convention NAME --degree T` names the rule)")
 LAYOUT_LEGEND = ("-: the placement cannot split this parameter evenly at that degree "
                  "(UnsupportedLayout; `wsb check --src T` says which rule)")
 
@@ -141,8 +161,13 @@ def load_function(spec: str, role: str) -> Callable[..., Any]:
     return fn
 
 
-def _configs(name: str) -> list[str]:
-    return list(CONFIGS) if name == "all" else [config_by_name(name).name]
+def _models(args: argparse.Namespace) -> list[ModelConfig]:
+    """The geometries to check: the ``--hf-config`` one, or ``--config`` (``all``: each)."""
+    hf = hf_model(args)
+    if hf is not None:
+        return [hf]
+    name = args.config or args.config_default
+    return list(CONFIGS.values()) if name == "all" else [config_by_name(name)]
 
 
 def _pairs(args: argparse.Namespace, degrees: list[int]) -> list[tuple[int, int]]:
@@ -153,46 +178,81 @@ def _pairs(args: argparse.Namespace, degrees: list[int]) -> list[tuple[int, int]
 
 def _plan(args: argparse.Namespace) -> tuple[list[tuple[str, Callable[[], Verdict]]], list[str]]:
     """Every check to run, as (label, thunk), and the configs skipped (``--config all``)."""
-    fn = None
-    if args.splitter or args.resharder:
-        fn = load_function(args.splitter or args.resharder,
-                           "splitter" if args.splitter else "resharder")
+    every = args.hf_config is None and (args.config or args.config_default) == "all"
+    role = next((r for r in ("converter", "splitter", "resharder") if getattr(args, r)), None)
+    fn = load_function(getattr(args, role), role) if role else None
+    if args.converter:
+        return _convert_plan(args, fn, every)
+    if args.convert_from is not None or args.convert_to is not None:
+        raise WsbError("--from and --to are a converter's conventions: give --converter "
+                       "MODULE:FUNCTION (--src and --dst are the degrees of the harness's own)")
     jobs: list[tuple[str, Callable[[], Verdict]]] = []
     skipped: list[str] = []
-    for name in _configs(args.config):
-        config = config_by_name(name)
+    for config in _models(args):
+        name = config.name
         layout = layout_for(config)
         try:
             for degree in (args.src, args.dst):
                 if degree is not None:
                     layout.validate(degree)
         except UnsupportedLayout as exc:
-            if args.config != "all":
+            if not every:
                 raise WsbError(f"{name}: {exc}") from None
             skipped.append(f"skipped {name}: {exc}")  # --config all: check where it applies
             continue
         degrees = layout.supported_degrees()
+        # a committed config's measured floor, else one measured now (once, when first needed)
+        threshold = functools.cache(lambda c=config: threshold_of(c, []))
         common = {"seed": args.seed, "backend": args.backend}
         if args.splitter:
             for dst in ([args.dst] if args.dst is not None else degrees):
-                jobs.append((f"{name} split -> {dst}",
-                             lambda c=config, d=dst, k=common: check_split(fn, c, d, **k)))
+                jobs.append((f"{name} split -> {dst}", lambda c=config, d=dst, k=common,
+                             th=threshold: check_split(fn, c, d, threshold=th(), **k)))
         elif args.resharder:
             for src, dst in _pairs(args, degrees):
-                jobs.append((f"{name} {src} -> {dst}", lambda c=config, s=src, d=dst, k=common:
-                             check_reshard(fn, c, s, d, **k)))
+                jobs.append((f"{name} {src} -> {dst}", lambda c=config, s=src, d=dst, k=common,
+                             th=threshold: check_reshard(fn, c, s, d, threshold=th(), **k)))
         else:
             pairs = _pairs(args, degrees) if (args.src or args.dst) else degree_pairs(layout)
             shared: dict[str, Any] = {}  # one checker (one reference forward) per config
 
-            def one(c=config, pair=(0, 0), shared=shared) -> Verdict:
+            def one(c=config, pair=(0, 0), shared=shared, th=threshold) -> Verdict:
                 if "checker" not in shared:
-                    shared["checker"] = checker_for(c, seed=args.seed, backend=args.backend)
+                    shared["checker"] = checker_for(c, seed=args.seed, backend=args.backend,
+                                                    threshold=th())
                 (verdict,) = sweep(c, pairs=[pair], seed=args.seed, checker=shared["checker"])
                 return verdict
 
             jobs += [(f"{name} {s} -> {d}", lambda p=(s, d), one=one: one(pair=p))
                      for s, d in pairs]
+    return jobs, skipped
+
+
+def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool
+                  ) -> tuple[list[tuple[str, Callable[[], Verdict]]], list[str]]:
+    """``check_convert(fn, config, --from, --to)`` for each geometry that both conventions
+    can store (``--config all``: the others are skipped, naming the rule)."""
+    if args.src is not None or args.dst is not None:
+        raise WsbError("--src and --dst are degrees of the harness's own convention; a "
+                       "converter's are in --from NAME:T and --to NAME:T")
+    if args.convert_from is None or args.convert_to is None:
+        raise WsbError("--converter needs --from NAME:T and --to NAME:T (e.g. --from "
+                       "megatron:4 --to vllm:2; a bare hf means degree 1)")
+    src, dst = endpoint(args.convert_from), endpoint(args.convert_to)
+    jobs: list[tuple[str, Callable[[], Verdict]]] = []
+    skipped: list[str] = []
+    for config in _models(args):
+        try:
+            src.pieces(config)
+            dst.pieces(config)
+        except UnsupportedLayout as exc:
+            if not every:
+                raise
+            skipped.append(f"skipped {config.name}: {exc}")
+            continue
+        jobs.append((f"{config.name} {src} -> {dst}", lambda c=config: check_convert(
+            fn, c, str(src), str(dst), seed=args.seed, backend=args.backend,
+            threshold=threshold_of(c, [src, dst]))))
     return jobs, skipped
 
 
@@ -252,10 +312,23 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
-    layout = layout_for(config_by_name(args.config))
-    degrees = sorted(set(layout.supported_degrees()) | {1, 2, 4, 8})
+    config = model_of(args, need_layers=False)
+    if args.convention is not None:
+        where = endpoint(args.convention)  # NAME, or NAME:T as --degree T
+        conv = convention_by_name(where.name)
+        degree = args.degree or (where.degree if ":" in args.convention else None)
+        if degree is not None:
+            conv.pieces(config, degree)  # an unsupported degree: the rule, named
+        print(render(config, conv, [degree] if degree is not None else None))
+        print(f"\nsupported degrees (1..8): "
+              f"{', '.join(map(str, conv.supported_degrees(config, 8))) or 'none'}")
+        print(CONVENTION_LEGEND)
+        return 0
+    layout = layout_for(config)
+    supported = layout.supported_degrees()
+    degrees = [args.degree] if args.degree else sorted(set(supported) | {1, 2, 4, 8})
     print(layout.render(degrees))
-    print(f"\nsupported degrees: {', '.join(map(str, layout.supported_degrees()))}")
+    print(f"\nsupported degrees: {', '.join(map(str, supported))}")
     print(LAYOUT_LEGEND)
     return 0
 
@@ -280,30 +353,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="check the invariant (or your own split/reshard function)",
                            epilog=FORWARD_LEGEND)
-    check.add_argument("--config", default="all", choices=[*CONFIGS, "all"])
+    add_model_options(check, default="all", allow_all=True)
     check.add_argument("--src", type=int, default=None, help="source degree (default: every supported)")
     check.add_argument("--dst", type=int, default=None, help="destination degree (default: every supported)")
     check.add_argument("--seed", type=seed, default=0, help="parameter seed (0..2^63-1)")
-    check.add_argument("--backend", choices=BACKENDS, default="inprocess",
-                       help="inprocess: every rank in this process (phase 1a); gloo: one process "
-                            "per rank over gloo on 127.0.0.1 (phase 1b)")
+    check.add_argument("--backend", choices=[*BACKENDS, "nccl"], default=None,
+                       help="inprocess: every rank in this process (phase 1a, the default); "
+                            "gloo: one process per rank over gloo (phase 1b, the default under "
+                            "--launcher torchrun); nccl: torchrun only, where CUDA is available")
+    add_launcher_option(check)
     own = check.add_mutually_exclusive_group()
     own.add_argument("--resharder", metavar="MODULE:FUNCTION",
                      help="check fn(shards_at_src, dst) -> shards_at_dst against the declared layout")
     own.add_argument("--splitter", metavar="MODULE:FUNCTION",
                      help="check fn(full_params, degree) -> shards against the declared layout")
+    own.add_argument("--converter", metavar="MODULE:FUNCTION",
+                     help="check fn(shards, degree) from --from's convention to --to's "
+                          "(check_convert)")
+    check.add_argument("--from", dest="convert_from", metavar="NAME:T", default=None,
+                       help="with --converter: the source convention (plain, megatron, vllm, "
+                            "hf, meta) and degree, e.g. megatron:4")
+    check.add_argument("--to", dest="convert_to", metavar="NAME:T", default=None,
+                       help="with --converter: the destination, e.g. vllm:2 (hf: degree 1)")
     add_output_options(check)
     add_deadline_option(check)
-    check.set_defaults(func=cmd_check)
+    check.set_defaults(func=launched(cmd_check))
 
     layout = sub.add_parser("layout", help="print the declared layout table", epilog=LAYOUT_LEGEND)
-    layout.add_argument("--config", default="toy", choices=list(CONFIGS))
+    add_model_options(layout, default="toy")
+    layout.add_argument("--convention", metavar="NAME", default=None,
+                        help="a framework's storage convention (plain, megatron, vllm, hf, "
+                             "meta): its stored names, local shapes and the placements its "
+                             "forward reads")
+    layout.add_argument("--degree", type=count, default=None, metavar="T",
+                        help="one degree only (default: 1, 2, 4, 8 and every supported)")
     add_output_options(layout, json_records=False)
     layout.set_defaults(func=cmd_layout)
 
     register_train(sub)
     register_sync(sub)
     register_fuzz(sub)
+    register_checkpoint(sub)
     return parser
 
 

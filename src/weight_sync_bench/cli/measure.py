@@ -1,8 +1,13 @@
 """``python -m weight_sync_bench.tolerance``: measure a numerical floor and write its artifact.
 
-Three kinds, each beside the code it measures: ``phase`` (the logits floor of phase 1a or 1b,
+Four kinds, each beside the code it measures: ``phase`` (the logits floor of phase 1a or 1b,
 ``check.floor``; the default, so ``python -m weight_sync_bench.tolerance --phase 1b`` reads as
-it always did), ``training`` (``training.floor``) and ``sequence`` (``training.sequence_floor``).
+it always did; ``--dtype bf16`` measures the floor of bf16 weights, ``phase1a_bf16.json``),
+``training`` (``training.floor``), ``sequence`` (``training.sequence_floor``) and
+``geometry``: one geometry's floor (``--hf-config PATH --layers N``, or ``--config NAME``),
+cached under ``tolerance/geometry/`` where checks of that geometry read it
+(``tolerance.rules.floor_for``); a geometry already measured is not measured again
+without ``--force``.
 
 A measurement never silently replaces a committed artifact: it is written to ``--out PATH``,
 or replaces the committed file only with ``--write``; a smaller sample (fewer repetitions)
@@ -22,18 +27,21 @@ import torch
 from weight_sync_bench.check import floor as phase_floor
 from weight_sync_bench.cli.output import (
     EXIT_OK,
+    ProgressLine,
     count,
     guard_target,
     refuse_smaller,
     side_by_side,
 )
+from weight_sync_bench.errors import FloorNotMeasured, InvalidConfig
+from weight_sync_bench.model.config import CONFIGS, DTYPES, ModelConfig, config_by_name
 from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.artifacts import PHASES, artifact_path, write_artifact
-from weight_sync_bench.tolerance.rules import derive_threshold
+from weight_sync_bench.tolerance.rules import derive_threshold, floor_for
 from weight_sync_bench.training import floor as training_floor
 from weight_sync_bench.training import sequence_floor
 
-KINDS = ("phase", "training", "sequence")
+KINDS = ("phase", "training", "sequence", "geometry")
 
 
 def figures(kind: str, artifact: dict[str, Any]) -> list[tuple[str, str]]:
@@ -75,6 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{training_floor.REPETITIONS} (training, sequence)")
     parser.add_argument("--steps", type=count, default=training_floor.STEPS,
                         help="optimizer steps (training, sequence)")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                        help="the synced weights' dtype (phase, geometry): bf16 and fp16 "
+                             "weights are compared bit-exactly and computed in fp32")
+    what = parser.add_argument_group("geometry", "the geometry whose floor is measured")
+    what.add_argument("--hf-config", type=Path, default=None, metavar="PATH",
+                      help="a Hugging Face config.json (geometry)")
+    what.add_argument("--config", default=None, choices=list(CONFIGS),
+                      help="a built-in config (geometry)")
+    what.add_argument("--layers", type=count, default=None,
+                      help="override the HF config's num_hidden_layers (geometry)")
+    what.add_argument("--vocab", type=count, default=None,
+                      help="override the HF config's vocab_size (geometry)")
+    what.add_argument("--batch", type=count, default=None, help="token batch (geometry)")
+    what.add_argument("--seq-len", type=count, default=None, help="token length (geometry)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--out", type=Path, default=None, help="write the artifact here")
     where.add_argument("--write", action="store_true",
@@ -89,11 +111,64 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def geometry_config(args: argparse.Namespace) -> ModelConfig:
+    """The geometry ``--hf-config PATH`` (with ``--layers``, ``--vocab``) or ``--config
+    NAME`` names, with ``--batch`` and ``--seq-len`` applied."""
+    if (args.hf_config is None) == (args.config is None):
+        raise InvalidConfig("geometry: pass exactly one of --hf-config PATH and --config NAME")
+    if args.config is not None:
+        if args.layers is not None or args.vocab is not None:
+            raise InvalidConfig("geometry: --layers and --vocab apply to --hf-config only")
+        config = config_by_name(args.config)
+    else:
+        config = ModelConfig.from_hf_config(args.hf_config, n_layers=args.layers,
+                                            vocab=args.vocab)
+    shape = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v}
+    return config.replace(**shape) if shape else config
+
+
+def measure_one_geometry(args: argparse.Namespace) -> int:
+    """``geometry``: measure (or find already measured) one geometry's floor."""
+    config = geometry_config(args)
+    if not args.force:
+        try:
+            floor = floor_for(config, args.phase, args.dtype)
+        except FloorNotMeasured:
+            pass
+        else:  # the per-geometry cache, or a committed floor that records this geometry
+            print(f"{config.name}: already measured ({floor.path}), threshold "
+                  f"{floor.threshold:g}; --force measures it again")
+            return EXIT_OK
+    forward = None
+    if args.phase == "1b":
+        from weight_sync_bench.check.forwards import gloo_forward  # the gloo launcher
+        forward = gloo_forward()
+    repetitions = args.repetitions or phase_floor.GEOMETRY_REPETITIONS
+    print(f"measuring {config.name} (d_model {config.d_model}, {config.n_layers} layers, "
+          f"{config.n_params:,} parameters, {args.dtype}) over {repetitions} seeds ...",
+          flush=True)
+    line = ProgressLine()  # rewritten in place on a terminal, sparse in a log
+    try:
+        artifact, path = phase_floor.measure_geometry(config, phase=args.phase,
+                                                      dtype=args.dtype, repetitions=repetitions,
+                                                      forward=forward, progress=line.show)
+    finally:
+        line.close()
+    print(phase_floor.format_table(artifact))
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
 def measure(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
+    if args.kind == "geometry":
+        return measure_one_geometry(args)
+    if args.dtype != "fp32" and args.kind != "phase":
+        raise InvalidConfig(f"--dtype {args.dtype}: the {args.kind} floor is measured on fp32 "
+                            "weights only")
     repetitions = args.repetitions or (phase_floor.REPETITIONS if args.kind == "phase"
                                        else training_floor.REPETITIONS)
-    path = args.out or artifact_path(args.phase, kind=args.kind)
+    path = args.out or artifact_path(args.phase, kind=args.kind, dtype=args.dtype)
     old = guard_target(path, named=args.out is not None, write=args.write,
                        command=f"measuring the {args.kind} floor")
     if old is not None and isinstance(old.get("repetitions"), int):
@@ -105,13 +180,16 @@ def measure(args: argparse.Namespace) -> int:
                  else training_floor.format_table(artifact))
         summary = f"kernel sets {', '.join(artifact['kernel_sets'])}; "
     elif args.kind == "phase":
-        runner = None
+        runner, forward = None, None
         if args.phase == "1b":
-            from weight_sync_bench.check.forwards import (
-                phase1b_runner,  # the gloo launcher
+            from weight_sync_bench.check.forwards import (  # the gloo launcher
+                gloo_forward,
+                phase1b_runner,
             )
             runner = phase1b_runner()
-        artifact = phase_floor.measure(args.phase, runner=runner, repetitions=repetitions)
+            forward = gloo_forward() if args.dtype != "fp32" else None
+        artifact = phase_floor.measure(args.phase, runner=runner, repetitions=repetitions,
+                                       dtype=args.dtype, forward=forward)
         table, summary = phase_floor.format_table(artifact), ""
     else:
         measure_kind = (training_floor.measure if args.kind == "training"
@@ -131,7 +209,7 @@ def measure(args: argparse.Namespace) -> int:
 def _across_kernel_sets(args: argparse.Namespace, repetitions: int) -> dict[str, Any]:
     """The same measurement under every available kernel set, merged (``tolerance.kernels``)."""
     argv = [args.kind, "--phase", args.phase, "--steps", str(args.steps),
-            "--repetitions", str(repetitions)]
+            "--repetitions", str(repetitions), "--dtype", args.dtype]
     measured = []
     with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
         for kernel_set in kernels.available():

@@ -36,6 +36,14 @@ def split_tensor(x: torch.Tensor, spec: ShardSpec, degree: int) -> list[torch.Te
     return shards
 
 
+def shard_of(x: torch.Tensor, spec: ShardSpec, degree: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of one full tensor, byte for byte ``split_tensor``'s, as a view
+    of ``x`` where one range holds it (no copy: what a comparison reads and drops)."""
+    dim, ranges = spec.ranges(degree, rank)
+    pieces = [x.narrow(dim, start, stop - start) for start, stop in ranges]
+    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+
+
 def gather_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     """The full tensor from its rank-local shards: the exact inverse of ``split_tensor``.
 
@@ -82,28 +90,45 @@ def reshard_tensor(shards: list[torch.Tensor], spec: ShardSpec, dst: int) -> lis
     """One parameter's shards at degree ``len(shards)`` -> its shards at ``dst``, copying each
     byte once: every destination range is cut straight from the source shards that hold it,
     without materialising the full tensor."""
-    src = len(shards)
     _check_local_shapes(shards, spec)
     if isinstance(spec.placement, Replicate):
         return [shards[0].clone() for _ in range(dst)]
+    out = []
+    for rank in range(dst):
+        dim, _ = spec.ranges(dst, rank)
+        pieces = [piece for _, piece in reshard_pieces(shards, spec, dst, rank)]
+        out.append(torch.cat(pieces, dim=dim) if len(pieces) > 1
+                   else pieces[0].clone(memory_format=torch.contiguous_format))
+    return out
+
+
+def reshard_pieces(shards: list[torch.Tensor], spec: ShardSpec, dst: int, rank: int
+                   ) -> list[tuple[int, torch.Tensor]]:
+    """Destination rank ``rank``'s shard at ``dst`` as views of the source shards (degree
+    ``len(shards)``): ``(offset along the placement's dim in the destination shard, view)``
+    in order, so their concatenation is ``reshard_tensor``'s shard and a comparison reads
+    them without copying. A replicated parameter is rank 0's copy, whole."""
+    if isinstance(spec.placement, Replicate):
+        return [(0, shards[0])]
     segments = []  # (global start, global stop, source rank, offset in that rank's shard)
     seen: set[tuple[int, int]] = set()
-    for rank in range(src):
-        dim, ranges = spec.ranges(src, rank)
+    for src_rank in range(len(shards)):
+        dim, ranges = spec.ranges(len(shards), src_rank)
         offset = 0
         for start, stop in ranges:
             if (start, stop) not in seen:  # a replicated range (HeadReplicated's KV head) is
                 seen.add((start, stop))    # read from its lowest rank, as gather does
-                segments.append((start, stop, rank, offset))
+                segments.append((start, stop, src_rank, offset))
             offset += stop - start
-    out = []
-    for rank in range(dst):
-        dim, ranges = spec.ranges(dst, rank)
-        pieces = [shards[r].narrow(dim, off + max(a, sa) - sa, min(b, sb) - max(a, sa))
-                  for a, b in ranges for sa, sb, r, off in segments if sa < b and a < sb]
-        out.append(torch.cat(pieces, dim=dim) if len(pieces) > 1
-                   else pieces[0].clone(memory_format=torch.contiguous_format))
-    return out
+    dim, ranges = spec.ranges(dst, rank)
+    pieces, at = [], 0
+    for a, b in ranges:
+        for sa, sb, r, off in segments:
+            if sa < b and a < sb:
+                size = min(b, sb) - max(a, sa)
+                pieces.append((at, shards[r].narrow(dim, off + max(a, sa) - sa, size)))
+                at += size
+    return pieces
 
 
 def reshard(shards: list[Params], layout: LayoutTable, dst: int) -> list[Params]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,6 +242,35 @@ class ModelConfig:
             o_bias=attention_bias and not qwen2,
         )
 
+    def to_hf_config(self) -> dict[str, Any]:
+        """The Hugging Face ``config.json`` dict of this geometry, the inverse of
+        ``from_hf_config`` (``ModelConfig.from_hf_config(c.to_hf_config(), name=c.name) == c``
+        for every config HF can describe): ``LlamaForCausalLM`` with ``attention_bias`` for
+        q/k/v and o_proj biases, ``Qwen2ForCausalLM`` for q/k/v biases alone, ``head_dim``
+        always written (HF Llama reads it; ``hidden_size // num_attention_heads`` need not be
+        it). What HF's Llama and Qwen2 cannot say is an ``InvalidConfig`` naming the field: a
+        down bias (``bias=True``; HF's ``mlp_bias`` biases gate and up too), an o_proj bias
+        without q/k/v ones, ``vocab_multiple`` padding. The token shape (``batch``,
+        ``seq_len``) is the check's, not the model's: it is not written."""
+        if self.bias:
+            raise InvalidConfig(f"{self.name}: bias=True (a down bias) has no HF config field: "
+                                "HF's mlp_bias biases gate and up too")
+        if self.o_bias and not self.qkv_bias:
+            raise InvalidConfig(f"{self.name}: o_bias without qkv_bias has no HF config field "
+                                "(attention_bias biases q, k, v and o_proj)")
+        if self.vocab_multiple != 1:
+            raise InvalidConfig(f"{self.name}: vocab_multiple={self.vocab_multiple} has no HF "
+                                "config field (vocab_size is the unpadded vocabulary)")
+        qwen2 = self.qkv_bias and not self.o_bias
+        return {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+                "model_type": "qwen2" if qwen2 else "llama",
+                "hidden_size": self.d_model, "num_attention_heads": self.n_heads,
+                "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
+                "intermediate_size": self.ffn, "num_hidden_layers": self.n_layers,
+                "vocab_size": self.vocab, "rope_theta": self.rope_theta,
+                "rms_norm_eps": self.norm_eps, "tie_word_embeddings": self.tie_embeddings,
+                "attention_bias": self.qkv_bias and self.o_bias, "hidden_act": "silu"}
+
 
 _REQUIRED = object()
 
@@ -316,16 +345,64 @@ class Init:
 DEFAULT_INIT = Init()
 
 
-def init_params(config: ModelConfig, seed: int, init: Init = DEFAULT_INIT) -> dict[str, torch.Tensor]:
-    """Full (unsharded) fp32 parameters, a deterministic function of (config, seed, init)."""
+# The dtypes a sync moves weights in, by the short names the CLI and the artifacts use.
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                  "fp16": torch.float16}
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    """``"bf16"`` (or ``"bfloat16"``, ``torch.bfloat16``) -> ``torch.bfloat16``; one of
+    ``DTYPES``, else ``InvalidConfig`` naming the known ones."""
+    if isinstance(value, torch.dtype):
+        if value in DTYPES.values():
+            return value
+    elif isinstance(value, str):
+        key = value.removeprefix("torch.").lower()
+        key = _DTYPE_ALIASES.get(key, key)
+        if key in DTYPES:
+            return DTYPES[key]
+    raise InvalidConfig(f"dtype {value!r} is not a synced weight dtype; known: "
+                        f"{', '.join(DTYPES)}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bf16"`` (the inverse of ``parse_dtype``)."""
+    for name, known in DTYPES.items():
+        if known == dtype:
+            return name
+    raise InvalidConfig(f"dtype {dtype} is not a synced weight dtype; known: {', '.join(DTYPES)}")
+
+
+def draw_param(name: str, shape: tuple[int, ...], gen: torch.Generator,
+               init: Init = DEFAULT_INIT, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One parameter's next draw from ``gen`` (fp32), cast to ``dtype``: round to nearest
+    even for bf16 and fp16, as ``Tensor.to`` does, so the fp32 draw is the same for every
+    dtype and a bf16 weight is the fp32 one rounded."""
+    if name.endswith("norm.weight"):
+        x = 1.0 + init.norm_spread * torch.randn(shape, generator=gen)
+    else:  # scaled in place: one fp32 copy of the largest parameter at a time, not two
+        x = torch.randn(shape, generator=gen).mul_(init.std)  # bit for bit init.std * randn
+    return x if dtype == torch.float32 else x.to(dtype)
+
+
+def iter_params(config: ModelConfig, seed: int, init: Init = DEFAULT_INIT,
+                dtype: torch.dtype = torch.float32
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``init_params`` one parameter at a time, in the forward's order: each is made when
+    the caller asks for the next, so a caller that drops it holds one parameter at a time.
+    The draws are sequential from one generator per seed, which is why the order is the
+    forward's (``param_shapes``): a streamed check reads them in exactly this order."""
     gen = torch.Generator().manual_seed(seed)
-    params: dict[str, torch.Tensor] = {}
     for name, shape in config.param_shapes().items():
-        if name.endswith("norm.weight"):
-            params[name] = 1.0 + init.norm_spread * torch.randn(shape, generator=gen)
-        else:
-            params[name] = init.std * torch.randn(shape, generator=gen)
-    return params
+        yield name, draw_param(name, shape, gen, init, dtype)
+
+
+def init_params(config: ModelConfig, seed: int, init: Init = DEFAULT_INIT,
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Full (unsharded) parameters, a deterministic function of (config, seed, init): drawn
+    in fp32, then cast to ``dtype`` (bf16 and fp16 round the same fp32 draws)."""
+    return dict(iter_params(config, seed, init, dtype))
 
 
 def make_tokens(config: ModelConfig, seed: int) -> torch.Tensor:

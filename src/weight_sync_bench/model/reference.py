@@ -8,6 +8,7 @@ partial sums meet, which is exactly what a layout bug breaks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -147,24 +148,50 @@ class ReferenceModel:
                  ) -> torch.Tensor:
         """tokens ``(B, T)`` int64 -> logits ``(B, T, vocab)`` fp32. ``segments`` ``(B, T)``
         packs documents (see ``document_mask``); None is plain causal attention."""
-        c, p = self.config, self.params
+        state = self.begin(tokens, segments)
+        for i in range(self.config.n_layers):
+            self.block(state, i)
+        return self.end(state)
+
+    # The forward in three steps, each reading only its own parameters from ``self.params``
+    # (``begin``: the embedding; ``block(i)``: ``layers.i.*``; ``end``: the final norm and the
+    # head), so a streamed check can hand it one stage's parameters at a time.
+
+    def begin(self, tokens: torch.Tensor, segments: torch.Tensor | None = None
+              ) -> ReferenceState:
+        c = self.config
         rope = rope_tables(tokens.shape[1], c.head_dim, c.rope_theta)
         mask = document_mask(segments) if segments is not None else None
-        h = F.embedding(tokens, p["tok_embeddings.weight"])  # (B, T, d)
+        h = F.embedding(tokens, self.params["tok_embeddings.weight"])  # (B, T, d)
         self.embedding_output = h
-        for i in range(c.n_layers):
-            pre = f"layers.{i}."
-            x = rms_norm(h, p[pre + "attn_norm.weight"], c.norm_eps)
-            qkv = x @ p[pre + "qkv.weight"].T
-            if c.has_qkv_bias:
-                qkv = qkv + p[pre + "qkv.bias"]
-            a = attention(qkv, c.n_heads, c.n_kv_heads, c.head_dim, rope, mask)
-            h = h + add_bias(a @ p[pre + "o_proj.weight"].T, p.get(pre + "o_proj.bias"))
-            x = rms_norm(h, p[pre + "ffn_norm.weight"], c.norm_eps)
-            h = h + add_bias(swiglu(x @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T,
-                            p.get(pre + "down.bias"))
-        logits = rms_norm(h, p["norm.weight"], c.norm_eps) @ p[c.head_name].T  # (B, T, Vp)
+        return ReferenceState(h, rope, mask)
+
+    def block(self, state: ReferenceState, i: int) -> None:
+        c, p, h, pre = self.config, self.params, state.h, f"layers.{i}."
+        x = rms_norm(h, p[pre + "attn_norm.weight"], c.norm_eps)
+        qkv = x @ p[pre + "qkv.weight"].T
+        if c.has_qkv_bias:
+            qkv = qkv + p[pre + "qkv.bias"]
+        a = attention(qkv, c.n_heads, c.n_kv_heads, c.head_dim, state.rope, state.mask)
+        h = h + add_bias(a @ p[pre + "o_proj.weight"].T, p.get(pre + "o_proj.bias"))
+        x = rms_norm(h, p[pre + "ffn_norm.weight"], c.norm_eps)
+        state.h = h + add_bias(swiglu(x @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T,
+                               p.get(pre + "down.bias"))
+
+    def end(self, state: ReferenceState) -> torch.Tensor:
+        c, p = self.config, self.params
+        logits = rms_norm(state.h, p["norm.weight"], c.norm_eps) @ p[c.head_name].T  # (B, T, Vp)
         return logits[..., :c.vocab] if c.padded_vocab != c.vocab else logits  # (B, T, V)
+
+
+@dataclass
+class ReferenceState:
+    """The reference forward between steps: the residual stream ``(B, T, d)``, the RoPE
+    tables and the mask."""
+
+    h: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    mask: torch.Tensor | None
 
 
 def add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

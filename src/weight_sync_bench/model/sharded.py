@@ -29,6 +29,7 @@ the dense mask permits, remote ones included. The all-masked rows of packed padd
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -119,9 +120,17 @@ class ShardedModel:
         each rank keeps its own vocab slice ``(B, Tc, padded_vocab / t)``, padding columns
         included, for a vocab-parallel loss (``weight_sync_bench.loss``).
         """
-        c, coll, shards = self.config, self.collective, self.shards
-        t = coll.degree
-        heads, kv_heads = c.n_heads // t, local_kv_heads(c.n_kv_heads, t)
+        state = self.begin(tokens, segments)
+        for i in range(self.config.n_layers):
+            self.block(state, i)
+        return self.end(state, gather_logits=gather_logits)
+
+    # The forward in three steps, each reading only its own parameters from ``self.shards``
+    # (``begin``: the embedding; ``block(i)``: ``layers.i.*``; ``end``: the final norm and the
+    # head), so a streamed check can hand it one stage's shards at a time.
+
+    def begin(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> ShardedState:
+        c, t = self.config, self.collective.degree
         seq_len = tokens.shape[1]
         chunks = self.chunks(seq_len)
         rope = rope_tables(seq_len, c.head_dim, c.rope_theta)
@@ -132,31 +141,37 @@ class ShardedModel:
         else:  # global positions: the chunk's rows of the tables and of the dense mask
             ropes = [(rope[0][a:b], rope[1][a:b]) for a, b in chunks]
             masks = [self.chunk_mask(segments, a, b, seq_len) for a, b in chunks]
-
         h = self.embed([tokens[:, a:b] for a, b in chunks])  # (B, Tc, d), (B, Tc / t, d) with SP
         self.embedding_output = h
         self.embedding_positions = self.residual_positions(chunks)
-        for i in range(c.n_layers):
-            pre = f"layers.{i}."
-            x = self.enter_region([rms_norm(hr, p[pre + "attn_norm.weight"], c.norm_eps)
-                                   for hr, p in zip(h, shards)], pre + "qkv.weight")  # (B, Tc, d)
-            qkv = [xr @ p[pre + "qkv.weight"].T for xr, p in zip(x, shards)]
-            if c.has_qkv_bias:
-                qkv = [q + p[pre + "qkv.bias"] for q, p in zip(qkv, shards)]
-            a = self.attend(qkv, heads, kv_heads, ropes, masks, chunks, pre + "attention")
-            partial = [ar @ p[pre + "o_proj.weight"].T for ar, p in zip(a, shards)]  # partial sums
-            h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "o_proj"))]
-            x = self.enter_region([rms_norm(hr, p[pre + "ffn_norm.weight"], c.norm_eps)
-                                   for hr, p in zip(h, shards)], pre + "gate_up.weight")
-            partial = [swiglu(xr @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T
-                       for xr, p in zip(x, shards)]
-            h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "down"))]
+        return ShardedState(h, ropes, masks, chunks, c.n_heads // t,
+                            local_kv_heads(c.n_kv_heads, t))
+
+    def block(self, state: ShardedState, i: int) -> None:
+        c, shards, h, pre = self.config, self.shards, state.h, f"layers.{i}."
+        x = self.enter_region([rms_norm(hr, p[pre + "attn_norm.weight"], c.norm_eps)
+                               for hr, p in zip(h, shards)], pre + "qkv.weight")  # (B, Tc, d)
+        qkv = [xr @ p[pre + "qkv.weight"].T for xr, p in zip(x, shards)]
+        if c.has_qkv_bias:
+            qkv = [q + p[pre + "qkv.bias"] for q, p in zip(qkv, shards)]
+        a = self.attend(qkv, state.heads, state.kv_heads, state.ropes, state.masks, state.chunks,
+                        pre + "attention")
+        partial = [ar @ p[pre + "o_proj.weight"].T for ar, p in zip(a, shards)]  # partial sums
+        h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "o_proj"))]
+        x = self.enter_region([rms_norm(hr, p[pre + "ffn_norm.weight"], c.norm_eps)
+                               for hr, p in zip(h, shards)], pre + "gate_up.weight")
+        partial = [swiglu(xr @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T
+                   for xr, p in zip(x, shards)]
+        state.h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "down"))]
+
+    def end(self, state: ShardedState, *, gather_logits: bool = True) -> Tensors:
+        c, shards = self.config, self.shards
         x = self.enter_region([rms_norm(hr, p["norm.weight"], c.norm_eps)
-                               for hr, p in zip(h, shards)], c.head_name)
+                               for hr, p in zip(state.h, shards)], c.head_name)
         local_logits = [xr @ p[c.head_name].T for xr, p in zip(x, shards)]  # (B, Tc, Vp/t)
         if not gather_logits:
             return local_logits
-        logits = coll.all_gather(local_logits, dim=-1, tag=c.head_name)  # (B, Tc, Vp)
+        logits = self.collective.all_gather(local_logits, dim=-1, tag=c.head_name)  # (B, Tc, Vp)
         return [x[..., :c.vocab] for x in logits] if c.padded_vocab != c.vocab else logits
 
     def embed(self, tokens: list[torch.Tensor]) -> Tensors:
@@ -243,6 +258,19 @@ class ShardedModel:
                                  tag)  # (B, T, Hkv, 2D) each
         return [attend(q, *kvr.chunk(2, dim=-1), mask, q_offset=a)
                 for (q, _, _), kvr, mask, (a, _) in zip(split, kv, masks, chunks)]
+
+
+@dataclass
+class ShardedState:
+    """The sharded forward between steps, per local rank: the residual stream, the RoPE
+    tables and masks of its chunk, the chunk, and the local head counts."""
+
+    h: Tensors
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]
+    masks: list[torch.Tensor | None]
+    chunks: list[tuple[int, int]]
+    heads: int
+    kv_heads: int
 
 
 def check_sequence_split(name: str, seq_len: int, cp: int, t: int, sequence_parallel: bool

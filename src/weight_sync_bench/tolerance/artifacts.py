@@ -29,16 +29,25 @@ PHASES = ("1a", "1b")
 ARTIFACT_KINDS = ("phase", "training", "sequence", "random_floor")
 
 
-def artifact_path(phase: str = "1a", *, kind: str = "phase") -> Path:
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16")  # model.config.DTYPES' names
+
+
+def artifact_path(phase: str = "1a", *, kind: str = "phase", dtype: str = "fp32") -> Path:
     """The committed artifact of one kind and phase, under ``paths.tolerance_dir()``:
     ``phase1a.json``, ``training.json`` / ``training_1b.json``, ``sequence.json`` /
     ``sequence_1b.json``, ``random_floor_1a.json`` (the names the artifacts were committed
-    under)."""
+    under). A phase floor of bf16 or fp16 weights (``dtype``) is ``phase1a_bf16.json``."""
     if phase not in PHASES:
         raise ToleranceMismatch(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
+    if dtype not in WEIGHT_DTYPES:
+        raise ToleranceMismatch(f"unknown weight dtype {dtype!r}; known: "
+                                + ", ".join(WEIGHT_DTYPES))
+    if dtype != "fp32" and kind != "phase":
+        raise ToleranceMismatch(f"the {kind} floor is measured on fp32 weights only, "
+                                f"asked for {dtype}")
     match kind:
         case "phase":
-            name = f"phase{phase}.json"
+            name = f"phase{phase}.json" if dtype == "fp32" else f"phase{phase}_{dtype}.json"
         case "training" | "sequence":
             name = f"{kind}.json" if phase == "1a" else f"{kind}_{phase}.json"
         case "random_floor":
@@ -47,6 +56,17 @@ def artifact_path(phase: str = "1a", *, kind: str = "phase") -> Path:
             raise ToleranceMismatch(f"unknown artifact kind {kind!r}; known: "
                                     + ", ".join(ARTIFACT_KINDS))
     return tolerance_dir() / name
+
+
+GEOMETRY_DIR = "geometry"  # per-geometry floors, measured on first use, under tolerance_dir()
+
+
+def geometry_path(name: str, key: str, phase: str, dtype: str) -> Path:
+    """Where the floor measured for one geometry is cached: ``geometry/<name>-<phase>-
+    <dtype>-<key>.json`` under ``paths.tolerance_dir()``, ``key`` a digest of everything
+    the floor depends on (``tolerance.rules.geometry_key``)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "config"
+    return tolerance_dir() / GEOMETRY_DIR / f"{safe}-{phase}-{dtype}-{key}.json"
 
 
 # What a floor depends on besides the code: the fields a check compares with the running

@@ -17,17 +17,28 @@ measured on, so reading a threshold for a config checks both against the record.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from weight_sync_bench.errors import ToleranceMismatch
-from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
+from weight_sync_bench.model.config import (
+    CONFIGS,
+    DEFAULT_INIT,
+    HF_CONFIGS,
+    ModelConfig,
+    hf_config_path,
+    shipped_hf_config,
+)
 from weight_sync_bench.tolerance.artifacts import (
     RUNTIME_FIELDS,
     artifact_path,
+    geometry_path,
     read_artifact,
     runtime,
 )
@@ -153,3 +164,123 @@ def threshold_for(config: ModelConfig, phase: str = "1a") -> float:
     artifact = load_artifact(phase)
     check_geometry(artifact, config)
     return threshold_from(artifact)
+
+
+# Where a floor applies. A committed phase artifact covers the configs it records, by name,
+# geometry, token shape and numerics (``check_geometry``), for the weight dtype it was
+# measured on (``weights_dtype``; fp32 where the field is absent: every artifact measured
+# before it existed drew fp32 weights). ``random_floor_<phase>.json`` covers the fuzz domain
+# it records, under the fuzz's init (``fuzz.floor.fuzz_threshold_rule`` refuses outside it),
+# never a check of the default init. A geometry nobody measured gets its own measurement,
+# cached under ``tolerance_dir()/geometry/`` (``check.floor.measure_geometry``), or is refused.
+
+
+def weights_dtype(artifact: dict[str, Any]) -> str:
+    """The dtype of the weights a floor was measured on (``"fp32"``, ``"bf16"``, ``"fp16"``)."""
+    return str(artifact.get("weights_dtype", "fp32"))
+
+
+def coverage(artifact: dict[str, Any], config: ModelConfig, dtype: str = "fp32") -> str | None:
+    """Why ``artifact`` does not cover a check of ``config`` syncing ``dtype`` weights, or
+    None when it does: the weights' dtype, then the geometry, token shape and numerics."""
+    if weights_dtype(artifact) != dtype:
+        return f"measured on {weights_dtype(artifact)} weights, the check syncs {dtype}"
+    try:
+        check_geometry(artifact, config)
+    except ToleranceMismatch as exc:
+        return str(exc)
+    return None
+
+
+def geometry_record(config: ModelConfig, phase: str, dtype: str) -> dict[str, Any]:
+    """Everything a per-geometry floor depends on besides the code and the machine."""
+    return {"phase": phase, "weights_dtype": dtype, "geometry": config.geometry(),
+            "token_shape": list(config.token_shape), "numerics": numerics(config),
+            "init": {"std": DEFAULT_INIT.std, "norm_spread": DEFAULT_INIT.norm_spread}}
+
+
+def geometry_key(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") -> str:
+    """A digest of ``geometry_record``: the cache file of one geometry's floor is named by it."""
+    blob = json.dumps(geometry_record(config, phase, dtype), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def cached_floor_path(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") -> Path:
+    return geometry_path(config.name, geometry_key(config, phase, dtype), phase, dtype)
+
+
+def measure_command(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") -> str:
+    """What measures ``config``'s floor: the command line where the geometry is a shipped HF
+    config (at any depth and vocabulary) or a built-in one, else the Python call."""
+    tail = (f" --phase {phase}" if phase != "1a" else "") + (
+        f" --dtype {dtype}" if dtype != "fp32" else "")
+    base = "python -m weight_sync_bench.tolerance geometry"
+    builtin = CONFIGS.get(config.name)
+    if builtin is not None and builtin == config:
+        return f"{base} --config {config.name}{tail}"
+    if config.name in HF_CONFIGS:
+        shipped = shipped_hf_config(config.name, n_layers=config.n_layers, vocab=config.vocab)
+        if shipped.replace(batch=config.batch, seq_len=config.seq_len) == config:
+            full_vocab = shipped_hf_config(config.name).vocab
+            vocab = f" --vocab {config.vocab}" if config.vocab != full_vocab else ""
+            shape = (f" --batch {config.batch} --seq-len {config.seq_len}"
+                     if config.token_shape != shipped.token_shape else "")
+            return (f"{base} --hf-config {hf_config_path(config.name)} --layers "
+                    f"{config.n_layers}{vocab}{shape}{tail}")
+    return (f"weight_sync_bench.check.floor.measure_geometry(config, phase={phase!r}, "
+            f"dtype={dtype!r})")
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The measurement a check's threshold comes from: the artifact, where it lives, and
+    whether it is a committed floor or a per-geometry one (``"committed"``, ``"geometry"``)."""
+
+    threshold: float
+    artifact: dict[str, Any]
+    path: Path
+    source: str
+
+
+def floor_for(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") -> Floor:
+    """The floor that covers a check of ``config`` syncing ``dtype`` weights: the committed
+    phase artifact of that dtype when it records this geometry, else the per-geometry floor
+    cached for it. ``FloorNotMeasured`` otherwise, naming why each does not cover it and the
+    command that measures it: never a threshold measured on another geometry."""
+    reasons = []
+    committed = artifact_path(phase, dtype=dtype)
+    if committed.is_file():
+        artifact = load_artifact(phase, committed)
+        why = coverage(artifact, config, dtype)
+        if why is None:
+            return Floor(threshold_from(artifact), artifact, committed, "committed")
+        reasons.append(f"{committed.name}: {why}")
+    else:
+        reasons.append(f"{committed.name}: not measured")
+    cached = cached_floor_path(config, phase, dtype)
+    if cached.is_file():
+        artifact = load_geometry_floor(cached, config, phase, dtype)
+        return Floor(threshold_from(artifact), artifact, cached, "geometry")
+    reasons.append(f"no per-geometry floor at {cached}")
+    command = measure_command(config, phase, dtype)
+    raise FloorNotMeasured(
+        f"{config.name}: no measured floor covers this check (phase {phase}, {dtype} weights, "
+        f"d_model {config.d_model}, n_layers {config.n_layers}, tokens "
+        f"{config.batch}x{config.seq_len}): " + "; ".join(reasons)
+        + f". Measure it with `{command}`, or pass measure_floor=True to measure it on "
+        "first use (cached, so the next check of this geometry reads it)", command=command)
+
+
+def load_geometry_floor(path: Path, config: ModelConfig, phase: str, dtype: str
+                        ) -> dict[str, Any]:
+    """A cached per-geometry floor, read back: ``ToleranceMismatch`` unless it records the
+    key of this geometry and covers it (an edited or misplaced file is not its measurement)."""
+    artifact = load_artifact(phase, path)
+    key = geometry_key(config, phase, dtype)
+    if artifact.get("key") != key:
+        raise ToleranceMismatch(f"{path}: field 'key' records {artifact.get('key')!r}, this "
+                                f"geometry's is {key!r}")
+    why = coverage(artifact, config, dtype)
+    if why is not None:
+        raise ToleranceMismatch(f"{path}: {why}")
+    return artifact

@@ -1,0 +1,168 @@
+"""Streamed checks (``check.stream``): the same verdict as the whole-model check, bit for
+bit, with the user's function called one layer (or one parameter) at a time and nothing
+held beyond the stage at hand. Peak memory at real widths is measured by
+``bench/bench_width.py``, not here."""
+
+import pytest
+import torch
+
+from weight_sync_bench import TOY, TOY_KV4, check_reshard, check_split, layout_for
+from weight_sync_bench.check.stream import (
+    stage_reshard,
+    stage_split,
+    stages,
+    stream_check,
+)
+from weight_sync_bench.errors import WrongUserShard
+from weight_sync_bench.layout.reshard import split_tensor
+
+# tied embeddings and q/k/v and o_proj biases: every stage the streamed forward special-cases
+VARIANT = TOY.replace(name="variant", vocab=500, d_model=64, n_layers=2, ffn=96, head_dim=8,
+                      tie_embeddings=True, qkv_bias=True, o_bias=True)
+
+
+def per_stage_split(config):
+    """A split written per parameter: works on any subset of the model's names."""
+    return stage_split(layout_for(config))
+
+
+def per_stage_reshard(config):
+    return stage_reshard(layout_for(config))
+
+
+def naive(config):
+    """The fused qkv of every layer cut contiguously: the classic bug."""
+    split = per_stage_split(config)
+
+    def fn(full, degree):
+        out = split(full, degree)
+        for name, x in full.items():
+            if name.endswith("qkv.weight"):
+                for rank, chunk in enumerate(x.chunk(degree, dim=0)):
+                    out[rank][name] = chunk.clone()
+        return out
+    return fn
+
+
+@pytest.mark.parametrize("make, dtype", [(per_stage_split, "fp32"), (naive, "fp32"),
+                                         (per_stage_split, "bf16"), (naive, "bf16")])
+def test_a_streamed_split_gives_the_whole_model_verdict_bit_for_bit(make, dtype):
+    whole = check_split(make(TOY), TOY, 2, dtype=dtype)
+    streamed = check_split(make(TOY), TOY, 2, dtype=dtype, stream="layer")
+    assert streamed == whole  # every field: error, threshold, mismatches, diagnosis
+    assert streamed.passed == (make is per_stage_split)  # and the bug is still caught
+
+
+def test_a_streamed_reshard_gives_the_whole_model_verdict_bit_for_bit():
+    fn = per_stage_reshard(TOY_KV4)
+    for src, dst in ((4, 2), (1, 4)):
+        whole = check_reshard(fn, TOY_KV4, src, dst)
+        assert check_reshard(fn, TOY_KV4, src, dst, stream="parameter") == whole
+        assert whole.passed
+    assert stream_check(TOY_KV4, 2, src=4) == check_reshard(fn, TOY_KV4, 4, 2)  # fn=None
+
+
+@pytest.mark.parametrize("degree", [1, 2])
+def test_tied_embeddings_and_biases_stream_to_the_same_verdict(degree):
+    split, bug = per_stage_split(VARIANT), naive(VARIANT)
+    for fn in (split, bug):
+        whole = check_split(fn, VARIANT, degree, threshold=1e-3)
+        assert check_split(fn, VARIANT, degree, threshold=1e-3, stream="layer") == whole
+    assert check_split(split, VARIANT, degree, threshold=1e-3, stream="layer").passed
+    # at t=1 a contiguous cut is the declared one; at t=2 it is the bug
+    assert check_split(bug, VARIANT, degree, threshold=1e-3, stream="layer").passed == \
+        (degree == 1)
+
+
+def test_fn_sees_one_stage_or_one_parameter_at_a_time_in_the_forwards_order():
+    seen = []
+    split = per_stage_split(TOY)
+
+    def spy(full, degree):
+        seen.append(list(full))
+        return split(full, degree)
+
+    check_split(spy, TOY, 2, stream="layer")
+    assert seen == [names for _, names in stages(TOY)]
+    assert seen[1] == ["layers.0.attn_norm.weight", "layers.0.qkv.weight",
+                       "layers.0.o_proj.weight", "layers.0.ffn_norm.weight",
+                       "layers.0.gate_up.weight", "layers.0.down.weight"]
+    seen.clear()
+    check_split(spy, TOY, 2, stream="parameter")
+    assert seen == [[name] for name in TOY.param_shapes()]
+
+
+def test_progress_reports_every_stage_with_its_bytes():
+    reports = []
+    stream_check(TOY, 2, progress=reports.append)
+    assert [(r.stage, r.stages, r.label) for r in reports] == [
+        (k + 1, TOY.n_layers + 2, label) for k, (label, _) in enumerate(stages(TOY))]
+    assert reports[0].bytes == 32000 * 256 * 4  # the embedding table, fp32
+    assert str(reports[0]).startswith("stage 1/6 embedding (31 MiB), ")
+
+
+def test_a_stage_returned_in_the_wrong_dtype_names_rank_parameter_and_dtypes():
+    split = per_stage_split(TOY)
+
+    def upcasts(full, degree):
+        out = split(full, degree)
+        if "layers.1.down.weight" in full:
+            out[0]["layers.1.down.weight"] = out[0]["layers.1.down.weight"].float()
+        return out
+
+    with pytest.raises(WrongUserShard) as caught:
+        check_split(upcasts, TOY, 2, dtype="bf16", stream="layer")
+    assert (caught.value.rank, caught.value.name) == (0, "layers.1.down.weight")
+    assert (caught.value.expected_dtype, caught.value.actual_dtype) == (torch.bfloat16,
+                                                                        torch.float32)
+    assert "rank 0 layers.1.down.weight: dtype torch.float32, expected torch.bfloat16" in \
+        str(caught.value)
+
+
+def test_streaming_is_in_process_only_and_says_so():
+    with pytest.raises(ValueError, match="stream='layer' runs in process"):
+        check_split(per_stage_split(TOY), TOY, 2, stream="layer", backend="gloo")
+    with pytest.raises(ValueError, match="calls fn per layer or per parameter"):
+        stream_check(TOY, 2, per="model")
+
+
+def test_shard_of_is_split_tensor_byte_for_byte_at_every_degree_and_rank():
+    from weight_sync_bench.check.diagnosis import _bit_equal
+    from weight_sync_bench.layout.reshard import shard_of
+    from weight_sync_bench.model.config import init_params
+
+    params = init_params(VARIANT.replace(tie_embeddings=False), 0)
+    layout = layout_for(VARIANT.replace(tie_embeddings=False))
+    for degree in layout.supported_degrees():
+        for spec in layout:
+            split = split_tensor(params[spec.name], spec, degree)
+            assert all(_bit_equal(shard_of(params[spec.name], spec, degree, r), split[r])
+                       for r in range(degree))
+
+
+def test_the_streamed_floor_measurement_is_the_whole_model_one_cell_for_cell():
+    import numpy as np
+
+    from weight_sync_bench.check import floor
+    from weight_sync_bench.check.stream import stream_deviation
+
+    whole = floor.measure("1a", configs=[TOY_KV4], repetitions=1)["cells"]
+    streamed = [floor._cell("toy_kv4", t, [stream_deviation(TOY_KV4, t, seed=0).numpy()])
+                for t in (1, 2, 4)]
+    assert streamed == whole
+    assert np.isfinite([c["worst_abs"] for c in whole]).all()
+
+
+def test_a_streamed_fn_that_writes_into_its_input_is_refused_not_compared_with_itself():
+    split = per_stage_split(TOY)
+
+    def scales_in_place(full, degree):
+        for x in full.values():
+            x.mul_(2)  # the streamed input is the harness's own tensor: compared with it next
+        return split(full, degree)
+
+    from weight_sync_bench.errors import UserCodeError
+    with pytest.raises(UserCodeError, match=r"your splitter `.*scales_in_place` wrote into "
+                                            r"the tensors it was given \(tok_embeddings"):
+        check_split(scales_in_place, TOY, 2, stream="parameter")
+    assert not check_split(scales_in_place, TOY, 2).passed  # whole-model: fn gets copies
