@@ -248,10 +248,26 @@ def test_an_endpoint_that_cannot_exist_is_rejected_before_the_converter_runs(src
     assert str(info.value) == message
 
 
-def test_gloo_is_refused_where_the_transport_cannot_lay_out_the_forward():
-    with pytest.raises(UnsupportedConvention, match=r"^meta:2: backend 'gloo' is not yet "
-                       r"supported for this conversion: .* tok_embeddings.weight as S\(1\)"):
-        check_convert(harness("hf", "meta:2", TOY), TOY, "hf", "meta:2", backend="gloo")
+@pytest.mark.parametrize("src, dst, wrong", [
+    # Meta's ParallelEmbedding: a local lookup of d/t columns, all-gathered over gloo
+    ("hf", "meta:2", "tok_embeddings.weight"),
+    # vLLM at t=4 > TOY's 2 KV heads: each KV head replicated on 2 ranks (HeadReplicated)
+    ("megatron:2", "vllm:4", QKV),
+])
+def test_over_gloo_every_forward_layout_runs_and_a_wrong_shard_still_fails(src, dst, wrong):
+    """gloo scatters the destination's forward layout, whatever its placements: Meta's
+    hidden-split embedding and vLLM's replicated KV heads pass over gloo as in process."""
+    verdict = check_convert(harness(src, dst, TOY), TOY, src, dst, backend="gloo")
+    inprocess = check_convert(harness(src, dst, TOY), TOY, src, dst)
+    assert verdict.passed and verdict.phase == "1b" and inprocess.passed
+    assert verdict.max_abs_error > 0  # a forward really ran
+
+    def swapped(shards, degree):  # the twin: ranks 0 and 1 exchange one parameter
+        out = convert(shards, src, dst, TOY)
+        out[0][wrong], out[1][wrong] = out[1][wrong], out[0][wrong]
+        return out
+    failed = check_convert(swapped, TOY, src, dst, backend="gloo")
+    assert not failed.passed and failed.first_mismatch == wrong and failed.ratio >= 10
 
 
 def test_an_unmeasured_geometry_takes_a_threshold_measured_for_it():

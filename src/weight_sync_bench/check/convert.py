@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,19 +45,19 @@ from weight_sync_bench.conventions import (
 )
 from weight_sync_bench.conventions.meta import permute_index
 from weight_sync_bench.errors import (
+    CheckpointError,
     InvalidNumber,
     InvalidShards,
-    UnsupportedConvention,
     WrongShardShape,
 )
 from weight_sync_bench.model.config import init_params, make_tokens
-from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, derive_threshold
 
 if TYPE_CHECKING:
-    from weight_sync_bench.conventions import Endpoint, Piece
+    from weight_sync_bench.collectives.gloo.rank import RankContext
+    from weight_sync_bench.conventions import Endpoint, ForwardLayout, Piece
     from weight_sync_bench.model.config import ModelConfig
 
 
@@ -107,14 +108,7 @@ class ConversionChecker:
             logits = ShardedModel(forward.config, inputs, InProcessCollective(ep.degree),
                                   embedding=forward.embedding)(tokens)[0]
         else:
-            plain = layout_for(forward.config)
-            own = [s for s in forward.layout if s.placement != plain[s.name].placement]
-            if own:
-                raise UnsupportedConvention(
-                    f"{ep}: backend {self.backend!r} is not yet supported for this "
-                    "conversion: GlooTransport scatters layout_for's placements, and this "
-                    "forward reads " + ", ".join(f"{s.name} as {s.placement}" for s in own))
-            logits = self.checker.forward(forward.config, inputs, tokens)
+            logits = gloo_logits(forward, inputs, tokens)
         return self.checker.deviation(logits)
 
     def slice_index(self, source: str, dim: int) -> dict[bytes, int]:
@@ -169,8 +163,9 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     The threshold is the one ``check_split`` uses for ``config`` (the measured floor of its
     geometry, ``tolerance.rules.threshold_for``), or ``threshold`` when given: a geometry
     with no committed floor can pass one ``measure_threshold`` derived. ``backend="gloo"``
-    runs the destination forward one process per rank where its layout is ``layout_for``'s
-    (not yet for Meta's hidden-split embedding or vLLM's replicated KV heads)."""
+    runs the destination forward one process per rank (phase 1b), its forward inputs
+    scattered by ``GlooTransport`` under the destination's forward layout (Meta's
+    hidden-split embedding and vLLM's replicated KV heads included)."""
     InvalidNumber.seed("seed", seed)
     source, target = endpoint(src), endpoint(dst)
     source.pieces(config)  # both conventions' rules, before the user's code runs
@@ -184,6 +179,74 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
         raise frame_error(exc, role="converter", function=describe_fn(fn),
                           during=f"while converting {config.name} {source} -> {target}") from exc
     return checker.verdict(out, src=source, dst=target)
+
+
+def verify_checkpoint(directory: str | Path, config: ModelConfig, dst: str, *,
+                      src: str | None = None, seed: int = 0, backend: str = "inprocess",
+                      threshold: float | None = None) -> Verdict:
+    """``check_convert``'s verdict on a checkpoint a converter wrote to ``directory`` in
+    ``dst``'s files (``conventions.checkpoint``: per-rank safetensors for ``vllm:2``, an HF
+    directory for ``hf``, consolidated files for ``meta:2``), against the synthetic model
+    of ``seed`` (what ``wsb emit`` wrote). ``src`` names the source in the verdict only
+    (default ``dst``); with the converter's source it is the verdict ``check_convert``
+    gives the same tensors. A file missing, truncated, mis-named or holding a tensor of the
+    wrong name, shape or dtype raises ``CheckpointError`` naming the file."""
+    from weight_sync_bench.conventions.checkpoint import read_checkpoint
+
+    InvalidNumber.seed("seed", seed)
+    target = endpoint(dst)
+    source = endpoint(src) if src is not None else target
+    target.pieces(config)
+    checkpoint = read_checkpoint(directory, target, config)
+    checker = ConversionChecker(config, seed=seed, backend=backend, threshold=threshold)
+    try:
+        validate_convention_shards(checkpoint.shards, target, config,
+                                   {n: x.dtype for n, x in checker.checker.full.items()})
+    except WrongShardShape as exc:  # names and shapes were read checked: a dtype
+        path = checkpoint.file_of(exc.rank or 0, exc.name or "")
+        raise CheckpointError(f"{path}: {exc}", path=str(path)) from None
+    return checker.verdict(checkpoint.shards, src=source, dst=target)
+
+
+def gloo_logits(forward: ForwardLayout, inputs: Sequence[Mapping[str, torch.Tensor]],
+                tokens: torch.Tensor) -> torch.Tensor:
+    """Phase 1b of a convention's forward: rank 0 of the process's shared rank pool holds
+    every rank's forward inputs, ``GlooTransport`` scatters them under ``forward.layout``
+    (whatever its placements: ``HeadReplicated``, a ``Shard(1)`` embedding), and each rank
+    runs ``ShardedModel.forward`` over ``GlooCollective`` with ``forward.embedding``, as
+    phase 1a runs it over ``InProcessCollective``. Returns rank 0's full logits."""
+    from weight_sync_bench.collectives.gloo.pool import (
+        shared_pool,  # rank processes start on first use
+    )
+
+    degree = len(inputs)
+    dtype = next(iter(inputs[0].values())).dtype
+    outcomes = shared_pool(max(4, degree)).run(
+        conversion_forward_task, degree,
+        kwargs={"forward": forward, "tokens": tokens, "dtype": dtype},
+        rank_kwargs=[{"inputs": [dict(x) for x in inputs] if rank == 0 else None}
+                     for rank in range(degree)])
+    return outcomes[0]
+
+
+def conversion_forward_task(ctx: RankContext, *, forward: ForwardLayout, tokens: torch.Tensor,
+                            dtype: torch.dtype,
+                            inputs: Sequence[Mapping[str, torch.Tensor]] | None
+                            ) -> torch.Tensor | None:
+    """The rank side of ``gloo_logits`` (``check.forwards.phase1b_task``'s transport and
+    forward, under a convention's forward layout rather than ``layout_for``'s)."""
+    from weight_sync_bench.collectives.gloo.collective import GlooCollective
+    from weight_sync_bench.collectives.gloo.transport import GlooTransport, ParamSink
+
+    sink = ParamSink()
+    GlooTransport(ctx, forward.layout, dtype=dtype).sync(inputs if ctx.rank == 0 else None,
+                                                         sink)
+    ctx.tracer.mark("forward")
+    model = ShardedModel(forward.config, [sink], GlooCollective(ctx),
+                         embedding=forward.embedding)
+    with torch.no_grad():
+        (logits,) = model(tokens)
+    return logits if ctx.rank == 0 else None
 
 
 def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],

@@ -8,7 +8,9 @@ Llama-style model at a TP degree, and how each framework's forward reads them.
 - ``convert(shards, src, dst, config)``: the harness's own converter (gather to the canonical
   model through the source's index maps, then cut the destination's);
 - ``endpoint("megatron:4")``: a convention at a degree (``"hf"`` is degree 1);
-- ``render(config, convention)``: its layout as a printable table.
+- ``render(config, convention)``: its layout as a printable table;
+- ``checkpoint``: each convention's files on disk (``write_checkpoint``,
+  ``read_checkpoint``), for converters that are command-line tools.
 
 Everything is built from one primitive (``maps.Piece``): each stored tensor is an index
 selection of one canonical parameter, so conversions are exact data movement.

@@ -317,6 +317,13 @@ def _fused_qkv_bias(conversion: Conversion) -> str | None:
         return "the config has no qkv bias"
     if conversion.dst.name not in ("plain", "megatron", "vllm"):
         return f"{conversion.dst.name} stores q, k and v biases apart: nothing fused to cut"
+    c, dst = conversion.config, conversion.dst
+    if dst.name == "vllm" and dst.degree > c.n_kv_heads:
+        # Rank r holds n_heads/t Q heads plus a whole replicated K and V head, more than a
+        # 1/t cut of the full bias: a generic narrow gives the wrong shape, which a loader
+        # refuses (loud, not silent). Found by the conversion fuzz (test_convention_fuzz).
+        return (f"vllm at t={dst.degree} > n_kv_heads={c.n_kv_heads}: the local bias holds "
+                "replicated K and V heads, wider than a 1/t cut (a wrong shape: loud)")
     return None
 
 

@@ -1,0 +1,191 @@
+"""``wsb emit`` and ``wsb verify``: checkpoints on disk, for converters that are command-line
+tools; and the model options every command that takes a geometry shares.
+
+    wsb emit --convention hf|meta:T|megatron:T|vllm:T (--config NAME | --hf-config PATH
+             --layers N [--vocab V]) [--seed S] [--max-shard-size BYTES] DIR
+    wsb verify --convention vllm:2 (--config NAME | --hf-config PATH --layers N [--vocab V])
+               [--from hf] [--seed S] [--backend inprocess|gloo] [--json] DIR
+
+``emit`` writes the synthetic model of seed S as that framework stores it
+(``conventions.checkpoint``); run your converter on it; ``verify`` reads what it wrote and
+gives ``check_convert``'s verdict (exit 0 pass, 1 a counterexample, 2 a file missing,
+truncated or mis-named, named in the message).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from weight_sync_bench.check.checker import BACKENDS
+from weight_sync_bench.check.convert import measure_threshold, verify_checkpoint
+from weight_sync_bench.cli.output import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Output,
+    add_deadline_option,
+    add_output_options,
+    apply_deadline,
+    count,
+    seed,
+)
+from weight_sync_bench.conventions import CONVENTIONS, endpoint, shards_for
+from weight_sync_bench.conventions.checkpoint import write_checkpoint
+from weight_sync_bench.errors import WsbError
+from weight_sync_bench.model.config import (
+    CONFIGS,
+    HF_CONFIGS,
+    ModelConfig,
+    config_by_name,
+    hf_config_path,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from weight_sync_bench.conventions import Endpoint
+
+MODEL_HELP = ("--hf-config PATH reads a Hugging Face config.json (or names a shipped one: "
+              + ", ".join(HF_CONFIGS) + "); --layers and --vocab reduce it so that it fits "
+              "(a real vocabulary and hidden size make tables of gigabytes)")
+
+
+# -- the model options: --config NAME | --hf-config PATH --layers N [--vocab V]
+
+
+def add_model_options(parser: argparse.ArgumentParser, *, default: str | None = "toy",
+                      allow_all: bool = False) -> None:
+    """``--config NAME`` or ``--hf-config PATH`` with ``--layers N`` and ``--vocab V``.
+    ``--config`` defaults to ``default`` (``all`` allowed where ``allow_all``)."""
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--config", default=None,
+                       choices=[*CONFIGS, *(["all"] if allow_all else [])],
+                       help=f"a committed geometry (default {default})")
+    which.add_argument("--hf-config", metavar="PATH", default=None,
+                       help="a Hugging Face config.json, or the name of a shipped one ("
+                            + ", ".join(HF_CONFIGS) + "); needs --layers")
+    parser.add_argument("--layers", type=count, default=None, metavar="N",
+                        help="with --hf-config: the number of layers to build")
+    parser.add_argument("--vocab", type=count, default=None, metavar="V",
+                        help="with --hf-config: a reduced vocabulary")
+    parser.set_defaults(config_default=default)
+
+
+def hf_model(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConfig | None:
+    """The ``--hf-config`` geometry (None without it). ``--layers`` is required where the
+    command builds the parameters (``need_layers``); ``--layers``/``--vocab`` without
+    ``--hf-config`` are refused (a committed config has its floor measured as it is)."""
+    if args.hf_config is None:
+        if args.layers is not None or args.vocab is not None:
+            raise WsbError("--layers and --vocab reduce an --hf-config geometry; a committed "
+                           "--config is checked as it is")
+        return None
+    if need_layers and args.layers is None:
+        raise WsbError(f"--hf-config {args.hf_config} needs --layers N: the file's full depth "
+                       "would build every layer of the real model")
+    path = Path(args.hf_config)
+    if not path.exists() and args.hf_config in HF_CONFIGS:
+        path = hf_config_path(args.hf_config)
+    return ModelConfig.from_hf_config(path, n_layers=args.layers, vocab=args.vocab)
+
+
+def model_of(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConfig:
+    """The one geometry of a command that checks one (not ``all``)."""
+    return hf_model(args, need_layers=need_layers) or config_by_name(
+        args.config or args.config_default)
+
+
+def threshold_of(config: ModelConfig, endpoints: Iterable[str | Endpoint]) -> float | None:
+    """None for a committed config (its measured floor); for any other geometry a threshold
+    measured for it, as ``measure_threshold`` does (phase 1a forwards, 4 seeds), over the
+    endpoints checked and the harness's own layout at each degree up to 8 it supports (a
+    degree-1 forward alone is the dense one, a floor of zero)."""
+    if CONFIGS.get(config.name) == config:
+        return None
+    plain = [f"plain:{t}" for t in CONVENTIONS["plain"].supported_degrees(config, 8)]
+    return measure_threshold(config, [*endpoints, *plain])
+
+
+# -- wsb emit
+
+
+def cmd_emit(args: argparse.Namespace) -> int:
+    out = Output(args)
+    config = model_of(args)
+    where = endpoint(args.convention)
+    shards = shards_for(config, where.convention, where.degree, seed=args.seed)
+    files = write_checkpoint(args.directory, shards, where, config,
+                             max_shard_size=args.max_shard_size)
+    if not out.quiet:
+        for path in files:
+            out.text(f"{path.stat().st_size:>12,}  {path}")
+    total = sum(p.stat().st_size for p in files)
+    out.text(f"wrote {len(files)} files ({total:,} bytes): {config.name} seed {args.seed} as "
+             f"{where} in {args.directory}")
+    return EXIT_OK
+
+
+# -- wsb verify
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from weight_sync_bench.cli.main import verdict_record  # main registers this module
+
+    out = Output(args)
+    apply_deadline(args.deadline, args.backend == "gloo")
+    config = model_of(args)
+    where = endpoint(args.convention)
+    source = endpoint(args.src) if args.src is not None else where
+    verdict = verify_checkpoint(args.directory, config, str(where), src=str(source),
+                                seed=args.seed, backend=args.backend,
+                                threshold=threshold_of(config, [source, where]))
+    out.record("check", directory=str(args.directory), **verdict_record(verdict))
+    out.text(str(verdict))
+    code = EXIT_OK if verdict.passed else EXIT_FAILED
+    out.text(f"\n{int(verdict.passed)} passed, {int(not verdict.passed)} failed")
+    out.summary(code, checks=1, ran=1, passed=int(verdict.passed),
+                failed=int(not verdict.passed), interrupted=False)
+    return code
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``emit`` and ``verify`` to ``wsb``."""
+    known = ", ".join(CONVENTIONS)
+    emit = subparsers.add_parser(
+        "emit", help="write the synthetic model as a framework stores it (for a converter "
+                     "that is a command-line tool)", epilog=MODEL_HELP)
+    emit.add_argument("--convention", required=True, metavar="NAME[:T]",
+                      help=f"{known}; hf: config.json + model-0000N-of-0000M.safetensors + "
+                           "model.safetensors.index.json; meta:T: params.json + "
+                           "consolidated.NN.pth per rank; megatron:T, vllm:T, plain:T: "
+                           "config.json + model-rank-{rank}-part-0.safetensors per rank "
+                           "(vLLM's sharded-state pattern)")
+    add_model_options(emit)
+    emit.add_argument("--seed", type=seed, default=0, help="parameter seed (0..2^63-1)")
+    emit.add_argument("--max-shard-size", type=count, default=None, metavar="BYTES",
+                      help="hf only: the largest safetensors file (default a quarter of the "
+                           "model, so it is cut into files as a real checkpoint is; at or "
+                           "above the model's size one model.safetensors, no index)")
+    emit.add_argument("directory", metavar="DIR", type=Path,
+                      help="a new or empty directory")
+    add_output_options(emit, json_records=False)
+    emit.set_defaults(func=cmd_emit)
+
+    verify = subparsers.add_parser(
+        "verify", help="check a converted checkpoint on disk: bytes against the declared "
+                       "shards, then the destination's forward", epilog=MODEL_HELP)
+    verify.add_argument("--convention", required=True, metavar="NAME[:T]",
+                        help=f"what DIR holds ({known}), files as `wsb emit` writes them")
+    add_model_options(verify)
+    verify.add_argument("--from", dest="src", default=None, metavar="NAME[:T]",
+                        help="the convention the converter read (names the route in the "
+                             "verdict only)")
+    verify.add_argument("--seed", type=seed, default=0,
+                        help="the seed `wsb emit` wrote the source with (default 0)")
+    verify.add_argument("--backend", choices=BACKENDS, default="inprocess",
+                        help="where the destination forward runs (gloo: one process per rank)")
+    verify.add_argument("directory", metavar="DIR", type=Path)
+    add_output_options(verify)
+    add_deadline_option(verify)
+    verify.set_defaults(func=cmd_verify)

@@ -1,0 +1,470 @@
+"""Checkpoints on disk, each in the files its framework stores: for converters that are
+command-line tools (``wsb emit`` writes the synthetic model, ``wsb verify`` reads what the
+tool wrote back).
+
+- ``hf`` (degree 1): ``config.json``, the weights in ``model-0000N-of-0000M.safetensors``
+  with ``model.safetensors.index.json`` (``{"metadata": {"total_size", "total_parameters"},
+  "weight_map": {tensor: file}}``, keys sorted), or one ``model.safetensors`` when a single
+  file holds everything. Followed: transformers 4.57 ``PreTrainedModel.save_pretrained``
+  (``SAFE_WEIGHTS_NAME``, ``SAFE_WEIGHTS_INDEX_NAME``, ``metadata={"format": "pt"}``) and
+  ``huggingface_hub.serialization._base.split_state_dict_into_shards_factory`` (tensors in
+  order, a new file when the next one would pass ``max_shard_size``, a tensor larger than
+  it alone in its file; suffix ``-{i:05d}-of-{n:05d}``). Research notes conventions.md §3.
+- ``meta`` (degree t): ``params.json`` (``ModelArgs``: dim, n_layers, n_heads, n_kv_heads,
+  vocab_size, multiple_of, ffn_dim_multiplier, norm_eps, rope_theta) and
+  ``consolidated.{r:02d}.pth`` per model-parallel rank, a ``torch.save``d dict of tensors
+  (``llama/generation.py::Llama.build`` loads ``sorted(glob("*.pth"))[rank]`` and asserts
+  one file per rank). Llama's ``Attention`` uses ``head_dim = dim // n_heads``: a config
+  whose head_dim differs has no params.json.
+- ``megatron``, ``vllm`` and ``plain`` (degree t): one safetensors file per rank,
+  ``model-rank-{rank}-part-0.safetensors``, holding that rank's local tensors as the
+  convention declares them, and a ``config.json`` (the HF one) for the geometry. The
+  pattern is vLLM's ``ShardedStateLoader.DEFAULT_PATTERN``
+  (``vllm/model_executor/model_loader/sharded_state_loader.py``; ``--load-format
+  sharded_state`` reads each rank's tensors in their final, post-loading layout, and
+  ``examples/.../save_sharded_state.py`` copies config.json beside them). A rank may be
+  split over several ``part`` files, as that loader allows. Megatron-Core itself writes
+  ``torch_dist`` or ``mp_rank_XX/model_optim_rng.pt`` checkpoints; the harness stores
+  Megatron's rank-local tensors in the same per-rank safetensors files instead.
+
+Every file is written to a temporary name in the directory, then renamed. Reading checks
+every file against the convention before any tensor is compared: a file missing, truncated
+or mis-named, a tensor missing, extra or of the wrong shape is a ``CheckpointError`` naming
+the file. Dtypes are kept as stored (compared exactly by the check, never assumed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from weight_sync_bench.errors import CheckpointError, UnsupportedConvention
+
+if TYPE_CHECKING:
+    from weight_sync_bench.conventions.convention import Endpoint
+    from weight_sync_bench.model.config import ModelConfig
+
+Params = dict[str, torch.Tensor]
+
+HF_CONFIG = "config.json"
+HF_SINGLE = "model.safetensors"  # transformers SAFE_WEIGHTS_NAME
+HF_INDEX = "model.safetensors.index.json"  # transformers SAFE_WEIGHTS_INDEX_NAME
+HF_SHARD = "model-{index:05d}-of-{total:05d}.safetensors"
+META_PARAMS = "params.json"
+META_FILE = "consolidated.{rank:02d}.pth"
+RANK_FILE = "model-rank-{rank}-part-{part}.safetensors"  # vLLM ShardedStateLoader
+_RANK_RE = re.compile(r"model-rank-(\d+)-part-(\d+)\.safetensors")
+_META_RE = re.compile(r"consolidated\.(\d{2})\.pth")
+# Of a ModelConfig, the fields a config.json or params.json states (the rest is the check's).
+GEOMETRY = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn",
+            "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias", "o_bias")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What ``read_checkpoint`` found: each rank's tensors and, per rank and tensor, the file
+    it came from (to name the file when a later check finds it wrong)."""
+
+    directory: Path
+    shards: list[Params]
+    files: list[dict[str, Path]]
+
+    def file_of(self, rank: int, name: str) -> Path:
+        return self.files[rank].get(name, self.directory)
+
+
+def layout_of(where: Endpoint) -> str:
+    """The on-disk layout of a convention: ``hf``, ``meta`` or ``ranks`` (per-rank files)."""
+    return where.name if where.name in ("hf", "meta") else "ranks"
+
+
+# -- writing
+
+
+def write_checkpoint(directory: str | Path, shards: Sequence[Mapping[str, torch.Tensor]],
+                     where: Endpoint, config: ModelConfig, *,
+                     max_shard_size: int | None = None) -> list[Path]:
+    """Write ``shards`` (``where``'s rank-local tensors, e.g. ``shards_for``) into
+    ``directory`` (created; it must be new or empty) in ``where``'s files; returns the files
+    written, in order. ``max_shard_size`` (bytes, HF only): the largest safetensors file
+    before the next one starts; default a quarter of the model, so the synthetic model is
+    cut into about four files like a real 7-8B checkpoint at HF's 5 GB; at or above the
+    model's size it is one ``model.safetensors``, as ``save_pretrained`` writes it."""
+    out = Path(directory)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: not a new or empty directory (emit does not mix its "
+                              "files with others)", path=str(out))
+    if len(shards) != where.degree:
+        raise CheckpointError(f"{where}: {len(shards)} rank dicts to write, expected "
+                              f"{where.degree}", path=str(out))
+    if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(
+            max_shard_size, int) or max_shard_size < 1):
+        raise CheckpointError(f"max_shard_size must be an int >= 1 (bytes), got "
+                              f"{max_shard_size!r}", path=str(out))
+    kind = layout_of(where)
+    # what the format cannot state is refused before anything is written
+    described = meta_params(config) if kind == "meta" else hf_config_json(config, _dtype(shards))
+    out.mkdir(parents=True, exist_ok=True)
+    match kind:
+        case "hf":
+            return _write_hf(out, dict(shards[0]), described, max_shard_size)
+        case "meta":
+            params = _atomic_text(out / META_PARAMS, json.dumps(described, indent=2))
+            return [params] + [_atomic_torch(out / META_FILE.format(rank=r), dict(s))
+                               for r, s in enumerate(shards)]
+        case _:
+            files = [_atomic_text(out / HF_CONFIG, json.dumps(described, indent=2,
+                                                              sort_keys=True))]
+            return files + [_atomic_safetensors(out / RANK_FILE.format(rank=r, part=0), dict(s))
+                            for r, s in enumerate(shards)]
+
+
+def _write_hf(out: Path, params: Params, described: dict[str, Any],
+              max_shard_size: int | None) -> list[Path]:
+    sizes = {name: x.numel() * x.element_size() for name, x in params.items()}
+    total = sum(sizes.values())
+    limit = max_shard_size if max_shard_size is not None else max(1, math.ceil(total / 4))
+    # split_state_dict_into_shards_factory: in order; a tensor over the limit alone.
+    groups: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, size in sizes.items():
+        if size > limit:
+            groups.append([name])
+            continue
+        if current and current_size + size > limit:
+            groups.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        groups.append(current)
+    files = [_atomic_text(out / HF_CONFIG, json.dumps(described, indent=2, sort_keys=True))]
+    if len(groups) == 1:
+        return files + [_atomic_safetensors(out / HF_SINGLE, params)]
+    weight_map = {}
+    for i, names in enumerate(groups, start=1):
+        path = _atomic_safetensors(out / HF_SHARD.format(index=i, total=len(groups)),
+                                   {n: params[n] for n in names})
+        files.append(path)
+        weight_map.update(dict.fromkeys(names, path.name))
+    index = {"metadata": {"total_parameters": sum(x.numel() for x in params.values()),
+                          "total_size": total}, "weight_map": weight_map}
+    files.append(_atomic_text(out / HF_INDEX, json.dumps(index, indent=2, sort_keys=True)))
+    return files
+
+
+def hf_config_json(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """The HF ``config.json`` ``ModelConfig.from_hf_config`` reads back as ``config`` (its
+    inverse on ``GEOMETRY``): ``LlamaForCausalLM`` (``attention_bias`` biasing q, k, v and
+    o_proj), or ``Qwen2ForCausalLM`` for q, k, v biases alone."""
+    qwen2 = config.qkv_bias and not config.o_bias and not config.bias
+    if config.has_o_bias and not config.has_qkv_bias:
+        raise UnsupportedConvention(f"hf: config.json has no o_proj bias without q/k/v biases "
+                                    f"(attention_bias biases all four; o_bias={config.o_bias})")
+    if config.has_down_bias:
+        raise UnsupportedConvention("hf: config.json's mlp_bias biases gate, up and down "
+                                    f"together; the harness block has a down bias only "
+                                    f"(bias={config.bias})")
+    return {
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen2 else "llama",
+        "hidden_act": "silu",
+        "hidden_size": config.d_model,
+        "intermediate_size": config.ffn,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": config.n_layers,
+        "vocab_size": config.vocab,
+        "rope_theta": config.rope_theta,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": config.has_o_bias,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def meta_ffn(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """``llama/model.py::FeedForward``'s hidden size for ``TransformerBlock``'s
+    ``hidden_dim=4 * dim``: ``int(2 * 4 dim / 3)``, times the multiplier, rounded up to a
+    multiple of ``multiple_of``."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def meta_params(config: ModelConfig) -> dict[str, Any]:
+    """``params.json`` for ``config``: the first ``multiple_of`` (1024, 256, then ffn itself)
+    and ``ffn_dim_multiplier`` (none, Llama 3's 1.3, then ffn over the base) for which
+    ``meta_ffn`` gives ``config.ffn``."""
+    if config.head_dim * config.n_heads != config.d_model:
+        raise UnsupportedConvention(
+            f"meta: params.json has no head_dim (Llama's Attention uses dim // n_heads), so it "
+            f"cannot state head_dim={config.head_dim} != d_model / n_heads = "
+            f"{config.d_model} / {config.n_heads}")
+    base = int(2 * (4 * config.d_model) / 3)
+    choice = next((m, f) for m in (1024, 256, config.ffn) for f in (None, 1.3, config.ffn / base)
+                  if meta_ffn(config.d_model, m, f) == config.ffn)
+    return {"dim": config.d_model, "n_layers": config.n_layers, "n_heads": config.n_heads,
+            "n_kv_heads": config.n_kv_heads, "vocab_size": config.vocab,
+            "multiple_of": choice[0], "ffn_dim_multiplier": choice[1],
+            "norm_eps": config.norm_eps, "rope_theta": config.rope_theta}
+
+
+def _dtype(shards: Sequence[Mapping[str, torch.Tensor]]) -> torch.dtype:
+    return next(iter(shards[0].values())).dtype if shards and shards[0] else torch.float32
+
+
+def _atomic(path: Path, write: Any) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _atomic_text(path: Path, text: str) -> Path:
+    return _atomic(path, lambda tmp: tmp.write_text(text + "\n"))
+
+
+def _atomic_safetensors(path: Path, params: Params) -> Path:
+    from safetensors.torch import save_file
+
+    tensors = {name: x.detach().contiguous() for name, x in params.items()}
+    return _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+
+
+def _atomic_torch(path: Path, params: Params) -> Path:
+    return _atomic(path, lambda tmp: torch.save({n: x.detach().clone() for n, x in params.items()},
+                                                tmp))
+
+
+# -- reading
+
+
+def read_checkpoint(directory: str | Path, where: Endpoint, config: ModelConfig) -> Checkpoint:
+    """The rank-local tensors of a checkpoint ``directory`` said to be ``where`` (``vllm:2``:
+    per-rank safetensors files; ``hf``: an HF directory; ``meta:2``: consolidated files),
+    checked against ``where``'s declared names and shapes for ``config`` and against the
+    directory's ``config.json`` / ``params.json`` where the format has one. Raises
+    ``CheckpointError`` naming the file that is missing, truncated, mis-named or wrong."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint directory", path=str(root))
+    match layout_of(where):
+        case "hf":
+            _check_geometry(root / HF_CONFIG, _read_hf_config(root / HF_CONFIG, config), config)
+            shards, files = _read_hf(root)
+        case "meta":
+            _check_geometry(root / META_PARAMS, _read_meta_params(root / META_PARAMS), config)
+            shards, files = _read_meta(root, where.degree)
+        case _:
+            shards, files = _read_ranks(root, where.degree)
+    checkpoint = Checkpoint(root, shards, files)
+    _check_names_and_shapes(checkpoint, where, config)
+    return checkpoint
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing", path=str(path)) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({exc})", path=str(path)) from None
+
+
+def _read_hf_config(path: Path, config: ModelConfig) -> dict[str, Any]:
+    from weight_sync_bench.errors import InvalidConfig
+    from weight_sync_bench.model.config import ModelConfig
+
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: an HF config is a JSON object, got "
+                              f"{type(data).__name__}", path=str(path))
+    try:
+        found = ModelConfig.from_hf_config(data, name=config.name)
+    except InvalidConfig as exc:
+        raise CheckpointError(f"{path}: {exc}", path=str(path)) from None
+    return {f: getattr(found, f) for f in GEOMETRY}
+
+
+def _read_meta_params(path: Path) -> dict[str, Any]:
+    data = _read_json(path)
+    try:
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON object expected, got {type(data).__name__}")
+        dim, heads = int(data["dim"]), int(data["n_heads"])
+        return {"vocab": int(data["vocab_size"]), "d_model": dim,
+                "n_layers": int(data["n_layers"]), "n_heads": heads,
+                "n_kv_heads": int(data.get("n_kv_heads") or heads), "head_dim": dim // heads,
+                "ffn": meta_ffn(dim, int(data["multiple_of"]), data.get("ffn_dim_multiplier")),
+                "norm_eps": float(data["norm_eps"]),
+                "rope_theta": float(data.get("rope_theta", 10000.0))}
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        raise CheckpointError(f"{path}: not a Llama params.json ({type(exc).__name__}: {exc})",
+                              path=str(path)) from None
+
+
+def _check_geometry(path: Path, found: Mapping[str, Any], config: ModelConfig) -> None:
+    for field, value in found.items():
+        if value != getattr(config, field):
+            raise CheckpointError(f"{path}: {field} is {value!r}, the config checked "
+                                  f"({config.name}) has {getattr(config, field)!r}",
+                                  path=str(path))
+
+
+def _load_safetensors(path: Path) -> Params:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing", path=str(path)) from None
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file, truncated or corrupt "
+                              f"({exc})", path=str(path)) from None
+
+
+def _strays(root: Path, suffix: str, known: set[str], pattern: str) -> None:
+    for path in sorted(root.glob(f"*{suffix}")):
+        if path.name not in known:
+            raise CheckpointError(f"{path}: a {suffix} file the checkpoint does not name "
+                                  f"(expected {pattern})", path=str(path))
+
+
+def _read_hf(root: Path) -> tuple[list[Params], list[dict[str, Path]]]:
+    index_path = root / HF_INDEX
+    if not index_path.exists():
+        single = root / HF_SINGLE
+        if not single.exists():
+            raise CheckpointError(f"{index_path}: missing (and no single {HF_SINGLE})",
+                                  path=str(index_path))
+        _strays(root, ".safetensors", {HF_SINGLE}, HF_SINGLE)
+        params = _load_safetensors(single)
+        return [params], [dict.fromkeys(params, single)]
+    index = _read_json(index_path)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: no weight_map of tensor name -> file name",
+                              path=str(index_path))
+    names = sorted(set(weight_map.values()))
+    _strays(root, ".safetensors", set(names), f"one of the files {index_path.name} names: "
+            + ", ".join(names))
+    params: Params = {}
+    files: dict[str, Path] = {}
+    for name in names:
+        path = root / name
+        if not path.exists():
+            raise CheckpointError(f"{path}: missing ({index_path.name} maps "
+                                  f"{sum(v == name for v in weight_map.values())} tensors to it)",
+                                  path=str(path))
+        for tensor, x in _load_safetensors(path).items():
+            if weight_map.get(tensor) != name:
+                raise CheckpointError(f"{path}: holds {tensor}, which {index_path.name} maps "
+                                      f"to {weight_map.get(tensor)!r}", path=str(path))
+            params[tensor], files[tensor] = x, path
+    for tensor, name in weight_map.items():
+        if tensor not in params:
+            raise CheckpointError(f"{root / name}: has no {tensor} ({index_path.name} maps "
+                                  "it there)", path=str(root / name))
+    return [params], [files]
+
+
+def _read_meta(root: Path, degree: int) -> tuple[list[Params], list[dict[str, Path]]]:
+    expected = [root / META_FILE.format(rank=r) for r in range(degree)]
+    _strays(root, ".pth", {p.name for p in expected},
+            f"consolidated.00.pth .. consolidated.{degree - 1:02d}.pth, one per rank at t={degree}")
+    shards, files = [], []
+    for path in expected:
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing (meta:{degree} has one consolidated file "
+                                  "per model-parallel rank)", path=str(path)) from None
+        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
+            raise CheckpointError(f"{path}: not a readable torch checkpoint, truncated or "
+                                  f"corrupt ({type(exc).__name__}: {exc})", path=str(path)
+                                  ) from None
+        if not isinstance(loaded, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
+            raise CheckpointError(f"{path}: not a dict of tensor name -> tensor",
+                                  path=str(path))
+        shards.append(loaded)
+        files.append(dict.fromkeys(loaded, path))
+    return shards, files
+
+
+def _read_ranks(root: Path, degree: int) -> tuple[list[Params], list[dict[str, Path]]]:
+    pattern = RANK_FILE.format(rank="{rank}", part="{part}")
+    parts: dict[int, list[tuple[int, Path]]] = {}
+    for path in sorted(root.glob("*.safetensors")):
+        match = _RANK_RE.fullmatch(path.name)
+        if match is None:
+            raise CheckpointError(f"{path}: not named {pattern} (one file per rank, vLLM's "
+                                  "sharded-state pattern)", path=str(path))
+        rank, part = int(match[1]), int(match[2])
+        if rank >= degree:
+            raise CheckpointError(f"{path}: rank {rank}, but the checkpoint is checked at "
+                                  f"t={degree} (ranks 0..{degree - 1})", path=str(path))
+        parts.setdefault(rank, []).append((part, path))
+    shards, files = [], []
+    for rank in range(degree):
+        if rank not in parts:
+            path = root / RANK_FILE.format(rank=rank, part=0)
+            raise CheckpointError(f"{path}: missing (no {RANK_FILE.format(rank=rank, part='*')}"
+                                  f" for rank {rank} of t={degree})", path=str(path))
+        params: Params = {}
+        where: dict[str, Path] = {}
+        for _, path in sorted(parts[rank]):
+            for name, x in _load_safetensors(path).items():
+                if name in params:
+                    raise CheckpointError(f"{path}: {name} is also in {where[name].name}",
+                                          path=str(path))
+                params[name], where[name] = x, path
+        shards.append(params)
+        files.append(where)
+    return shards, files
+
+
+def _check_names_and_shapes(checkpoint: Checkpoint, where: Endpoint, config: ModelConfig
+                            ) -> None:
+    shapes = where.convention.local_shapes(config, where.degree)
+    for rank, (params, expected) in enumerate(zip(checkpoint.shards, shapes)):
+        rank_files = sorted(set(checkpoint.files[rank].values())) or [checkpoint.directory]
+        label = ", ".join(str(p) for p in rank_files)
+        missing = [n for n in expected if n not in params]
+        if missing:
+            raise CheckpointError(f"{label}: {where} rank {rank} is missing "
+                                  f"{', '.join(missing[:4])}"
+                                  + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""),
+                                  path=str(rank_files[0]))
+        for name in params:
+            if name not in expected:
+                tied = (" (tied embeddings: the output layer reads the embedding table, not a "
+                        "stored copy)" if config.tie_embeddings else "")
+                raise CheckpointError(f"{checkpoint.file_of(rank, name)}: {where} rank {rank} "
+                                      f"has no tensor {name}{tied}",
+                                      path=str(checkpoint.file_of(rank, name)))
+        for name, want in expected.items():
+            actual = tuple(params[name].shape)
+            if actual != want:
+                raise CheckpointError(f"{checkpoint.file_of(rank, name)}: {where} rank {rank} "
+                                      f"{name} has shape {list(actual)}, declared {list(want)}",
+                                      path=str(checkpoint.file_of(rank, name)))

@@ -1,0 +1,162 @@
+"""``wsb check --converter``, ``--hf-config PATH --layers N`` and ``wsb layout --convention``:
+a user's converter between frameworks from the command line, under the exit-code contract
+(0 pass, 1 a counterexample, 2 bad input, 4 the user's code)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from weight_sync_bench.cli.main import main
+
+MODULE = "wsb_cli_converters"
+
+
+@pytest.fixture
+def converters(tmp_path, monkeypatch):
+    """A user's module of converters beside them, as `python -m` would find it."""
+    (tmp_path / f"{MODULE}.py").write_text(textwrap.dedent("""
+        from weight_sync_bench import convert
+
+        def megatron_to_vllm(shards, degree):
+            from weight_sync_bench import TOY_KV4
+            return convert(shards, "megatron", f"vllm:{degree}", TOY_KV4)
+
+        def swapped(shards, degree):  # the twin: ranks 0 and 1 exchange their qkv_proj
+            out = megatron_to_vllm(shards, degree)
+            name = "model.layers.0.self_attn.qkv_proj.weight"
+            out[0][name], out[1][name] = out[1][name], out[0][name]
+            return out
+
+        def broken(shards, degree):
+            raise KeyError("decoder.layers.0.self_attention.linear_qkv.weight")
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return MODULE
+
+
+def test_a_converter_from_the_command_line_passes_and_its_twin_fails_naming_the_heads(
+        converters, capsys):
+    argv = ["check", "--config", "toy_kv4", "--from", "megatron:4", "--to", "vllm:2"]
+    assert main([*argv, "--converter", f"{converters}:megatron_to_vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "toy_kv4  megatron:4 -> vllm:2" in out and "1 passed, 0 failed" in out
+    assert main([*argv, "--converter", f"{converters}:swapped"]) == 1
+    out = capsys.readouterr().out
+    assert ("first parameter that differs from the declared layout: "
+            "model.layers.0.self_attn.qkv_proj.weight") in out
+    assert ("rank 0 model.layers.0.self_attn.qkv_proj.weight holds Q heads 4-7, K heads 2-3, "
+            "V heads 2-3; declared Q heads 0-3, K heads 0-1, V heads 0-1") in out
+
+
+def test_a_converter_that_raises_is_the_users_code_and_bad_endpoints_are_bad_input(
+        converters, capsys):
+    common = ["check", "--config", "toy_kv4", "--converter"]
+    assert main([*common, f"{converters}:broken", "--from", "megatron:4", "--to", "vllm:2"]) == 4
+    assert "your converter" in capsys.readouterr().err
+    assert main([*common, f"{converters}:megatron_to_vllm", "--to", "vllm:2"]) == 2
+    assert "--converter needs --from NAME:T and --to NAME:T" in capsys.readouterr().err
+    assert main([*common, f"{converters}:megatron_to_vllm", "--from", "megatron:4", "--to",
+                 "vllm:2", "--dst", "2"]) == 2
+    assert "--src and --dst are degrees of the harness's own convention" in capsys.readouterr().err
+    assert main([*common, f"{converters}:megatron_to_vllm", "--from", "tensorrt:4", "--to",
+                 "vllm:2"]) == 2
+    assert "unknown convention 'tensorrt'" in capsys.readouterr().err
+    assert main(["check", "--config", "toy", "--from", "megatron:2", "--to", "vllm:2"]) == 2
+    assert "--from and --to are a converter's conventions" in capsys.readouterr().err
+
+
+def test_over_every_config_a_converter_is_checked_where_both_conventions_store_it(
+        converters, capsys):
+    # TOY has 2 KV heads: Megatron at t=4 rejects it, naming the rule; TOY_KV4 is checked
+    assert main(["check", "--converter", f"{converters}:megatron_to_vllm", "--from",
+                 "megatron:4", "--to", "vllm:2"]) == 0
+    out = capsys.readouterr().out
+    assert "1 passed, 0 failed" in out
+    assert ("skipped toy: megatron: decoder.layers.0.self_attention.linear_qkv.weight needs "
+            "n_kv_heads % t == 0") in out
+    assert main(["check", "--config", "toy", "--converter", f"{converters}:megatron_to_vllm",
+                 "--from", "megatron:4", "--to", "vllm:2"]) == 2
+    assert "megatron: decoder.layers.0.self_attention.linear_qkv.weight needs" in \
+        capsys.readouterr().err
+
+
+def small_hf_config(tmp_path, **changes):
+    """A Llama config.json of a small geometry (head_dim 8 given, 8 heads, 2 KV heads)."""
+    data = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 8,
+            "num_hidden_layers": 32, "vocab_size": 32000, "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5, **changes}
+    path = tmp_path / "small" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_real_geometry_is_checked_reduced_with_a_threshold_measured_for_it(
+        tmp_path, converters, capsys):
+    path = str(small_hf_config(tmp_path))
+    model = ["--hf-config", path, "--layers", "1", "--vocab", "256"]
+    # the harness's own invariant and a user's converter, on the same reduced geometry
+    assert main(["check", *model, "--src", "1", "--dst", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "small   1 -> 2" in out and "1 passed, 0 failed" in out
+    (tmp_path / "wsb_cli_small.py").write_text(textwrap.dedent(f"""
+        from weight_sync_bench import ModelConfig, convert
+        SMALL = ModelConfig.from_hf_config({path!r}, n_layers=1, vocab=256)
+
+        def hf_to_vllm(shards, degree):
+            return convert(shards, "hf", f"vllm:{{degree}}", SMALL)
+
+        def wrong(shards, degree):  # the twin: rank 0's KV replica left at head 1
+            out = hf_to_vllm(shards, degree)
+            name = "model.layers.0.self_attn.qkv_proj.weight"
+            out[0][name], out[3][name] = out[3][name], out[0][name]
+            return out
+    """))
+    argv = ["check", *model, "--from", "hf", "--to", "vllm:4", "--converter"]
+    assert main([*argv, "wsb_cli_small:hf_to_vllm"]) == 0  # t=4 > 2 KV heads: replicated
+    assert "small   hf:1 -> vllm:4" in capsys.readouterr().out
+    assert main([*argv, "wsb_cli_small:wrong"]) == 1
+    assert "holds Q heads 6-7, K head 1, V head 1; declared Q heads 0-1, K head 0, V head 0" \
+        in capsys.readouterr().out
+
+
+def test_an_hf_geometry_needs_its_layers_and_reducing_a_committed_config_is_refused(
+        tmp_path, capsys):
+    path = str(small_hf_config(tmp_path))
+    assert main(["check", "--hf-config", path, "--src", "1", "--dst", "2"]) == 2
+    assert f"--hf-config {path} needs --layers N" in capsys.readouterr().err
+    assert main(["check", "--config", "toy", "--layers", "1"]) == 2
+    assert "--layers and --vocab reduce an --hf-config geometry" in capsys.readouterr().err
+    assert main(["check", "--hf-config", str(tmp_path / "nope.json"), "--layers", "1"]) == 2
+    assert "no such HF config.json" in capsys.readouterr().err
+    bad = str(small_hf_config(tmp_path, hidden_act="gelu"))
+    assert main(["check", "--hf-config", bad, "--layers", "1"]) == 2
+    assert "'hidden_act' is 'gelu'" in capsys.readouterr().err
+
+
+def test_wsb_layout_of_vllm_states_the_replicated_kv_head_where_t_exceeds_the_kv_heads(capsys):
+    assert main(["layout", "--config", "toy", "--convention", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.self_attn.qkv_proj.weight" in out
+    assert "[128, 256] HR(8,2,32)" in out  # t=4: 2 Q heads + a copy of 1 KV head, 4 x 32 rows
+    assert "HR(8,2,32): Q heads split; rank r holds replicated KV head r*2/t" in out
+    # the twin: at t=2 the 2 KV heads split, nothing is replicated
+    assert main(["layout", "--config", "toy", "--convention", "vllm", "--degree", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "[192, 256] HP(8,2,32)" in out and "HR(" not in out and "replicated" not in out
+
+
+def test_wsb_layout_of_a_degree_the_convention_rejects_names_the_rule(capsys):
+    assert main(["layout", "--config", "toy", "--convention", "megatron", "--degree", "4"]) == 2
+    assert ("megatron: decoder.layers.0.self_attention.linear_qkv.weight needs n_kv_heads % t "
+            "== 0") in capsys.readouterr().err
+    assert main(["layout", "--config", "toy", "--convention", "trt"]) == 2
+    assert "unknown convention 'trt'" in capsys.readouterr().err
+    assert main(["layout", "--hf-config", "mistral_nemo", "--convention", "meta",
+                 "--degree", "8"]) == 0  # a shipped config by name; no parameters are built
+    assert "tok_embeddings.weight" in capsys.readouterr().out
