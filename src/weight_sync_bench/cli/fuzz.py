@@ -1,6 +1,9 @@
 """``wsb fuzz``, ``wsb mutants``, ``wsb floor``, ``wsb replay``: the fuzz layer's commands.
 
     wsb fuzz [--minutes M | --examples N] [--phase 1a|1b] [--profile P] [--mutation NAME ...]
+    wsb fuzz --splitter | --resharder MOD:FN [--src S] [--dst D] [--max-d-model N]
+             [--kv-heads LO-HI] [--no-gqa | --gqa-only] [--vocab-multiple K] [--domain F=LO-HI]
+    wsb fuzz --converter MOD:FN --from CONVENTION[:T] --to CONVENTION[:T] [domain options]
     wsb mutants [--examples N] [--profile P]
     wsb floor --random N [--search M --keep K] [--seed S] (--out PATH | --write [--force])
     wsb replay [PATH ...] [--max-gib G] [--max-gflop F]
@@ -19,6 +22,7 @@ from typing import Any
 from weight_sync_bench.check.checker import Forward
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
+from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
     EXIT_HARNESS,
@@ -84,8 +88,26 @@ def _fault_record(f: Any) -> dict[str, Any]:
             "message": str(f.error).splitlines()[0] if str(f.error) else ""}
 
 
+def _write_summary(report: Any, args: argparse.Namespace, command: str,
+                   budget: dict[str, Any]) -> tuple[Path | None, str]:
+    """Write the campaign summary (``fuzz.summary``) to ``--summary PATH``, else under
+    ``paths.fuzz_dir()``; the path (None where there is nowhere to write) and a line saying so."""
+    from weight_sync_bench.errors import MissingArtifacts
+    from weight_sync_bench.fuzz.summary import build_summary, write_summary
+
+    summary = build_summary(report, phase=args.phase, command=command, budget=budget)
+    try:
+        path = write_summary(summary, args.summary)
+    except MissingArtifacts as exc:
+        return None, f"campaign summary not written: {exc} (or pass --summary PATH)"
+    except OSError as exc:
+        raise WsbError(f"--summary {args.summary}: cannot write the campaign summary "
+                       f"({exc.strerror or exc})") from None
+    return path, f"campaign summary: {path}"
+
+
 def _finish(report: Any, out: Output, *, failed: bool, matrix: bool,
-            extra: list[str] = ()) -> int:
+            extra: list[str] = (), summary: Path | None = None) -> int:
     """The closing table, failures and harness faults, the summary; the exit status."""
     from weight_sync_bench.fuzz.runner import format_report
 
@@ -124,7 +146,7 @@ def _finish(report: Any, out: Output, *, failed: bool, matrix: bool,
                 harness_faults=len(report.faults), elapsed=report.elapsed,
                 profile=report.profile, master_seed=report.master_seed,
                 corpus=report.corpus, new_entries=[str(p) for p in report.new_entries],
-                stopped=report.stopped)
+                stopped=report.stopped, summary_file=str(summary) if summary else None)
     return code
 
 
@@ -132,6 +154,12 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
     from weight_sync_bench.fuzz.runner import find_smallest
 
     out = Output(args)
+    if args.splitter or args.resharder or args.converter:
+        return _cmd_fuzz_user(args, out)
+    for flag in ("from_", "to", "src", "dst"):
+        if getattr(args, flag) is not None:
+            raise WsbError(f"--{flag.rstrip('_')} is for fuzzing your own function: give "
+                           "--splitter, --resharder or --converter")
     if args.find_smallest:
         apply_deadline(args.deadline, args.phase == "1b")
         for name in args.find_smallest:
@@ -147,7 +175,86 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
               else {"minutes": args.minutes if args.minutes is not None else 1.0})
     report = _run_fuzz(args, out, mutations=args.mutation, invariant=not args.mutation,
                        chunk=args.chunk, **budget)
-    return _finish(report, out, failed=bool(report.failures), matrix=False)
+    summary, line = _write_summary(report, args, "fuzz", budget)
+    return _finish(report, out, failed=bool(report.failures), matrix=False, extra=[line],
+                   summary=summary)
+
+
+def _range(text: str) -> int | tuple[int, int]:
+    """``"1-8"`` -> ``(1, 8)``; ``"4"`` -> ``4``."""
+    lo, sep, hi = text.partition("-")
+    try:
+        return (int(lo), int(hi)) if sep else int(lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI, got {text!r}") from None
+
+
+def _domain_field(text: str) -> tuple[str, int | tuple[int, int]]:
+    """``"d_model=8-32"`` -> ``("d_model", (8, 32))``."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected FIELD=N or FIELD=LO-HI, got {text!r}")
+    return name, _range(value)
+
+
+def _end(text: str) -> tuple[str, int | None]:
+    """``--from megatron:4`` -> ``("megatron", 4)``; ``--from megatron`` -> drawn."""
+    from weight_sync_bench.conventions import endpoint
+
+    ep = endpoint(text)
+    return ep.name, (ep.degree if ":" in text else None)
+
+
+def _cmd_fuzz_user(args: argparse.Namespace, out: Output) -> int:
+    """``wsb fuzz --splitter | --resharder | --converter mod:fn``: the user's function over
+    the (narrowed) fuzz domain, on the same runner, profiles and budgets as ``wsb fuzz``."""
+    from weight_sync_bench.cli.main import load_function
+    from weight_sync_bench.fuzz.strategies.user import narrow
+    from weight_sync_bench.fuzz.user import UserFunction, UserStats, fuzz_run, user_report
+
+    role = next(r for r in ("splitter", "resharder", "converter") if getattr(args, r))
+    spec = getattr(args, role)
+    if args.find_smallest or args.mutation:
+        raise WsbError(f"--{role} fuzzes your function; --find-smallest and --mutation are the "
+                       "harness's own mutations")
+    conventions, src, dst = None, args.src, args.dst
+    if role == "converter":
+        if args.from_ is None or args.to is None:
+            raise WsbError("--converter needs --from CONVENTION[:T] and --to CONVENTION[:T]")
+        if args.src is not None or args.dst is not None:
+            raise WsbError("a converter's degrees are its conventions': --from megatron:4, "
+                           "not --src")
+        if args.phase != "1a":
+            raise WsbError("conversions are fuzzed in process: --phase 1a")
+        (src_name, src), (dst_name, dst) = _end(args.from_), _end(args.to)
+        conventions = (src_name, dst_name)
+    elif args.from_ is not None or args.to is not None:
+        raise WsbError(f"--from / --to name a converter's conventions; a {role} speaks the "
+                       "harness's own names (--src / --dst fix its degrees)")
+    if role == "splitter" and src is not None:
+        raise WsbError("--src has no meaning with --splitter (a split starts from the full "
+                       "model); give --dst")
+    domain = narrow(max_d_model=args.max_d_model, kv_heads=args.kv_heads,
+                    gqa=False if args.no_gqa else True if args.gqa_only else None,
+                    vocab_multiple=args.vocab_multiple, **dict(args.domain or []))
+    function = UserFunction(load_function(spec, role), role,
+                            src=conventions[0] if conventions else None,
+                            dst=conventions[1] if conventions else None, name=spec)
+    stats = UserStats()
+    run = fuzz_run(function, domain=domain, src=src, dst=dst, stats=stats,
+                   real=not args.no_real_geometries, phase=args.phase)
+    budget = ({"examples": args.examples} if args.examples is not None
+              else {"minutes": args.minutes if args.minutes is not None else 1.0})
+    report = user_report(_run_fuzz(args, out, work=[(function.prop, function.label)], run=run,
+                                   chunk=args.chunk, **budget), stats)
+    out.record("user_function", role=role, function=spec, domain=str(domain),
+               checked=stats.checked, declined=stats.declined,
+               smallest_declined=(str(stats.smallest_declined.case)
+                                  if stats.smallest_declined else None),
+               first_failure_at=stats.first_failure_at)
+    summary, line = _write_summary(report, args, "fuzz", budget)
+    return _finish(report, out, failed=bool(report.failures), matrix=False,
+                   extra=["", f"domain: {domain}", *stats.lines(), line], summary=summary)
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
@@ -157,8 +264,9 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     survivors = [t.mutation for t in report.tallies if t.killed < t.examples - t.identity]
     extra = ([f"\nnot killed everywhere by 10x: {', '.join(map(str, survivors))}"]
              if survivors else [])
+    summary, line = _write_summary(report, args, "mutants", {"examples": args.examples})
     return _finish(report, out, failed=bool(survivors or report.failures), matrix=True,
-                   extra=extra)
+                   extra=[*extra, line], summary=summary)
 
 
 def _floor_figures(artifact: dict[str, Any]) -> list[str]:
@@ -236,10 +344,13 @@ def _replay_record(r: Any) -> dict[str, Any]:
     return {"entry": str(r.entry.path), "property": r.entry.prop, "mutation": case.mutation,
             "phase": case.phase, "src": case.src, "dst": case.dst,
             "deviation": r.outcome.deviation, "threshold": r.outcome.threshold,
-            "ratio": r.outcome.ratio, "status": r.status, "claim_holds": r.claim_holds}
+            "ratio": r.outcome.ratio, "status": r.status, "claim_holds": r.claim_holds,
+            "origin": r.entry.origin, "origin_note": r.entry.origin_note,
+            "user": r.entry.user, "note": r.note}
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from weight_sync_bench.cli.main import load_function  # a user function's entries
     from weight_sync_bench.fuzz.corpus import GIB, ReplayLimits, format_replay, replay, scan_corpus
 
     out = Output(args)
@@ -260,7 +371,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
                 done += 1
                 line.show(f"replay {done}/{len(scan.entries)}: {entry.path.name} (phase {phase})")
                 try:
-                    (result,) = replay([entry], forward=forward)
+                    (result,) = replay([entry], forward=forward, load=load_function)
                 except RankFailure as exc:  # a harness fault, not the entry's verdict
                     faults.append((entry, exc))
                     out.record("harness_fault", entry=str(entry.path), type=type(exc).__name__,
@@ -287,6 +398,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
              + (f"; {len(scan.bad)} bad entr{'y' if len(scan.bad) == 1 else 'ies'}"
                 if scan.bad else "")
              + (f"; {len(faults)} harness faults" if faults else ""))
+    origins = {o: [r for r in results if r.entry.origin == o] for o in ("discovered", "seeded")}
+    if results:
+        out.text("; ".join(f"{o}: {len(rs)} (claim holds on {sum(r.claim_holds for r in rs)})"
+                           for o, rs in origins.items()))
     if broken:
         code = EXIT_FAILED
     elif faults:
@@ -298,7 +413,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     else:
         code = EXIT_OK
     out.summary(code, replayed=len(results), broken=len(broken), bad=len(scan.bad),
-                harness_faults=len(faults), phases=phases, statuses=counts)
+                harness_faults=len(faults), phases=phases, statuses=counts,
+                origins={o: len(rs) for o, rs in origins.items()})
     return code
 
 
@@ -312,8 +428,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         p.add_argument("--seed", type=seed, default=None,
                        help="master seed, 0..2^63-1 (default: random)")
         p.add_argument("--chunk", type=count, default=25, help="examples per round")
-        p.add_argument("--mutation", action="append", choices=list(MUTATIONS), default=None,
-                       help="only this mutation (repeatable)")
+        p.add_argument("--mutation", action="append", default=None,
+                       choices=list(MUTATIONS) + list(CONVERSION_MUTATIONS),
+                       help="only this mutation (repeatable): a layout mutation, or a "
+                            "conversion mutation between conventions")
+        p.add_argument("--summary", type=Path, default=None, metavar="PATH",
+                       help="write the campaign summary (JSON: examples, failures, worst "
+                            "invariant ratio, smallest kill ratios, seed, commit) here "
+                            "(default: <WSB_FUZZ_DIR or .hypothesis>/summaries/)")
         add_output_options(p)
         add_deadline_option(p)
 
@@ -327,6 +449,40 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         metavar="MUTATION", help="shrink the invariant's failure under this "
                         "mutation to its smallest geometry and write it to corpus/")
     common(fuzz)
+    own = fuzz.add_argument_group(
+        "your own function", "fuzz your splitter, resharder or converter instead of the "
+        "harness's reshard; it gets config= (and a converter hf_config=) when its signature "
+        "accepts them, and may raise weight_sync_bench.Unsupported to decline a case")
+    which = own.add_mutually_exclusive_group()
+    which.add_argument("--splitter", metavar="MODULE:FUNCTION",
+                       help="fn(full_params, degree) -> shards, against the declared layout")
+    which.add_argument("--resharder", metavar="MODULE:FUNCTION",
+                       help="fn(shards_at_src, dst) -> shards_at_dst")
+    which.add_argument("--converter", metavar="MODULE:FUNCTION",
+                       help="fn(shards, degree): --from's shards -> --to's")
+    own.add_argument("--from", dest="from_", metavar="CONVENTION[:T]", default=None,
+                     help="a converter's source convention (megatron, vllm, hf, meta, plain); "
+                          "the degree drawn unless given")
+    own.add_argument("--to", metavar="CONVENTION[:T]", default=None,
+                     help="a converter's destination convention")
+    own.add_argument("--src", type=count, default=None, help="fix a resharder's source degree")
+    own.add_argument("--dst", type=count, default=None,
+                     help="fix a splitter's or resharder's destination degree")
+    own.add_argument("--max-d-model", type=count, default=None, metavar="N",
+                     help="only geometries with d_model <= N")
+    own.add_argument("--kv-heads", type=_range, default=None, metavar="LO-HI",
+                     help="only these KV-head counts (inside the fuzz domain's 1-4)")
+    gqa = own.add_mutually_exclusive_group()
+    gqa.add_argument("--no-gqa", action="store_true", help="MHA only (n_heads == n_kv_heads)")
+    gqa.add_argument("--gqa-only", action="store_true", help="GQA only (n_heads >= 2 n_kv_heads)")
+    own.add_argument("--vocab-multiple", type=count, default=None, metavar="K",
+                     help="only vocabularies that are multiples of K")
+    own.add_argument("--domain", type=_domain_field, action="append", default=None,
+                     metavar="FIELD=LO-HI", help="narrow any fuzz-domain field (n_kv_heads, "
+                     "group, head_dim, d_model, ffn_per_kv_head, vocab_per_kv_head, n_layers, "
+                     "batch, seq_len, seed); repeatable")
+    own.add_argument("--no-real-geometries", action="store_true",
+                     help="do not run the shipped config.json geometries first")
     fuzz.set_defaults(func=cmd_fuzz)
 
     mutants = subparsers.add_parser("mutants", help="the mutation kill matrix")

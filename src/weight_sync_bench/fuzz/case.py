@@ -10,6 +10,14 @@ are judged on an outcome:
 - ``kill``: a mutation that is not the identity there deviates by at least ``KILL_MARGIN``
   x the threshold; one that is the identity leaves the shards byte-identical and passes.
 
+A ``ConversionCase`` is the same for a conversion between two frameworks' storage
+conventions (``conventions``) through the harness's own converter (``conventions.convert``),
+a conversion mutation (``conventions.mutations``) applied to its output. Two more claims:
+
+- ``convert``: the converted shards are byte-identical to the destination's declared ones
+  and the destination's forward (reading them as that framework does) passes;
+- ``convert_kill``: ``kill``, for a conversion mutation.
+
 ``footprint`` estimates what running a case costs, from the geometry alone (no tensor is
 made, and nothing loops over layers), so a replay can refuse a case before allocating it.
 """
@@ -21,13 +29,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from weight_sync_bench.check.checker import Checker, Forward, ThresholdRule
+from weight_sync_bench.check.convert import ConversionChecker
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import KILL_MARGIN, mutation_by_name
+from weight_sync_bench.errors import InvalidConfig
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
 from weight_sync_bench.layout.reshard import reshard
-from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
 
-PROPERTIES = ("invariant", "kill")
+PROPERTIES = ("invariant", "kill", "convert", "convert_kill")
+CONVERSION_PROPERTIES = ("convert", "convert_kill")
 FLOAT_BYTES = 4  # fp32 everywhere
 
 
@@ -115,10 +126,12 @@ class Outcome:
         """Whether ``prop`` ("invariant" or "kill") holds on this outcome."""
         if prop == "invariant":
             return self.check_passed
-        if prop == "kill":
+        if prop in ("kill", "convert_kill"):
             if self.case.identity_reason() is not None:
                 return self.check_passed and not self.shards_differ
             return self.killed
+        if prop == "convert":
+            return self.check_passed and not self.shards_differ
         raise ValueError(f"unknown property {prop!r}; known: {', '.join(PROPERTIES)}")
 
     def describe(self) -> str:
@@ -145,11 +158,107 @@ def run_case(case: Case, checker: Checker | None = None, *,
     """Reshard the declared split from ``src`` to ``dst``, apply the mutation, compare the
     sharded logits with the reference. ``checker`` (for the same config and seed) saves the
     reference forward when several cases share it."""
+    if isinstance(case, ConversionCase):
+        return run_conversion_case(case, threshold_rule=threshold_rule)
     checker = checker or make_checker(case.config, case.seed, phase=case.phase,
                                       forward=forward, threshold_rule=threshold_rule)
     shards = reshard(checker.declared(case.src), checker.layout, case.dst)
     if case.mutation is not None:
         shards = mutation_by_name(case.mutation).apply(shards, checker.layout, case.config)
     verdict = checker.verdict(shards, src=case.src, dst=case.dst, mutation=case.mutation)
+    return Outcome(case, verdict.max_abs_error, verdict.threshold,
+                   shards_differ=verdict.first_mismatch is not None)
+
+
+@dataclass(frozen=True)
+class ConversionCase:
+    """A fuzzed conversion: the geometry, the source and destination conventions at their
+    degrees (``src`` and ``dst`` are degrees, as in ``Case``), the model seed, a conversion
+    mutation (``conventions.mutations``) or none, and the phase (1a: conversions are fuzzed
+    in process). The mutation must apply to the conversion (``not_applicable``)."""
+
+    config: ModelConfig
+    src_convention: str
+    src: int
+    dst_convention: str
+    dst: int
+    seed: int
+    mutation: str | None = None
+    phase: str = "1a"
+
+    def __post_init__(self) -> None:
+        from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
+
+        if self.phase != "1a":
+            raise InvalidConfig(f"{self}: conversions are fuzzed in process (phase 1a), got "
+                                f"phase {self.phase!r}")
+        conversion = self.conversion()
+        for end in (conversion.src, conversion.dst):
+            end.pieces(self.config)  # the convention's rules: UnsupportedConvention names one
+        if self.mutation is not None:
+            why = conversion_mutation(self.mutation).not_applicable(conversion)
+            if why is not None:
+                raise InvalidConfig(f"{self}: mutation {self.mutation} does not apply here: {why}")
+
+    def conversion(self):  # -> conventions.mutations.Conversion
+        from weight_sync_bench.conventions import endpoint
+        from weight_sync_bench.conventions.mutations import Conversion
+
+        return Conversion(self.config, endpoint(f"{self.src_convention}:{self.src}"),
+                          endpoint(f"{self.dst_convention}:{self.dst}"))
+
+    def identity_reason(self) -> str | None:
+        """Why the conversion mutation changes no byte here (None: it does, or none is set)."""
+        if self.mutation is None:
+            return None
+        from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
+
+        return conversion_mutation(self.mutation).identity_reason(self.conversion())
+
+    def key(self) -> dict[str, Any]:
+        return {"geometry": self.config.geometry(), "degrees": {"src": self.src, "dst": self.dst},
+                "conventions": {"src": self.src_convention, "dst": self.dst_convention},
+                "seed": self.seed, "mutation": self.mutation, "phase": self.phase}
+
+    def __str__(self) -> str:
+        g = self.config
+        variants = {k: v for k, v in g.geometry().items() if k in VARIANT_FIELDS}
+        what = f", mutation {self.mutation}" if self.mutation else ""
+        extra = "".join(f" {k}={v}" for k, v in variants.items())
+        return (f"d_model={g.d_model} layers={g.n_layers} heads={g.n_heads}/{g.n_kv_heads} "
+                f"head_dim={g.head_dim} ffn={g.ffn} vocab={g.vocab} tokens={g.batch}x{g.seq_len}"
+                f"{extra}, {self.src_convention}:{self.src} -> {self.dst_convention}:{self.dst}"
+                f", seed {self.seed}{what} (phase {self.phase})")
+
+
+@dataclass
+class FuzzConversionChecker(ConversionChecker):
+    """``check.convert.ConversionChecker`` over a fuzzed geometry: the fuzz weights and tokens
+    of (config, seed) and the random-geometry threshold rule (``make_checker``), instead of
+    the seed's init and a committed per-geometry floor."""
+
+    threshold_rule: ThresholdRule | None = None
+
+    def __post_init__(self) -> None:
+        self.checker = make_checker(self.config, self.seed, threshold_rule=self.threshold_rule)
+
+
+def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None = None, *,
+                        threshold_rule: ThresholdRule | None = None) -> Outcome:
+    """Convert the source convention's declared shards with the harness's converter
+    (``conventions.convert``), apply the conversion mutation, and judge the result as
+    ``check_convert`` does: bytes against the destination's declared shards, then the
+    destination's forward against the reference."""
+    from weight_sync_bench.conventions import convert
+    from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
+
+    checker = checker or FuzzConversionChecker(case.config, seed=case.seed,
+                                               threshold_rule=threshold_rule)
+    conversion = case.conversion()
+    shards = convert(checker.source(conversion.src), conversion.src, conversion.dst, case.config)
+    if case.mutation is not None:
+        shards = conversion_mutation(case.mutation).apply(shards, conversion)
+    verdict = checker.verdict(shards, src=conversion.src, dst=conversion.dst,
+                              mutation=case.mutation)
     return Outcome(case, verdict.max_abs_error, verdict.threshold,
                    shards_differ=verdict.first_mismatch is not None)

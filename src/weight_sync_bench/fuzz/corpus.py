@@ -12,6 +12,14 @@ that is the mutation detected, found at its smallest geometry) or ``kill`` faile
 mutation slipped under the margin). ``replay`` re-measures and classifies each entry; it
 never deletes or rewrites one.
 
+Each entry records its ``origin``, so the corpus keeps real discoveries apart from planted
+bugs: ``seeded`` is a mutation planted on purpose and found by the invariant at its smallest
+geometry (``find_smallest``: the committed mutation cases), ``discovered`` is a failure
+nobody planted (the invariant failing on unmutated code, or a mutation slipping under the
+kill margin: a weakness of the check). ``make_entry`` derives it (``origin_of``); an entry
+written before the field existed has its origin inferred by the same rule, with a note
+(``Entry.origin_note``).
+
 Reading is bounded: an entry whose geometry would need more memory or work than
 ``ReplayLimits`` allow (``case.footprint``, from the geometry alone) is refused before
 anything is allocated, naming the field that drives the estimate. ``scan_corpus`` reads
@@ -27,7 +35,7 @@ import math
 import os
 import platform
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,6 +47,7 @@ import torch
 from weight_sync_bench.check.checker import Forward, ThresholdRule
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import mutation_by_name
+from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
 from weight_sync_bench.errors import (
     CorpusEntryTooLarge,
     CorruptCorpusEntry,
@@ -46,8 +55,16 @@ from weight_sync_bench.errors import (
     InvalidNumber,
     UnknownMutation,
 )
-from weight_sync_bench.fuzz.case import PROPERTIES, Case, Outcome, footprint, run_case
-from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.fuzz.case import (
+    CONVERSION_PROPERTIES,
+    PROPERTIES,
+    Case,
+    ConversionCase,
+    Outcome,
+    footprint,
+    run_case,
+)
+from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.paths import corpus_dir
 from weight_sync_bench.tolerance.artifacts import PHASES, environment
@@ -55,7 +72,8 @@ from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
 
 SCHEMA = 1
 KIND = "weight-sync-bench corpus entry"
-STATUSES = ("still failing", "fixed", "drifted", "environment changed")
+ORIGINS = ("seeded", "discovered")
+STATUSES = ("still failing", "fixed", "drifted", "environment changed", "declined")
 _VERSION_KEYS = ("torch", "numpy", "python", "platform")
 
 
@@ -65,24 +83,40 @@ def versions(hypothesis_version: str | None = None) -> dict[str, str | None]:
             "platform": platform.platform()}
 
 
-def entry_name(prop: str, case: Case) -> str:
-    """``<hash>.json``: 16 hex digits of the SHA-256 of the property and the case key."""
-    key = json.dumps({"property": prop, **case.key()}, sort_keys=True, separators=(",", ":"))
+def entry_name(prop: str, case: Case, user: dict[str, Any] | None = None) -> str:
+    """``<hash>.json``: 16 hex digits of the SHA-256 of the property and the case key (and,
+    for a user function's entry, its role and import path: two functions failing on the same
+    case keep an entry each)."""
+    who = {"user": {"role": user.get("role"), "function": user.get("function")}} if user else {}
+    key = json.dumps({"property": prop, **case.key(), **who}, sort_keys=True,
+                     separators=(",", ":"))
     return hashlib.sha256(key.encode()).hexdigest()[:16] + ".json"
+
+
+def origin_of(prop: str, case: Case) -> str:
+    """``seeded`` where the failure is a planted mutation detected (the invariant over a
+    mutated case), ``discovered`` otherwise (see the module doc)."""
+    return "seeded" if prop == "invariant" and case.mutation is not None else "discovered"
 
 
 def make_entry(prop: str, outcome: Outcome, *, worst_deviation: float, worst_ratio: float,
                profile: str | None, hypothesis_seed: int | None,
-               hypothesis_version: str | None) -> dict[str, Any]:
-    """The entry for a shrunk failing ``outcome`` of ``prop``."""
+               hypothesis_version: str | None, origin: str | None = None) -> dict[str, Any]:
+    """The entry for a shrunk failing ``outcome`` of ``prop``; ``origin`` defaults to
+    ``origin_of(prop, case)``."""
     case = outcome.case
+    origin = origin if origin is not None else origin_of(prop, case)
+    if origin not in ORIGINS:
+        raise ValueError(f"origin must be one of {', '.join(ORIGINS)}, got {origin!r}")
     env = environment()
     return {
-        "schema": SCHEMA, "kind": KIND, "property": prop,
+        "schema": SCHEMA, "kind": KIND, "property": prop, "origin": origin,
         "case": {"geometry": case.config.geometry(),
                  "degrees": {"src": case.src, "dst": case.dst},
                  "seeds": {"param": case.seed, "token": TOKEN_SEED_OFFSET + case.seed},
-                 "mutation": case.mutation, "phase": case.phase},
+                 "mutation": case.mutation, "phase": case.phase,
+                 **({"conventions": {"src": case.src_convention, "dst": case.dst_convention}}
+                    if isinstance(case, ConversionCase) else {})},
         "measured": {"deviation": _num(outcome.deviation), "threshold": outcome.threshold,
                      "ratio": _num(outcome.ratio),
                      "worst_deviation_before_shrinking": _num(worst_deviation),
@@ -105,7 +139,7 @@ def write_entry(entry: dict[str, Any], directory: Path | None = None) -> tuple[P
     directory = directory or corpus_dir()
     directory.mkdir(parents=True, exist_ok=True)
     case = case_from(entry, directory / "<new>")
-    path = directory / entry_name(entry["property"], case)
+    path = directory / entry_name(entry["property"], case, entry.get("user"))
     tmp = directory / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     tmp.write_text(json.dumps(entry, indent=2) + "\n")
     try:
@@ -197,6 +231,14 @@ def case_from(entry: Any, path: Path, limits: ReplayLimits | None = None) -> Cas
         raise CorruptCorpusEntry(f"{path}: field 'property' is {prop!r}, expected one of "
                                  f"{', '.join(PROPERTIES)}", path=str(path), field="property")
     geometry = {k: _field(entry, f"case.geometry.{k}", int, path) for k in _GEOMETRY}
+    recorded = _field(entry, "case.geometry", dict, path)
+    for k in VARIANT_FIELDS:  # recorded only where not the default (bools as 0/1)
+        if k in recorded:
+            value = _field(entry, f"case.geometry.{k}", int, path)
+            geometry[k] = value if k == "vocab_multiple" else bool(value)
+    conventions = (_field(entry, "case.conventions", dict, path)
+                   if isinstance(entry.get("case"), dict) and "conventions" in entry["case"]
+                   else None)
     try:
         config = ModelConfig(name=f"corpus:{path.stem}", **geometry)
     except InvalidConfig as exc:
@@ -206,7 +248,7 @@ def case_from(entry: Any, path: Path, limits: ReplayLimits | None = None) -> Cas
     mutation = _field(entry, "case.mutation", (str, type(None)), path)
     if mutation is not None:
         try:
-            mutation_by_name(mutation)
+            (conversion_mutation if conventions is not None else mutation_by_name)(mutation)
         except UnknownMutation as exc:
             raise CorruptCorpusEntry(f"{path}: field 'case.mutation': {exc}", path=str(path),
                                      field="case.mutation") from None
@@ -224,6 +266,14 @@ def case_from(entry: Any, path: Path, limits: ReplayLimits | None = None) -> Cas
                                  f"draws tokens from {TOKEN_SEED_OFFSET} + param = "
                                  f"{TOKEN_SEED_OFFSET + seed}", path=str(path),
                                  field="case.seeds.token")
+    if (conventions is not None) != (prop in CONVERSION_PROPERTIES):
+        raise CorruptCorpusEntry(
+            f"{path}: field 'case.conventions' is set, but property {prop!r} is not a "
+            "conversion's" if conventions is not None else
+            f"{path}: field 'case.conventions' is missing: property {prop!r} is a conversion's",
+            path=str(path), field="case.conventions")
+    if conventions is not None:
+        return _conversion_case_from(entry, config, conventions, mutation, phase, seed, path)
     supported = layout_for(config).supported_degrees()
     degrees = {}
     for end in ("src", "dst"):
@@ -234,6 +284,36 @@ def case_from(entry: Any, path: Path, limits: ReplayLimits | None = None) -> Cas
                 f"t in {supported}", path=str(path), field=f"case.degrees.{end}")
     return Case(config=config, src=degrees["src"], dst=degrees["dst"], seed=seed,
                 mutation=mutation, phase=phase)
+
+
+def _conversion_case_from(entry: Any, config: ModelConfig, conventions: dict[str, Any],
+                          mutation: str | None, phase: str, seed: int, path: Path
+                          ) -> ConversionCase:
+    """A conversion entry's case (``case.conventions`` present): each end's convention named
+    and able to store the geometry at its degree, the mutation applying to the conversion."""
+    from weight_sync_bench.conventions import CONVENTIONS
+
+    ends = {}
+    for end in ("src", "dst"):
+        name = conventions.get(end)
+        if name not in CONVENTIONS:
+            raise CorruptCorpusEntry(f"{path}: field 'case.conventions.{end}' is {name!r}, "
+                                     f"expected one of {', '.join(CONVENTIONS)}", path=str(path),
+                                     field=f"case.conventions.{end}")
+        degree = _field(entry, f"case.degrees.{end}", int, path)
+        if not CONVENTIONS[name].supports(config, degree):
+            raise CorruptCorpusEntry(
+                f"{path}: field 'case.degrees.{end}' is {degree}, {name} stores the geometry at "
+                f"t in {CONVENTIONS[name].supported_degrees(config, 16)}", path=str(path),
+                field=f"case.degrees.{end}")
+        ends[end] = (name, degree)
+    try:
+        return ConversionCase(config=config, src_convention=ends["src"][0], src=ends["src"][1],
+                              dst_convention=ends["dst"][0], dst=ends["dst"][1], seed=seed,
+                              mutation=mutation, phase=phase)
+    except InvalidConfig as exc:
+        raise CorruptCorpusEntry(f"{path}: field 'case': {exc}", path=str(path),
+                                 field="case") from None
 
 
 @dataclass(frozen=True)
@@ -247,8 +327,28 @@ class Entry:
         return self.data["property"]
 
     @property
+    def user(self) -> dict[str, Any] | None:
+        """A user function's entry (``fuzz.user``): its ``role``, ``function`` (import path),
+        ``source_file`` and ``source_sha256``; None for the harness's own entries."""
+        return self.data.get("user")
+
+    @property
     def deviation(self) -> float:
         return float(self.data["measured"]["deviation"])
+
+    @property
+    def origin(self) -> str:
+        """``seeded`` or ``discovered`` (recorded; inferred for an entry older than the field)."""
+        return self.data.get("origin") or origin_of(self.prop, self.case)
+
+    @property
+    def origin_note(self) -> str | None:
+        """Why the origin is inferred (the entry has no ``origin`` field), or None."""
+        if "origin" in self.data:
+            return None
+        return (f"no 'origin' field (written before origins were recorded): counted as "
+                f"{self.origin}, inferred from property {self.prop!r} and mutation "
+                f"{self.case.mutation!r}")
 
 
 def load_entry(path: Path, limits: ReplayLimits | None = None) -> Entry:
@@ -260,6 +360,9 @@ def load_entry(path: Path, limits: ReplayLimits | None = None) -> Entry:
         raise CorruptCorpusEntry(f"{path}: cannot be read ({exc.strerror or exc})",
                                  path=str(path)) from None
     case = case_from(data, Path(path), limits)
+    if isinstance(data, dict) and "origin" in data and data["origin"] not in ORIGINS:
+        raise CorruptCorpusEntry(f"{path}: field 'origin' is {data['origin']!r}, expected one "
+                                 f"of {', '.join(ORIGINS)}", path=str(path), field="origin")
     _field(data, "measured.deviation", (int, float, str), Path(path))
     _field(data, "found.versions", dict, Path(path))
     return Entry(Path(path), data, case)
@@ -310,12 +413,16 @@ class Replayed:
     entry: Entry
     outcome: Outcome
     status: str  # one of STATUSES
+    note: str | None = None  # a user function's entry: its source changed, it now declines
 
     @property
     def claim_holds(self) -> bool:
         """The project's claim on this case: no mutation -> the check passes; a mutation ->
         detected by ``KILL_MARGIN`` x wherever it is not the identity."""
-        return self.outcome.holds("invariant" if self.entry.case.mutation is None else "kill")
+        conversion = isinstance(self.entry.case, ConversionCase)
+        if self.entry.case.mutation is None:
+            return self.outcome.holds("convert" if conversion else "invariant")
+        return self.outcome.holds("convert_kill" if conversion else "kill")
 
 
 def classify(entry: Entry, outcome: Outcome, running: dict[str, Any] | None = None) -> str:
@@ -335,20 +442,51 @@ def classify(entry: Entry, outcome: Outcome, running: dict[str, Any] | None = No
 
 
 def replay(entries: Iterable[Entry], *, forward: Forward = inprocess_forward,
-           threshold_rule: ThresholdRule | None = None) -> Iterator[Replayed]:
-    """Re-measure each entry and classify it. Reads only: nothing is deleted or rewritten."""
+           threshold_rule: ThresholdRule | None = None,
+           load: Callable[[str, str], Callable[..., Any]] | None = None) -> Iterator[Replayed]:
+    """Re-measure each entry and classify it. Reads only: nothing is deleted or rewritten. A
+    user function's entry is re-run against that function, imported by ``load(import path,
+    role)`` (the CLI's ``load_function``; ``fuzz.user.replay_entry``)."""
     for entry in entries:
+        if entry.user:
+            from weight_sync_bench.fuzz.user import replay_entry
+
+            if load is None:
+                raise InvalidConfig(f"{entry.path}: a user function's entry "
+                                    f"({entry.user.get('function')}): replay needs load=")
+            yield replay_entry(entry, load=load, forward=forward, threshold_rule=threshold_rule)
+            continue
         outcome = run_case(entry.case, forward=forward, threshold_rule=threshold_rule)
         yield Replayed(entry, outcome, classify(entry, outcome))
 
 
 def format_replay(results: list[Replayed]) -> str:
-    rows = [["entry", "property", "mutation", "src -> dst", "deviation", "ratio", "status",
-             "claim"]]
-    for r in results:
-        case = r.entry.case
-        rows.append([r.entry.path.name, r.entry.prop, case.mutation or "-",
-                     f"{case.src} -> {case.dst}", f"{r.outcome.deviation:.4g}",
-                     f"{r.outcome.ratio:.3g}x", r.status, "holds" if r.claim_holds else "BROKEN"])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
+    """One table per origin, discovered first (real bugs), then seeded (planted mutations),
+    each with its count; a line per entry whose origin is inferred."""
+    out = []
+    for origin in reversed(ORIGINS):
+        group = [r for r in results if r.entry.origin == origin]
+        if not group:
+            continue
+        rows = [["entry", "property", "mutation", "src -> dst", "deviation", "ratio", "status",
+                 "claim"]]
+        for r in group:
+            case = r.entry.case
+            route = (f"{case.src_convention}:{case.src} -> {case.dst_convention}:{case.dst}"
+                     if isinstance(case, ConversionCase) else f"{case.src} -> {case.dst}")
+            rows.append([r.entry.path.name, r.entry.prop, case.mutation or "-",
+                         route, f"{r.outcome.deviation:.4g}",
+                         f"{r.outcome.ratio:.3g}x", r.status,
+                         "holds" if r.claim_holds else "BROKEN"])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        holds = sum(r.claim_holds for r in group)
+        out.append(f"{origin} ({len(group)} entr{'y' if len(group) == 1 else 'ies'}, the claim "
+                   f"holds on {holds}):")
+        out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        out += [f"note, {r.entry.path.name}: {r.entry.origin_note}" for r in group
+                if r.entry.origin_note]
+        out += [f"note, {r.entry.path.name}: the {r.entry.user.get('role')} "
+                f"{r.entry.user.get('function')}" + (f"; {r.note}" if r.note else "")
+                for r in group if r.entry.user]
+        out.append("")
+    return "\n".join(out).rstrip("\n")

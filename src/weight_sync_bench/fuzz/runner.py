@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hypothesis
 from hypothesis import HealthCheck, Phase, event, example, given, settings, target
@@ -43,7 +44,14 @@ from weight_sync_bench.check.checker import Forward, ThresholdRule
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
 from weight_sync_bench.errors import InvalidNumber, MissingArtifacts, RankFailure, WsbError
-from weight_sync_bench.fuzz.case import Case, Outcome, run_case
+from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
+from weight_sync_bench.fuzz.case import (
+    CONVERSION_PROPERTIES,
+    Case,
+    ConversionCase,
+    Outcome,
+    run_case,
+)
 from weight_sync_bench.fuzz.corpus import load_corpus, make_entry, write_entry
 from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.fuzz.strategies import cases, geometries, seeds
@@ -144,6 +152,7 @@ class PropertyFailed(AssertionError):
         super().__init__(f"{prop} fails on {outcome.describe()}")
         self.prop, self.outcome = prop, outcome
         self.tally: Tally | None = None  # the run's tally, set once the failure is recorded
+        self.entry: Path | None = None  # its corpus entry (new, or already there)
 
 
 @dataclass
@@ -160,6 +169,12 @@ class Tally:
     max_ratio: float = 0.0
     min_at: Case | None = None
     max_at: Case | None = None
+    # what the campaign summary reports (fuzz.summary): the largest ratio over examples the
+    # property held on, and the smallest ratio over killed examples (finite ones)
+    max_passing_ratio: float = 0.0
+    max_passing_at: Case | None = None
+    min_kill_ratio: float = math.inf
+    min_kill_at: Case | None = None
     worst_failing: Outcome | None = None  # before shrinking
     new_entries: list[Path] = field(default_factory=list)
     faults: list[HarnessFault] = field(default_factory=list)
@@ -178,9 +193,13 @@ class Tally:
                 self.min_ratio, self.min_at = outcome.ratio, outcome.case
             if outcome.ratio > self.max_ratio:
                 self.max_ratio, self.max_at = outcome.ratio, outcome.case
+            if outcome.killed and outcome.ratio < self.min_kill_ratio:
+                self.min_kill_ratio, self.min_kill_at = outcome.ratio, outcome.case
+        if outcome.holds(self.prop) and outcome.ratio > self.max_passing_ratio:
+            self.max_passing_ratio, self.max_passing_at = outcome.ratio, outcome.case
         if not outcome.holds(self.prop):
             worst = self.worst_failing
-            more = (outcome.ratio > worst.ratio if self.prop == "invariant"
+            more = (outcome.ratio > worst.ratio if self.prop in ("invariant", "convert")
                     else outcome.ratio < worst.ratio) if worst else True
             if more:
                 self.worst_failing = outcome
@@ -189,24 +208,40 @@ class Tally:
 def corpus_examples(prop: str, mutation: str | None) -> list[Case]:
     """The corpus cases a property takes as explicit examples: entries without a mutation
     feed the invariant; entries with mutation m feed m's kill property."""
-    if prop == "invariant" and mutation is None:
-        return [e.case for e in load_corpus() if e.case.mutation is None]
-    if prop == "kill":
-        return [e.case for e in load_corpus() if e.case.mutation == mutation]
+    conversion = prop in CONVERSION_PROPERTIES  # conversion entries feed the convert ones
+    entries = [e for e in load_corpus()  # a user function's entries are its own (fuzz.user)
+               if isinstance(e.case, ConversionCase) == conversion and not e.user]
+    if prop in ("invariant", "convert") and mutation is None:
+        return [e.case for e in entries if e.case.mutation is None]
+    if prop in ("kill", "convert_kill"):
+        return [e.case for e in entries if e.case.mutation == mutation]
     return []
+
+
+def default_strategy(prop: str, mutation: str | None, phase: str = "1a"
+                     ) -> SearchStrategy[Case] | SearchStrategy[ConversionCase]:
+    """What ``prop`` draws: ``cases`` for the layout properties, ``conversion_cases`` (the
+    conventions, through the harness's own converter) for the convert ones."""
+    if prop in CONVERSION_PROPERTIES:
+        from weight_sync_bench.fuzz.strategies.conventions import conversion_cases
+        return conversion_cases(mutation)
+    return cases(mutation=mutation, phase=phase)
 
 
 def property_test(prop: str, mutation: str | None, tally: Tally, *, phase: str = "1a",
                   forward: Forward = inprocess_forward, threshold_rule: ThresholdRule,
                   examples: list[Case] = (),
-                  strategy: SearchStrategy[Case] | None = None) -> Callable[[], None]:
+                  strategy: SearchStrategy[Case] | None = None,
+                  case_runner: Callable[..., Outcome] = run_case) -> Callable[[], None]:
     """A Hypothesis test of ``prop`` over ``strategy`` (default ``cases(mutation, phase)``)
-    plus ``examples``, counting into ``tally``; settings come from the caller."""
+    plus ``examples``, counting into ``tally``; settings come from the caller. Each case runs
+    through ``case_runner(case, forward=, threshold_rule=)`` (default ``run_case``, the
+    harness's own reshard; ``fuzz.user`` passes the user's function)."""
 
-    @given(case=strategy if strategy is not None else cases(mutation=mutation, phase=phase))
+    @given(case=strategy if strategy is not None else default_strategy(prop, mutation, phase))
     def test(case: Case) -> None:
         try:
-            outcome = run_case(case, forward=forward, threshold_rule=threshold_rule)
+            outcome = case_runner(case, forward=forward, threshold_rule=threshold_rule)
         except RankFailure as error:  # the harness failed, not the property: do not shrink
             raise _HarnessAbort(error, case) from error
         tally.add(outcome)
@@ -214,8 +249,9 @@ def property_test(prop: str, mutation: str | None, tally: Tally, *, phase: str =
         event(f"t={case.src}->{case.dst}" + (" identity" if identity else ""))
         if identity is None and math.isfinite(outcome.ratio):
             # the invariant looks for large deviations, the kill property for small ones
-            target(outcome.ratio if prop == "invariant" else -outcome.ratio,
-                   label="ratio" if prop == "invariant" else "-ratio")
+            looks_up = prop in ("invariant", "convert")
+            target(outcome.ratio if looks_up else -outcome.ratio,
+                   label="ratio" if looks_up else "-ratio")
         if not outcome.holds(prop):
             raise PropertyFailed(prop, outcome)
 
@@ -230,22 +266,29 @@ def run_property(prop: str, mutation: str | None = None, *, profile: str | None 
                  threshold_rule: ThresholdRule | None = None, corpus: bool = True,
                  corpus_path: Path | None = None,
                  strategy: SearchStrategy[Case] | None = None, tally: Tally | None = None,
-                 ) -> Tally:
+                 examples: list[Case] | None = None,
+                 case_runner: Callable[..., Outcome] = run_case,
+                 entry_fields: dict[str, Any] | None = None) -> Tally:
     """Run one property under a profile (explicit examples from the corpus first). On a
     failure the shrunk case goes to the corpus (``corpus_path`` or ``corpus/``) and the
     failure is re-raised; otherwise returns the tally (``tally``, if given, counts). A rank
     fault is recorded in ``tally.faults`` and its ``RankFailure`` re-raised, unshrunk and
-    not written to the corpus."""
+    not written to the corpus. ``examples`` replace the corpus's explicit examples (still
+    only with ``corpus``), ``case_runner`` runs each case (``property_test``) and
+    ``entry_fields`` are added to a failure's corpus entry (``fuzz.user``: the user's
+    function)."""
     name = profile_name(profile)
     if max_examples is not None:
         InvalidNumber.count("max_examples", max_examples)
     tally = tally if tally is not None else Tally(prop, mutation)
     rule = threshold_rule or fuzz_threshold_rule(phase)
-    examples = corpus_examples(prop, mutation) if corpus else []
+    examples = ((list(examples) if examples is not None else corpus_examples(prop, mutation))
+                if corpus else [])
     if Phase.generate not in PROFILES[name].phases and not examples:
         return tally  # nothing to run (Hypothesis would raise SkipTest)
     test = property_test(prop, mutation, tally, phase=phase, forward=forward,
-                         threshold_rule=rule, examples=examples, strategy=strategy)
+                         threshold_rule=rule, examples=examples, strategy=strategy,
+                         case_runner=case_runner)
     overrides = {"max_examples": max_examples} if max_examples is not None else {}
     if seed is not None:
         overrides["derandomize"] = False
@@ -263,11 +306,12 @@ def run_property(prop: str, mutation: str | None = None, *, profile: str | None 
         entry = make_entry(prop, failure.outcome, worst_deviation=worst.deviation,
                            worst_ratio=worst.ratio, profile=name, hypothesis_seed=seed,
                            hypothesis_version=hypothesis.__version__)
+        entry.update(entry_fields or {})
         path, created = write_entry(entry, corpus_path)
         if created:
             tally.new_entries.append(path)
         tally.failures += 1
-        failure.tally = tally
+        failure.tally, failure.entry = tally, path
         failure.args = (f"{failure.args[0]}\n  corpus entry: {path}"
                         f"{'' if created else ' (already there)'}",)
         raise
@@ -295,11 +339,23 @@ def find_smallest(mutation: str, *, profile: str | None = None, phase: str = "1a
                    "never detected it")
 
 
-def targets(mutations: list[str] | None = None, invariant: bool = True
-            ) -> list[tuple[str, str | None]]:
-    """The (property, mutation) pairs a fuzz run cycles through."""
-    names = list(MUTATIONS) if mutations is None else mutations
-    return ([("invariant", None)] if invariant else []) + [("kill", m) for m in names]
+def targets(mutations: list[str] | None = None, invariant: bool = True,
+            conversions: bool = True) -> list[tuple[str, str | None]]:
+    """The (property, mutation) pairs a fuzz run cycles through: the invariant, then (with
+    ``conversions``) the invariant through the harness's converter between conventions
+    (``convert``), then each layout mutation's ``kill`` and each conversion mutation's
+    ``convert_kill``. ``mutations`` None means all of them; a list names some (of either
+    kind), and then ``convert`` runs only if a conversion mutation is among them."""
+    if mutations is None:
+        names = list(MUTATIONS) + (list(CONVERSION_MUTATIONS) if conversions else [])
+    else:
+        names = list(mutations)
+    converted = [m for m in names if m in CONVERSION_MUTATIONS]
+    out: list[tuple[str, str | None]] = [("invariant", None)] if invariant else []
+    if invariant and conversions and (mutations is None or converted):
+        out.append(("convert", None))
+    return (out + [("kill", m) for m in names if m not in CONVERSION_MUTATIONS]
+            + [("convert_kill", m) for m in converted])
 
 
 @dataclass(frozen=True)
@@ -347,15 +403,18 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
          profile: str | None = None, mutations: list[str] | None = None,
          invariant: bool = True, chunk: int = 25, master_seed: int | None = None,
          forward: Forward = inprocess_forward, threshold_rule: ThresholdRule | None = None,
-         corpus_path: Path | None = None, max_faults: int = 3
-         ) -> Iterator[Progress | FuzzReport]:
+         corpus_path: Path | None = None, max_faults: int = 3,
+         work: list[tuple[str, str | None]] | None = None,
+         run: Callable[..., Tally] = run_property) -> Iterator[Progress | FuzzReport]:
     """Cycle through the properties in rounds of ``chunk`` examples, each round under its own
     Hypothesis seed (drawn from ``master_seed``), until ``minutes`` have passed or about
     ``examples`` examples have run (``examples`` is per property when only a budget in
     examples is given: every property gets that many). Yields a ``Progress`` after every
     round and a ``FuzzReport`` last. Failures are written to the corpus, not raised; rank
     faults are recorded, and after ``max_faults`` of them the run stops; a
-    ``KeyboardInterrupt`` ends it with the report of what ran."""
+    ``KeyboardInterrupt`` ends it with the report of what ran. ``work`` replaces the
+    (property, mutation) pairs of ``targets``, ``run`` the ``run_property`` each round calls
+    (``fuzz.user.fuzz_run``: a user's function, ``work`` its one label)."""
     if (minutes is None) == (examples is None):
         raise WsbError("fuzz needs exactly one budget: minutes or examples")
     if minutes is not None:
@@ -370,7 +429,8 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
     rule = threshold_rule or fuzz_threshold_rule(phase)
     master_seed = master_seed if master_seed is not None else random.SystemRandom().getrandbits(32)
     rng = random.Random(master_seed)
-    work = targets(mutations, invariant)
+    work = (work if work is not None
+            else targets(mutations, invariant, conversions=phase == "1a"))  # conversions: in process
     merged = {t: Tally(*t) for t in work}
     failures: list[PropertyFailed] = []
     exhausted: set[tuple[str, str | None]] = set()  # ran nothing: wsb-replay after the corpus
@@ -387,7 +447,7 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
             budget = chunk if examples is None else min(chunk, examples - done)
             tally = Tally(prop, mutation)
             try:
-                run_property(prop, mutation, profile=name, max_examples=budget,
+                run(prop, mutation, profile=name, max_examples=budget,
                              seed=rng.getrandbits(32), phase=phase, forward=forward,
                              threshold_rule=rule, corpus=first, corpus_path=corpus_path,
                              tally=tally)
@@ -451,6 +511,10 @@ def _merge(into: Tally, tally: Tally) -> None:
         into.min_ratio, into.min_at = tally.min_ratio, tally.min_at
     if tally.max_ratio > into.max_ratio:
         into.max_ratio, into.max_at = tally.max_ratio, tally.max_at
+    if tally.max_passing_ratio > into.max_passing_ratio:
+        into.max_passing_ratio, into.max_passing_at = tally.max_passing_ratio, tally.max_passing_at
+    if tally.min_kill_ratio < into.min_kill_ratio:
+        into.min_kill_ratio, into.min_kill_at = tally.min_kill_ratio, tally.min_kill_at
 
 
 def format_report(report: FuzzReport, *, matrix: bool = False) -> str:
@@ -474,7 +538,7 @@ def format_report(report: FuzzReport, *, matrix: bool = False) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if matrix:
         lines += [f"note, {t.mutation}: {MUTATIONS[t.mutation].note}" for t in report.tallies
-                  if t.mutation and MUTATIONS[t.mutation].note]
+                  if t.mutation in MUTATIONS and MUTATIONS[t.mutation].note]
     rate = report.examples / report.elapsed if report.elapsed else 0.0
     lines.append(f"{report.examples} examples in {report.elapsed:.1f}s ({rate:.1f}/s), "
                  f"{len(report.failures)} failures, {len(report.faults)} harness faults; "

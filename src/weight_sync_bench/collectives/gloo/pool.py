@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from weight_sync_bench.collectives.gloo.breadcrumbs import BreadcrumbBoard, Fault
 from weight_sync_bench.collectives.gloo.rank import dumps, rank_main, recv, send
-from weight_sync_bench.errors import RankCrash, RankFailure, RankStopped, RankTimeout
+from weight_sync_bench.errors import RankCrash, RankFailure, RankStopped, RankTimeout, WsbError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -484,21 +484,68 @@ def _signals_deferred() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+# The forkserver listens on an AF_UNIX socket that ``forkserver.ensure_running`` binds at
+# ``connection.arbitrary_address("AF_UNIX")``: ``<util.get_temp_dir()>/listener-XXXXXXXX``,
+# where ``get_temp_dir()`` is ``tempfile.mkdtemp(prefix="pymp-")`` under TMPDIR (CPython
+# Lib/multiprocessing/{forkserver,connection,util}.py). ``sockaddr_un.sun_path`` holds 108
+# bytes on Linux and 104 on macOS, its NUL included, so a TMPDIR longer than about 70 bytes
+# makes the bind fail ("OSError: AF_UNIX path too long") before any rank starts.
+SUN_PATH_MAX = 104 - 1  # the smaller of the two, less the NUL
+_SOCKET_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")  # what multiprocessing appends
+SHORT_TEMP_BASES = ("/tmp", "/var/tmp", "/dev/shm")
+
+
+def socket_tempdir(base: str | None = None) -> str | None:
+    """Where multiprocessing's temporary files (the forkserver's listener socket) must go:
+    None where ``base`` (default ``tempfile.gettempdir()``, i.e. TMPDIR) is short enough for
+    the socket path, else the first of ``SHORT_TEMP_BASES`` that is short enough and a
+    writable directory. Raises ``WsbError`` naming TMPDIR and its length where none is."""
+    base = base if base is not None else tempfile.gettempdir()
+    if len(os.fsencode(base)) + _SOCKET_SUFFIX <= SUN_PATH_MAX:
+        return None
+    for short in SHORT_TEMP_BASES:
+        if (len(short) + _SOCKET_SUFFIX <= SUN_PATH_MAX and os.path.isdir(short)
+                and os.access(short, os.W_OK | os.X_OK)):
+            return short
+    raise WsbError(f"TMPDIR={base!r} is {len(os.fsencode(base))} bytes: the rank pool's "
+                   f"forkserver socket under it would exceed the {SUN_PATH_MAX}-byte AF_UNIX "
+                   f"path limit, and none of {', '.join(SHORT_TEMP_BASES)} is a writable "
+                   "directory to use instead; set TMPDIR to a shorter directory")
+
+
 def _start_forkserver() -> None:
     """Start multiprocessing's forkserver (if it is not running) with SIGINT ignored: it
     inherits that through exec, so a Ctrl-C in the terminal, which reaches the whole process
     group, interrupts the parent (which tears the ranks down) and never the forkserver in the
-    middle of importing torch (a traceback of its own, and a broken pool)."""
+    middle of importing torch (a traceback of its own, and a broken pool).
+
+    Under a TMPDIR too long for its socket path (``socket_tempdir``), multiprocessing's
+    temporary directory (``pymp-*``, private, 0700, removed by multiprocessing at exit) is
+    made under a short system one instead, by pointing ``tempfile.tempdir`` there for the
+    duration of the start only. The pool's own files (``wsb-ranks-*``) stay under TMPDIR."""
     from multiprocessing import forkserver
 
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    short = socket_tempdir()
+    saved = tempfile.tempdir
+    if short is not None:
+        tempfile.tempdir = short
     try:
-        forkserver.ensure_running()
+        if threading.current_thread() is not threading.main_thread():
+            forkserver.ensure_running()
+            return
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+    except OSError as exc:
+        if "AF_UNIX path too long" not in str(exc):
+            raise
+        raise WsbError(f"the rank pool's forkserver socket path is too long ({exc}): "
+                       "multiprocessing's temporary directory was made under a long TMPDIR "
+                       "before the pool started; set TMPDIR to a shorter directory") from exc
     finally:
-        signal.signal(signal.SIGINT, previous)
+        tempfile.tempdir = saved
 
 
 def _check_deadline(deadline: float, pg_timeout: float) -> None:
@@ -527,6 +574,16 @@ def _unpickle_exception(payload: Mapping[str, Any]) -> BaseException | None:
 _shared: RankPool | None = None
 _shared_lock = threading.Lock()
 _shared_deadline: float | None = None  # None: RankPool's default
+# A torchrun job's ranks (``torchrun.TorchrunRanks``) standing in for the shared pool: every
+# caller of ``shared_pool`` then runs its tasks on the job (``stand_in``).
+_stand_in: Any = None
+
+
+def stand_in(ranks: Any) -> None:
+    """Make ``ranks`` (``TorchrunRanks``; None: undo) what ``shared_pool`` returns, whatever
+    size is asked: a task of a degree above the job's world is refused by its ``run``."""
+    global _stand_in
+    _stand_in = ranks
 
 
 def shared_pool(size: int, *, deadline: float | None = None) -> RankPool:
@@ -538,6 +595,8 @@ def shared_pool(size: int, *, deadline: float | None = None) -> RankPool:
     shared pool after it; a deadline above half the process-group timeout replaces the pool
     with one whose timeout is twice the deadline."""
     global _shared, _shared_deadline
+    if _stand_in is not None:
+        return _stand_in  # type: ignore[no-any-return]
     if deadline is not None:
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) \
                 or not 0 < deadline < float("inf"):

@@ -1,0 +1,194 @@
+"""Hypothesis strategies for conversions between storage conventions.
+
+- ``conversion_geometries(needs=...)``: a geometry of the fuzz domain that the conventions
+  can hold, with a KV-head *replication factor* k drawn first (1, 2 or 4) and the query
+  groups and the ffn drawn as multiples of it, so vLLM can store it at ``t = k *
+  n_kv_heads > n_kv_heads`` (``QKVParallelLinear``'s ``num_kv_head_replicas = t /
+  n_kv_heads``); the variants each framework stores differently (Qwen2's qkv bias, Llama's
+  ``attention_bias``, tied embeddings) drawn too;
+- ``endpoints(config)``: every (convention, degree) that can store it (probed through the
+  conventions' own rules, degrees among the divisors of ``n_heads``);
+- ``conversion_cases(mutation)``: a ``ConversionCase``: the two conventions (each equally
+  likely), a geometry both store, each end's degree, a seed; with a conversion mutation, an
+  endpoint pair where it applies and (when there is one) is not the identity.
+
+The geometry a mutation needs to be live somewhere (``needs_for``: Meta's order for the RoPE
+bugs, a qkv bias to split, an untied output, replicated KV heads) is drawn directly, never
+filtered, so every mutation is killed in a handful of examples. Everything shrinks toward
+the domain's smallest geometry (k = 1, no variant), the smallest endpoints (``plain:1``
+first) and seed 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hypothesis import strategies as st
+from weight_sync_bench.fuzz.strategies import in_range, seeds
+
+from weight_sync_bench.conventions import CONVENTIONS, Endpoint, endpoint
+from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
+from weight_sync_bench.conventions.mutations import Conversion
+from weight_sync_bench.fuzz.case import ConversionCase
+from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain, IntRange
+from weight_sync_bench.model.config import ModelConfig
+
+__all__ = ["Needs", "conversion_cases", "conversion_geometries", "endpoints", "needs_for"]
+
+REPLICATION = (1, 2, 4)  # KV-head replication factors k: vLLM at t = k * n_kv_heads
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a geometry must have for a conversion mutation to be live somewhere in it:
+
+    - ``min_kv_heads``: the fewest KV heads (2: more than one KV group, or a degree >= 2 on
+      the conventions without replication);
+    - ``min_replication`` / ``max_replication``: the range of k (2: a replicated KV head);
+    - ``min_head_dim``: 4 where a head of one RoPE pair hides a permute;
+    - ``k_view``: ``head_dim`` a multiple of ``2 * group`` and ``group >= 2`` (k permuted
+      with ``n_heads`` is a silent bug only where that view of k is valid, and differs);
+    - ``variants``: ``"any"``, ``"plain"`` (no bias, untied: Meta's checkpoints),
+      ``"no_o_bias"`` (Megatron stores no linear_proj bias without fc1 biases),
+      ``"qkv_bias"`` (a fused qkv bias, no o_proj bias), ``"untied"``."""
+
+    min_kv_heads: int = 1
+    min_replication: int = 1
+    max_replication: int = REPLICATION[-1]
+    min_head_dim: int = 2
+    k_view: bool = False
+    variants: str = "any"
+
+
+_NEEDS = {
+    "tp_rank_defaults_to_0": Needs(min_kv_heads=2),
+    "kv_replica_modulo": Needs(min_kv_heads=2, min_replication=2),
+    "megatron_qkv_read_as_plain": Needs(min_kv_heads=2, variants="no_o_bias"),
+    "plain_qkv_read_as_megatron": Needs(min_kv_heads=2, variants="no_o_bias"),
+    "megatron_fc1_rank_concat": Needs(min_kv_heads=2, variants="no_o_bias"),
+    "rope_permute_missing": Needs(min_head_dim=4, variants="plain"),
+    "rope_permute_twice": Needs(min_head_dim=4, variants="plain"),
+    "rope_k_permuted_with_n_heads": Needs(k_view=True, variants="plain"),
+    "qkv_bias_not_split": Needs(min_kv_heads=2, variants="qkv_bias"),
+    "embedding_split_on_vocab": Needs(min_kv_heads=2, variants="plain"),
+    "embedding_joined_on_vocab": Needs(min_kv_heads=2, variants="plain"),
+    "output_stale_copy": Needs(variants="untied"),
+}
+
+
+def needs_for(mutation: str | None) -> Needs:
+    """What a geometry needs for ``mutation`` (a conversion mutation) to be live; ``Needs()``
+    for none."""
+    if mutation is None:
+        return Needs()
+    if mutation not in CONVERSION_MUTATIONS:
+        raise ValueError(f"unknown conversion mutation {mutation!r}; known: "
+                         f"{', '.join(CONVERSION_MUTATIONS)}")
+    return _NEEDS.get(mutation, Needs())
+
+
+@st.composite
+def _variants(draw: st.DrawFn, kind: str) -> dict[str, bool]:
+    if kind == "plain":
+        return {}
+    tied = False if kind in ("untied", "qkv_bias") else draw(st.booleans())
+    if kind == "qkv_bias":  # Qwen2: q, k, v biases only
+        return {"qkv_bias": True}
+    # none, Qwen2 (qkv_bias) or Llama's attention_bias (q, k, v and o_proj biases)
+    bias = draw(st.sampled_from(["none", "qkv"] if kind == "no_o_bias" else
+                                ["none", "qkv", "attention"]))
+    return {"tie_embeddings": tied, "qkv_bias": bias != "none", "o_bias": bias == "attention"}
+
+
+@st.composite
+def conversion_geometries(draw: st.DrawFn, domain: FuzzDomain = DOMAIN,
+                          needs: Needs = Needs()) -> ModelConfig:
+    """A geometry inside ``domain`` meeting ``needs``: ``n_kv_heads``, then the replication
+    factor k, then the query group and the ffn per KV head as multiples of k (and of the
+    head_dim's needs), then the rest as ``geometries`` draws them, then the variants."""
+    kv_lo = max(domain.n_kv_heads.lo, needs.min_kv_heads)
+    n_kv_heads = draw(st.integers(kv_lo, domain.n_kv_heads.top))
+    ks = [k for k in REPLICATION if needs.min_replication <= k <= needs.max_replication
+          and _multiples(domain.group, k, 2 if needs.k_view else 1)]
+    k = draw(st.sampled_from(ks))
+    group = draw(st.sampled_from(_multiples(domain.group, k, 2 if needs.k_view else 1)))
+    ffn_per_kv_head = draw(st.sampled_from(_multiples(domain.ffn_per_kv_head, k)))
+    head_dims = [h for h in range(domain.head_dim.lo, domain.head_dim.top + 1,
+                                  domain.head_dim.step)
+                 if h >= needs.min_head_dim and (not needs.k_view or h % (2 * group) == 0)]
+    config = domain.config(
+        n_kv_heads=n_kv_heads, group=group, ffn_per_kv_head=ffn_per_kv_head,
+        vocab_per_kv_head=draw(in_range(domain.vocab_per_kv_head)),
+        head_dim=draw(st.sampled_from(head_dims)), d_model=draw(in_range(domain.d_model)),
+        n_layers=draw(in_range(domain.n_layers)), batch=draw(in_range(domain.batch)),
+        seq_len=draw(in_range(domain.seq_len)), name="fuzz_convert")
+    return dataclasses.replace(config, **draw(_variants(needs.variants)))
+
+
+def _multiples(r: IntRange, k: int, at_least: int = 1) -> list[int]:
+    """Members of IntRange ``r`` that are multiples of ``k`` and at least ``at_least``."""
+    return [v for v in range(r.lo, r.top + 1, r.step) if v % k == 0 and v >= at_least]
+
+
+def endpoints(config: ModelConfig, names: tuple[str, ...] | None = None) -> list[Endpoint]:
+    """Every (convention, degree) that can store ``config`` (of the conventions ``names``,
+    default all), smallest degree first, then in ``CONVENTIONS`` order; degrees among the
+    divisors of ``n_heads`` (every convention splits the query heads)."""
+    degrees = [t for t in range(1, config.n_heads + 1) if config.n_heads % t == 0]
+    found = [endpoint(f"{name}:{t}") for t in degrees for name, conv in CONVENTIONS.items()
+             if (names is None or name in names) and conv.supports(config, t)]
+    assert found, f"{config}: none of {names or list(CONVENTIONS)} stores it"
+    return found
+
+
+def _pairs(config: ModelConfig, mutation: str | None) -> list[tuple[Endpoint, Endpoint]]:
+    """Endpoint pairs to draw from: every pair without a mutation; with one, the pairs where
+    it applies and is not the identity, else (none live) those where it applies."""
+    eps = endpoints(config)
+    pairs = [(a, b) for a in eps for b in eps]
+    if mutation is None:
+        return pairs
+    m = CONVERSION_MUTATIONS[mutation]
+    applies = [(a, b) for a, b in pairs if m.not_applicable(Conversion(config, a, b)) is None]
+    live = [(a, b) for a, b in applies if m.identity_reason(Conversion(config, a, b)) is None]
+    assert applies, (f"{mutation} applies to no conversion of {config}: needs_for({mutation!r}) "
+                     "does not draw what the mutation needs")
+    return live or applies
+
+
+# What a convention stores of the variants: Meta's checkpoints have no bias and never tie
+# the output; Megatron stores no linear_proj bias without fc1 biases (see each module).
+_CONVENTION_VARIANTS = {"meta": "plain", "megatron": "no_o_bias"}
+_STRICTER = ("any", "no_o_bias", "plain")  # each a subset of the one before
+
+
+def _variants_for(*names: str) -> str:
+    return max((_CONVENTION_VARIANTS.get(n, "any") for n in names), key=_STRICTER.index)
+
+
+@st.composite
+def conversion_cases(draw: st.DrawFn, mutation: str | None = None,
+                     domain: FuzzDomain = DOMAIN) -> ConversionCase:
+    """A conversion to fuzz, and a seed.
+
+    Without a mutation: the source and destination conventions first (each of
+    ``CONVENTIONS`` equally likely at either end), a geometry whose variants both store
+    (``conversion_geometries``), then each end's degree from those its convention supports
+    there. With a mutation: ``conversion_geometries(needs_for(mutation))``, then an ordered
+    endpoint pair where it applies, and is live where possible.
+
+    Shrinks toward ``plain -> plain``, the smallest geometry, t = 1 and seed 0."""
+    if mutation is None:
+        names = list(CONVENTIONS)
+        src_name, dst_name = draw(st.sampled_from(names)), draw(st.sampled_from(names))
+        config = draw(conversion_geometries(domain, Needs(
+            variants=_variants_for(src_name, dst_name))))
+        src = draw(st.sampled_from(endpoints(config, (src_name,))))
+        dst = draw(st.sampled_from(endpoints(config, (dst_name,))))
+    else:
+        config = draw(conversion_geometries(domain, needs_for(mutation)))
+        src, dst = draw(st.sampled_from(_pairs(config, mutation)))
+    return ConversionCase(config=config, src_convention=src.name, src=src.degree,
+                          dst_convention=dst.name, dst=dst.degree, seed=draw(seeds(domain)),
+                          mutation=mutation)

@@ -1,0 +1,132 @@
+"""``wsb fuzz --splitter | --resharder | --converter module:function``: the user's function on
+the fuzz runner, a counterexample reported as the user reads it (exit 1), a correct function
+passing (exit 0), declined cases counted and a run that declines all of them checking
+nothing (exit 2), the domain narrowed from the command line, and ``wsb replay`` re-running a
+user function's entry and saying when its source changed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from weight_sync_bench.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _own_corpus(monkeypatch, tmp_path_factory):
+    """Each test writes the user-function entries it finds into a corpus of its own, not the
+    process's shared copy, which other test files replay (and count) entry by entry."""
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path_factory.mktemp("corpus")))
+
+
+FUNCTIONS = Path(__file__).resolve().parents[1] / "fuzz" / "user_functions.py"
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    """``user_functions`` copied beside the user, who runs ``wsb`` there; a corpus of their own."""
+    shutil.copy(FUNCTIONS, tmp_path / "my_functions.py")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "my_functions", raising=False)  # this test's copy
+    corpus = tmp_path / "corpus"
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(corpus))
+    return tmp_path
+
+
+def _fuzz(capsys, *args):
+    code = main(["fuzz", "--examples", "60", "--seed", "1", *args])
+    return code, capsys.readouterr()
+
+
+def test_a_planted_bug_is_reported_shrunk_with_the_geometry_and_the_rows_exit_1(user_module,
+                                                                                capsys):
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha")
+    assert code == 1
+    text = out.out
+    assert "FAIL invariant fails on your resharder my_functions:reshard_wrong_for_mha" in text
+    assert ("geometry: vocab=16 d_model=8 n_layers=1 n_heads=2 n_kv_heads=2 head_dim=2 ffn=4 "
+            "batch=1 seq_len=4 rope_theta=10000 norm_eps=1e-05") in text
+    assert "rank 0 layers.0.qkv.weight holds rows 0-1, 6-7, 2-3, 8-9, 4-5, 10-11" in text
+    assert "> threshold" in text and "first failing example: the " in text
+    (entry,) = (user_module / "corpus").glob("*.json")
+    assert json.loads(entry.read_text())["user"]["function"] == \
+        "my_functions:reshard_wrong_for_mha"
+
+
+def test_the_correct_resharder_passes_exit_0(user_module, capsys):
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_correct")
+    assert code == 0, out.out
+    assert "0 failures" in out.out and "0 declined" in out.out
+    assert "mistral_nemo t=8 -> t=2 PASS" in out.out  # the shipped geometries ran first
+
+
+def test_a_splitter_and_a_converter_with_fixed_degrees(user_module, capsys):
+    code, out = _fuzz(capsys, "--splitter", "my_functions:split_head_dim_from_d_model")
+    assert code == 1 and "degrees: split of the full model -> t=" in out.out
+    code, out = _fuzz(capsys, "--converter", "my_functions:convert_megatron_to_vllm",
+                      "--from", "megatron:2", "--to", "vllm")
+    assert code == 0, out.out
+    assert "megatron:2 -> vllm:" in out.out
+
+
+def test_declined_cases_are_counted_and_all_declined_checks_nothing_exit_2(user_module, capsys):
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_declines_odd_vocab")
+    assert code == 0
+    assert "declined (Unsupported: skipped, not passed)" in out.out
+    assert "smallest declined: " in out.out and "only even vocabularies" in out.out
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_declines_everything",
+                      "--no-real-geometries")
+    assert code == 2
+    assert "0 cases checked" in out.out and "tried no example: nothing was checked" in out.out
+
+
+def test_the_domain_is_narrowed_from_the_command_line(user_module, capsys):
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", "--gqa-only")
+    assert code == 0, out.out  # wrong only for MHA: a GQA-only domain never meets the bug
+    assert "domain: n_kv_heads 1..4, group 2..4" in out.out
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_correct", "--kv-heads",
+                      "1-2", "--max-d-model", "16", "--domain", "n_layers=1")
+    assert code == 0 and "n_kv_heads 1..2" in out.out and "d_model 8..16 step 8" in out.out
+    assert "n_layers 1..1" in out.out
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    # the fuzz domain's KV heads are 1-4: its floor samples cover nothing wider
+    (["--resharder", "my_functions:reshard_correct", "--kv-heads", "1-8"],
+     "n_kv_heads=1-8: the fuzz domain has n_kv_heads 1..4"),
+    (["--converter", "my_functions:convert_megatron_to_vllm", "--from", "megatron"],
+     "--converter needs --from CONVENTION[:T] and --to CONVENTION[:T]"),
+    (["--resharder", "my_functions:reshard_correct", "--from", "megatron"],
+     "--from / --to name a converter's conventions"),
+    (["--from", "megatron"], "--from is for fuzzing your own function"),
+    (["--splitter", "my_functions:split_correct", "--src", "2"],
+     "--src has no meaning with --splitter"),
+    (["--resharder", "my_functions:nowhere"], "my_functions has no callable 'nowhere'"),
+])
+def test_bad_options_are_refused_exit_2(user_module, capsys, args, message):
+    code, out = _fuzz(capsys, *args)
+    assert code == 2 and message in out.err, out.err
+
+
+def test_a_function_with_the_wrong_signature_is_the_users_code_exit_4(user_module, capsys):
+    (user_module / "bad.py").write_text("def one(shards):\n    return shards\n")
+    code, out = _fuzz(capsys, "--resharder", "bad:one")
+    assert code == 4 and "has the wrong signature" in out.err
+
+
+def test_replay_reruns_a_user_entry_and_says_when_its_source_changed(user_module, capsys):
+    assert _fuzz(capsys, "--resharder", "my_functions:reshard_vocab_tiles_of_64")[0] == 1
+    code = main(["replay"])
+    out = capsys.readouterr()
+    assert code == 1 and "still failing" in out.out
+    assert "the resharder my_functions:reshard_vocab_tiles_of_64" in out.out
+    assert "changed since" not in out.out
+    source = user_module / "my_functions.py"
+    source.write_text(source.read_text() + "\n# edited\n")
+    assert main(["replay"]) == 1
+    assert "changed since the entry was written (sha256 " in capsys.readouterr().out

@@ -1,0 +1,175 @@
+"""Fuzzing the conversions between storage conventions (issue 12, item 7): geometries of the
+fuzz domain (variants and KV-head replication included), every (convention, degree) pair
+that stores them, the harness's own converter through the invariant, and every conversion
+mutation killed by 10x wherever it is not the identity. Under the loaded profile: a few
+examples per property by default (``wsb-test``), many more under ``wsb-nightly``.
+
+Every detection has its twin: a converter with a bug built in fails the invariant (and lands
+in the corpus as a discovered conversion entry that replays), a threshold far too loose
+fails the kill property."""
+
+import json
+
+import pytest
+from hypothesis import Phase, find, given, settings
+from weight_sync_bench.fuzz.strategies.conventions import (
+    conversion_cases,
+    endpoints,
+    needs_for,
+)
+
+from weight_sync_bench.conventions import CONVENTIONS, convert, endpoint
+from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
+from weight_sync_bench.conventions.mutations import Conversion
+from weight_sync_bench.errors import CorruptCorpusEntry
+from weight_sync_bench.fuzz.case import ConversionCase, run_case
+from weight_sync_bench.fuzz.corpus import load_entry, replay
+from weight_sync_bench.fuzz.domain import DOMAIN
+from weight_sync_bench.fuzz.runner import PropertyFailed, fuzz, run_property, targets
+
+GENERATES = Phase.generate in settings().phases  # False under wsb-replay (corpus only)
+INVARIANT_EXAMPLES = max(20, settings().max_examples // 4)  # wsb-test: 25; nightly: 500
+KILL_EXAMPLES = max(8, settings().max_examples // 12)  # wsb-test: 8; nightly: 166
+
+
+def test_the_invariant_holds_through_the_harness_converter_for_every_drawn_pair():
+    tally = run_property("convert", None, max_examples=INVARIANT_EXAMPLES)
+    assert tally.examples >= (INVARIANT_EXAMPLES if GENERATES else 0)
+    assert tally.failures == 0 and tally.max_ratio <= 1.0
+
+
+@pytest.mark.parametrize("mutation", list(CONVERSION_MUTATIONS))
+def test_every_conversion_mutation_is_killed_by_ten_x_wherever_it_is_not_the_identity(mutation):
+    tally = run_property("convert_kill", mutation, max_examples=KILL_EXAMPLES)
+    live = tally.examples - tally.identity
+    assert live > 0 or not GENERATES, f"{mutation}: every example was an identity case"
+    assert tally.killed == live and tally.min_ratio >= 10
+
+
+_DRAW = settings(database=None, max_examples=300, derandomize=True, phases=(Phase.generate,))
+
+
+def test_the_strategies_reach_vllm_past_n_kv_heads_and_every_convention_at_both_ends():
+    seen, replicated = set(), []
+
+    @_DRAW
+    @given(case=conversion_cases())
+    def draw(case):
+        seen.update({("src", case.src_convention, case.src > 1),
+                     ("dst", case.dst_convention, case.dst > 1)})
+        if case.dst_convention == "vllm" and case.dst > case.config.n_kv_heads > 1:
+            replicated.append(case)
+
+    draw()
+    for name in CONVENTIONS:
+        for end in ("src", "dst"):
+            assert (end, name, False) in seen, (end, name)
+            assert name == "hf" or (end, name, True) in seen, (end, name)  # hf: degree 1
+    assert replicated and all(c.dst % c.config.n_kv_heads == 0 for c in replicated)
+    assert all(run_case(c).holds("convert") for c in replicated[:3])  # KV replicas, converted
+
+
+def test_a_mutation_draws_a_conversion_it_applies_to_and_is_live_in_where_one_exists():
+    for mutation in CONVERSION_MUTATIONS:
+        case = find(conversion_cases(mutation), lambda c: True, settings=settings(
+            database=None, max_examples=5))  # the shrunk (smallest) draw
+        conversion = case.conversion()
+        m = CONVERSION_MUTATIONS[mutation]
+        assert m.not_applicable(conversion) is None
+        # the shrunk geometry meets the mutation's needs, so some pair in it is live
+        live = [(a, b) for a in endpoints(case.config) for b in endpoints(case.config)
+                if m.not_applicable(Conversion(case.config, a, b)) is None
+                and m.identity_reason(Conversion(case.config, a, b)) is None]
+        assert live and case.identity_reason() is None, (mutation, str(case))
+
+
+def _buggy_converter(mutation):
+    """The harness's converter with a conversion bug built in (what a user's converter
+    with that bug returns); the fuzz cannot tell it from a real bug."""
+    m = CONVERSION_MUTATIONS[mutation]
+
+    def buggy(shards, src, dst, config):
+        out = convert(shards, src, dst, config)
+        conversion = Conversion(config, src, dst)
+        if m.not_applicable(conversion) or m.identity_reason(conversion):
+            return out
+        return m.apply(out, conversion)
+    return buggy
+
+
+def test_twin_a_converter_with_a_bug_fails_the_invariant_and_lands_in_the_corpus(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr("weight_sync_bench.conventions.convert",
+                        _buggy_converter("tp_rank_defaults_to_0"))
+    with pytest.raises(PropertyFailed) as err:
+        run_property("convert", None, corpus=False, corpus_path=tmp_path,
+                     max_examples=INVARIANT_EXAMPLES, profile="wsb-test")
+    failure = err.value
+    assert failure.outcome.shards_differ and not failure.outcome.holds("convert")
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["property"] == "convert" and data["origin"] == "discovered"
+    assert set(data["case"]["conventions"]) == {"src", "dst"}
+    entry = load_entry(path)
+    assert isinstance(entry.case, ConversionCase)
+    assert entry.case.config.geometry() == failure.outcome.case.config.geometry()
+    assert entry.case.key() == failure.outcome.case.key()
+    (still,) = replay([entry])
+    assert still.status == "still failing" and not still.claim_holds
+    monkeypatch.undo()  # the correct converter: the same entry is fixed, its claim holds
+    (fixed,) = replay([entry])
+    assert fixed.status == "fixed" and fixed.claim_holds
+
+
+def test_twin_the_kill_property_fails_when_the_threshold_leaves_no_margin(tmp_path):
+    with pytest.raises(PropertyFailed) as err:
+        run_property("convert_kill", "output_stale_copy", corpus=False, corpus_path=tmp_path,
+                     max_examples=KILL_EXAMPLES, profile="wsb-test",
+                     threshold_rule=lambda config, ref: 1e6)
+    assert err.value.outcome.ratio < 10
+    (path,) = tmp_path.glob("*.json")
+    assert json.loads(path.read_text())["property"] == "convert_kill"
+
+
+def test_the_runner_cycles_through_the_conversion_properties_in_process_only():
+    work = targets()
+    assert ("convert", None) in work
+    assert {m for p, m in work if p == "convert_kill"} == set(CONVERSION_MUTATIONS)
+    assert targets(["kv_swapped"]) == [("invariant", None), ("kill", "kv_swapped")]
+    assert targets(["output_stale_copy"], invariant=False) == [("convert_kill",
+                                                                "output_stale_copy")]
+    assert all(p not in ("convert", "convert_kill")
+               for p, _ in targets(conversions=False))
+    *_, report = fuzz(examples=2, chunk=2, master_seed=1, mutations=["output_stale_copy"])
+    by = {t.label: t for t in report.tallies}
+    assert by["convert"].examples >= 2 and by["convert_kill[output_stale_copy]"].killed >= 2
+    assert not report.failures
+
+
+def test_a_conversion_entry_naming_an_unknown_convention_names_the_field(tmp_path):
+    with pytest.raises(PropertyFailed):
+        run_property("convert_kill", "output_stale_copy", corpus=False, corpus_path=tmp_path,
+                     max_examples=3, profile="wsb-test", threshold_rule=lambda c, r: 1e6)
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    data["case"]["conventions"]["dst"] = "deepspeed"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CorruptCorpusEntry, match=r"'case.conventions.dst' is 'deepspeed'") as e:
+        load_entry(path)
+    assert e.value.field == "case.conventions.dst"
+
+
+def test_qkv_bias_not_split_is_declared_not_applicable_at_replicated_kv_heads():
+    """Found by this fuzz: at vLLM t > n_kv_heads the mutation's contiguous cut ran past the
+    end of the bias while the mutation said it applied. It now says why it does not (the
+    local bias is wider than a 1/t cut: a wrong shape, loud), and still applies at t <= n_kv."""
+    config = DOMAIN.config(n_kv_heads=2, group=2, head_dim=2, d_model=8, ffn_per_kv_head=2,
+                           vocab_per_kv_head=8, n_layers=1, batch=1, seq_len=4
+                           ).replace(qkv_bias=True)
+    mutation = CONVERSION_MUTATIONS["qkv_bias_not_split"]
+    replicated = Conversion(config, endpoint("vllm:1"), endpoint("vllm:4"))
+    assert "replicated" in (mutation.not_applicable(replicated) or "")
+    split = Conversion(config, endpoint("vllm:1"), endpoint("vllm:2"))
+    assert mutation.not_applicable(split) is None
+    assert run_case(ConversionCase(config, "vllm", 1, "vllm", 2, 0, "qkv_bias_not_split")
+                    ).holds("convert_kill")

@@ -1,0 +1,177 @@
+"""A user's own splitters, resharders and converters, written as a user would (plain torch,
+the geometry from ``config``), one correct of each role and four with a geometry-specific
+bug planted. Every planted one is right on TOY and TOY_KV4 at every degree they support
+(``check_split`` / ``check_reshard`` pass), and wrong elsewhere:
+
+- ``split_kv_at_least_two``: the KV-head count hard-coded to 2 wherever the model has fewer
+  (written for GQA with 2+ KV heads, it reads an MQA model's one KV head as 2);
+- ``split_head_dim_from_d_model``: the head size computed as ``d_model // n_heads`` (true of
+  TOY, 256 = 8 x 32; not of Mistral-Nemo, 5120 / 32 = 160 != 128);
+- ``reshard_wrong_for_mha``: right for GQA only: an MHA model's fused qkv is taken to be
+  per-head interleaved ``[q_h, k_h, v_h]`` (GPT-NeoX's fused layout), as some loaders do;
+- ``reshard_vocab_tiles_of_64``: copies the vocab-parallel tables in tiles of 64 rows and
+  drops (leaves zero) the last rows where a rank's rows are not a multiple of 64.
+
+The layout (``wsb layout``): vocab tables ``S(0)``; the fused qkv per rank
+``[q_r | k_r | v_r]``; ``o_proj`` and ``down`` ``S(1)``; the fused gate_up per rank
+``[gate_r | up_r]``; norms and row-parallel biases replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weight_sync_bench import Unsupported, convert
+
+
+def _kind(name: str) -> str:
+    """``layers.0.qkv.weight`` -> ``qkv.weight``."""
+    return ".".join(name.split(".")[-2:])
+
+
+def _qkv(w: torch.Tensor, degree: int, q_rows: int, kv_rows: int,
+         interleaved_heads: int = 0, head_dim: int = 0) -> list[torch.Tensor]:
+    """The fused qkv (or its bias) cut per rank as ``[q_r | k_r | v_r]``; ``interleaved_heads``:
+    the rows read as per-head ``[q_h, k_h, v_h]`` first (the MHA bug)."""
+    if interleaved_heads:
+        per = w.reshape(interleaved_heads, 3, head_dim, *w.shape[1:])  # (H, 3, hd, ...)
+        q, k, v = (per[:, i].reshape(interleaved_heads * head_dim, *w.shape[1:]) for i in range(3))
+    else:
+        q, k, v = w[:q_rows], w[q_rows:q_rows + kv_rows], w[q_rows + kv_rows:]
+    return [torch.cat([q.chunk(degree)[r], k.chunk(degree)[r], v.chunk(degree)[r]]).clone()
+            for r in range(degree)]
+
+
+def _split(full, degree, config, *, n_kv_heads=None, head_dim=None, mha_interleaved=False,
+           vocab_tile=0):
+    n_kv = n_kv_heads if n_kv_heads is not None else config.n_kv_heads
+    hd = head_dim if head_dim is not None else config.head_dim
+    q_rows = config.n_heads * hd
+    kv_rows = (full["layers.0.qkv.weight"].shape[0] - q_rows) // 2 if n_kv_heads is None \
+        else n_kv * hd
+    if n_kv_heads is not None:
+        q_rows = full["layers.0.qkv.weight"].shape[0] - 2 * kv_rows  # the tensor's rows add up
+    interleaved = config.n_heads if mha_interleaved and config.n_heads == config.n_kv_heads else 0
+    shards = [{} for _ in range(degree)]
+    for name, w in full.items():
+        kind = _kind(name)
+        if kind in ("qkv.weight", "qkv.bias"):
+            pieces = _qkv(w, degree, q_rows, kv_rows, interleaved, config.head_dim)
+        elif kind == "gate_up.weight":
+            gate, up = w.chunk(2)
+            pieces = [torch.cat([gate.chunk(degree)[r], up.chunk(degree)[r]]) for r in range(degree)]
+        elif kind in ("o_proj.weight", "down.weight"):
+            pieces = list(w.chunk(degree, dim=1))
+        elif name in ("tok_embeddings.weight", "lm_head.weight"):
+            pieces = list(w.chunk(degree))
+            if vocab_tile:
+                pieces = [_tiles(p, vocab_tile) for p in pieces]
+        else:  # norms and row-parallel biases
+            pieces = [w] * degree
+        for rank, piece in enumerate(pieces):
+            shards[rank][name] = piece.clone()
+    return shards
+
+
+def _tiles(rows: torch.Tensor, tile: int) -> torch.Tensor:
+    """``rows`` copied ``tile`` rows at a time: a tail shorter than a tile is left zero."""
+    out = torch.zeros_like(rows)
+    whole = rows.shape[0] // tile * tile
+    out[:whole] = rows[:whole]
+    return out
+
+
+def _gather(shards, config):
+    """The full model back from rank shards (the inverse of ``_split`` done right)."""
+    degree, full = len(shards), {}
+    q_rows, kv_rows = config.q_rows, config.kv_rows
+    for name in shards[0]:
+        parts = [s[name] for s in shards]
+        kind = _kind(name)
+        if kind in ("qkv.weight", "qkv.bias"):
+            qr, kvr = q_rows // degree, kv_rows // degree
+            full[name] = torch.cat([torch.cat([p[:qr] for p in parts]),
+                                    torch.cat([p[qr:qr + kvr] for p in parts]),
+                                    torch.cat([p[qr + kvr:] for p in parts])])
+        elif kind == "gate_up.weight":
+            halves = [p.chunk(2) for p in parts]
+            full[name] = torch.cat([torch.cat([g for g, _ in halves]),
+                                    torch.cat([u for _, u in halves])])
+        elif kind in ("o_proj.weight", "down.weight"):
+            full[name] = torch.cat(parts, dim=1)
+        elif name in ("tok_embeddings.weight", "lm_head.weight"):
+            full[name] = torch.cat(parts)
+        else:
+            full[name] = parts[0]
+    return full
+
+
+# -- splitters: fn(full, degree, *, config)
+
+
+def split_correct(full, degree, *, config):
+    return _split(full, degree, config)
+
+
+def split_kv_at_least_two(full, degree, *, config):
+    return _split(full, degree, config, n_kv_heads=max(config.n_kv_heads, 2))
+
+
+def split_head_dim_from_d_model(full, degree, *, config):
+    return _split(full, degree, config, head_dim=config.d_model // config.n_heads)
+
+
+# -- resharders: fn(shards, dst, *, config)
+
+
+def reshard_correct(shards, dst, *, config):
+    return _split(_gather(shards, config), dst, config)
+
+
+def reshard_wrong_for_mha(shards, dst, *, config):
+    return _split(_gather(shards, config), dst, config, mha_interleaved=True)
+
+
+def reshard_vocab_tiles_of_64(shards, dst, *, config):
+    return _split(_gather(shards, config), dst, config, vocab_tile=64)
+
+
+def reshard_declines_odd_vocab(shards, dst, *, config):
+    """Correct, and declares what it does not support: odd vocabularies."""
+    if config.vocab % 2:
+        raise Unsupported(f"only even vocabularies (vocab={config.vocab})")
+    return reshard_correct(shards, dst, config=config)
+
+
+def reshard_declines_everything(shards, dst, *, config):
+    raise Unsupported("not written yet")
+
+
+def reshard_without_config(shards, dst):
+    """A resharder that needs no geometry: right only where there is nothing to move."""
+    if len(shards) != dst:
+        raise ValueError(f"cannot reshard {len(shards)} -> {dst}")
+    return [dict(s) for s in shards]
+
+
+# -- converters: fn(shards, degree, *, config, hf_config)
+
+
+def convert_megatron_to_vllm(shards, degree, *, config, hf_config):
+    """Through the harness's own converter (``conventions.convert``), reading the head
+    counts from ``hf_config`` as a real converter reads ``config.json``."""
+    assert hf_config["num_key_value_heads"] == config.n_kv_heads
+    return convert(shards, "megatron", f"vllm:{degree}", config)
+
+
+def convert_megatron_to_vllm_head_dim_from_hidden(shards, degree, *, config, hf_config):
+    """``head_dim`` taken as ``hidden_size // num_attention_heads`` (HF's default when the
+    file has no ``head_dim``), not the file's ``head_dim``."""
+    head_dim = hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    out = convert(shards, "megatron", f"vllm:{degree}", config)
+    if head_dim != config.head_dim:  # its rows are cut by the wrong head size
+        for rank in out:
+            for name, w in rank.items():
+                if name.endswith("qkv_proj.weight"):
+                    rank[name] = w.roll(head_dim, dims=0)
+    return out
