@@ -7,7 +7,8 @@ replication over 1, 2 and 8 KV heads, FSDP ``Shard(0)`` -> TP, DP x TP -> TP, fu
 tensors, Megatron -> vLLM and -> Meta. Each row: ``reps`` interleaved rounds of the
 harness's executor and the naive ``gather_scatter`` (both checked element by element), the
 gloo point-to-point bandwidth calibrated in the same task, medians. The forward runs once per
-row where a phase 1b floor exists (TOY, TOY_KV4). Prints; asserts nothing.
+row where a phase 1b floor exists (TOY, TOY_KV4). Then ``wire_profile``: raw traffic that
+shows what T holds beside the bytes T_min counts. Prints; asserts nothing.
 
     python bench/bench_sync.py [reps]
 """
@@ -51,12 +52,78 @@ def row(pool: RankPool, config, src: str, dst: str, dp: int, reps: int) -> dict:
             "ours": ours, "naive": naive}
 
 
+PROBE_BYTES = 38_666_240  # TOY_KV4 megatron:2 -> vllm:1's B_min: one rank's whole receive
+
+
+def probe_task(ctx, *, mode: str, reps: int) -> float:
+    """Median seconds of one pattern of raw traffic (no plan, no packing), the pieces T is
+    made of beside the wire (``wire_profile``). Ranks 0..degree-1 of the pool."""
+    from weight_sync_bench.sync.execute import CountingP2P, huge_pages, rss_reset
+
+    import torch.distributed as dist
+
+    n = PROBE_BYTES // 4
+    bucket = (4 << 20) // 4
+    p2p = CountingP2P(ctx.group, ctx.rank)
+    src, warm = torch.ones(n), torch.empty(n)
+    times = []
+    for _ in range(reps + 1):  # the first warms the connections up
+        rss_reset()  # as ``verify.run_fn`` does before every reshard
+        dist.barrier(group=ctx.group)
+        started = time.perf_counter()
+        if mode == "zero":  # the old destination storage: zeros of fresh pages
+            torch.zeros(n)
+        elif mode == "ring":  # every rank sends its whole share to the next at once
+            into = warm[: n // ctx.degree]
+            p2p.exchange([((ctx.rank + 1) % ctx.degree, src[: n // ctx.degree])],
+                         [((ctx.rank - 1) % ctx.degree, into)], tag="ring")
+        elif ctx.rank < 2:
+            into = {"fresh": torch.empty(n), "huge": huge_pages(torch.empty(n))}.get(mode, warm)
+            if mode == "per_message":  # one wait per 4 MiB message
+                for k in range(0, n, bucket):
+                    p2p.exchange([(1, src[k:k + bucket])] if ctx.rank == 0 else [],
+                                 [(0, into[k:k + bucket])] if ctx.rank == 1 else [], tag="m")
+            else:
+                p2p.exchange([(1, src)] if ctx.rank == 0 else [],
+                             [(0, into)] if ctx.rank == 1 else [], tag="one")
+        dist.barrier(group=ctx.group)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def wire_profile(pool: RankPool, bandwidth: float, reps: int) -> list[str]:
+    """Where T goes beside the bytes: the same 38.7 MB from rank 0 to rank 1 in one exchange
+    into warm memory (what the calibration measures), into fresh pages, as 4 MiB messages
+    each waited for; zeroing it; and 2 to 8 ranks all sending at once on this machine's
+    cores (the calibration runs two)."""
+    t_min = PROBE_BYTES / bandwidth
+    one = lambda mode, degree=2: pool.run(probe_task, degree,  # noqa: E731
+                                          kwargs={"mode": mode, "reps": reps})[0]
+    rows = [("one exchange, warm destination", one("warm")),
+            ("one exchange, fresh destination pages", one("fresh")),
+            ("one exchange, fresh pages, huge-page advice", one("huge")),
+            ("4 MiB messages, one wait each, warm", one("per_message")),
+            ("zeroing the destination (fresh pages)", one("zero"))]
+    lines = [f"where the time goes: {PROBE_BYTES / 1e6:.1f} MB rank 0 -> rank 1, "
+             f"T_min {t_min * 1e3:.1f} ms at the calibrated {bandwidth / 1e9:.2f} GB/s"]
+    lines += [f"  {label:<44} {t * 1e3:7.1f} ms  {t / t_min:5.2f}x T_min" for label, t in rows]
+    for degree in (2, 4, 8):
+        t = one("ring", degree)
+        share = PROBE_BYTES // degree
+        lines.append(f"  {degree} ranks each sending {share / 1e6:5.1f} MB at once{'':<9} "
+                     f"{t * 1e3:7.1f} ms  {t / (share / bandwidth):5.2f}x its T_min "
+                     f"({os.cpu_count()} cores)")
+    return lines
+
+
 def main(reps: int = 3) -> int:
     torch.set_num_threads(1)
     started = time.perf_counter()
     pool = RankPool(8)
     try:
         rows = [row(pool, *case, reps) for case in ROWS]
+        bandwidths = [o.bandwidth for r in rows for o in r["ours"] if o.bandwidth]
+        profile = wire_profile(pool, statistics.median(bandwidths), max(reps, 3))
     finally:
         pool.close()
     print(f"phase 2 resharding, {reps} interleaved rounds per row (medians), one torch thread "
@@ -85,7 +152,6 @@ def main(reps: int = 3) -> int:
               f"{t_naive * 1e3:>8.1f} {balance if balance else float('nan'):>13.3f} "
               f"{first.plan.build_seconds * 1e3:>7.2f} {staging:>10.2f} {rss:>7.1f} "
               f"{naive_rss:>10.1f} {checks:>12}")
-    bandwidths = [o.bandwidth for r in rows for o in r["ours"] if o.bandwidth]
     largest = max(r["first"].largest_param for r in rows) / 1e6
     print(f"calibrated gloo p2p bandwidth: median {statistics.median(bandwidths) / 1e9:.2f} GB/s "
           f"(min {min(bandwidths) / 1e9:.2f}, max {max(bandwidths) / 1e9:.2f}); largest full "
@@ -93,6 +159,8 @@ def main(reps: int = 3) -> int:
     print("moved: counted at each rank's CountingP2P; T: the slowest rank from a common barrier; "
           "T_min = max over ranks of max(sent, received) / bandwidth; RSS+: the kernel's "
           "high-water mark above the inputs, less the outputs, worst rank")
+    print()
+    print("\n".join(profile))
     print(f"total {time.perf_counter() - started:.0f} s")
     return 0
 

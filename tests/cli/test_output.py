@@ -74,7 +74,7 @@ def test_train_check_mutations_shows_progress_per_case(capsys):
                  "--batch", "packed", "--mutations"]) == 0
     out, err = capsys.readouterr()
     assert re.search(r"^train-check --mutations 1/1: small_tied_bias dp=2 tp=2 packed "
-                     r"\(\d+ mutations\)$", err, re.M)
+                     r"\(\d+ mutations, phase 1a\)$", err, re.M)
     assert re.search(r"^(\d+) of \1 detected, 0 identity cells skipped$", out, re.M)
 
 

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from weight_sync_bench.cli.train import register
-from weight_sync_bench.errors import InvalidMesh, UnevenSequence
+from weight_sync_bench.errors import UnevenSequence
 
 
 def _run(argv):
@@ -37,8 +37,6 @@ def test_train_check_sequence_mutations_are_all_detected(capsys):
     assert "16 of 16 detected, 0 identity cells skipped" in out  # 9 training + 7 sequence
 
 
-def test_train_check_rejects_an_uneven_split_and_gloo_with_sp():
+def test_train_check_rejects_an_uneven_split():
     with pytest.raises(UnevenSequence, match=r"seq_len % cp == 0 \(seq_len=8, cp=3\)"):
         _run(["train-check", "--config", "small", "--cp", "3"])
-    with pytest.raises(InvalidMesh, match="--sp and --cp run in process"):
-        _run(["train-check", "--config", "small", "--sp", "--gloo"])

@@ -1,14 +1,17 @@
 """``wsb train-check``: training equivalence on the command line. Prints; computes nothing.
 
     wsb train-check [--config NAME|all] [--dp D --tp T] [--steps K] [--batch unpacked|packed|both]
-    wsb train-check --gloo [--config NAME] [--tp T] ...  # one process per TP rank, dp = 1
-    wsb train-check --mutations [--config NAME] ...     # the training-mutation matrix
+    wsb train-check --gloo [--config NAME] [--dp D --tp T] [--sp] [--cp C] ...  # one process per rank
+    wsb train-check --mutations [--gloo] [--config NAME] ...  # the training-mutation matrix
     wsb train-check [--sp] [--cp C] ...                 # sequence / context parallel meshes
 
 Each compared quantity is printed with its deviation, its threshold (from
 tolerance/training.json, or tolerance/sequence.json for SP / CP meshes) and the ratio.
 With ``--sp`` or ``--cp`` the meshes are the sequence-sharding ones (``--sp``: SP on;
-``--cp C``: C context chunks), and ``--mutations`` adds the sequence mutations.
+``--cp C``: C context chunks), and ``--mutations`` adds the sequence mutations. ``--gloo``
+trains every mesh one process per rank (``dp * cp * tp`` ranks; by default dp = 1 and at
+most ``GLOO_RANKS`` ranks, any size that ``--dp`` or ``--cp`` asks for) against the phase 1b
+floors (tolerance/training_1b.json, sequence_1b.json).
 Exit status (``output.EXIT_CODES``): 0 when every check passes (with ``--mutations``: when
 every mutation that is not the identity is detected), 1 otherwise; every count, degree and
 seed is validated (``--dp 0`` is an error, never a run at 1).
@@ -78,13 +81,28 @@ def _cases(args: argparse.Namespace) -> list[TrainingCase]:
             else:
                 shapes = meshes(config, spec.rows)
             shapes = [m for m in shapes if args.dp in (None, m.dp) and args.tp in (None, m.tp)
-                      and not (args.gloo and m.dp != 1)]
+                      and not (args.gloo and not _over_gloo(args, m))]
             if not shapes and (args.dp is not None or args.tp is not None or _sequence(args)):
                 # validated (and rejected) below
                 shapes = [Mesh(1 if args.dp is None else args.dp, 1 if args.tp is None else args.tp,
                                args.sp, 1 if args.cp is None else args.cp)]
             cases += [TrainingCase(config, m, args.seed, args.steps, spec) for m in shapes]
     return cases
+
+
+GLOO_RANKS = 4  # --gloo's default meshes: at most this many rank processes (2 cores here)
+
+
+def _ranks(mesh: Mesh) -> int:
+    return mesh.dp * mesh.cp * mesh.tp
+
+
+def _over_gloo(args: argparse.Namespace, mesh: Mesh) -> bool:
+    """--gloo's default meshes: dp = 1 unless --dp is given, and at most GLOO_RANKS ranks
+    unless --dp or --cp asks for more."""
+    if args.dp is None and mesh.dp != 1:
+        return False
+    return _ranks(mesh) <= GLOO_RANKS or args.dp is not None or args.cp is not None
 
 
 def _sequence(args: argparse.Namespace) -> bool:
@@ -143,13 +161,9 @@ def _label(case: TrainingCase) -> str:
 def cmd_train_check(args: argparse.Namespace) -> int:
     out = Output(args)
     phase = "1b" if args.gloo else "1a"
-    if args.gloo and args.mutations:
-        raise InvalidMesh("--mutations runs in process; drop --gloo for the matrix")
-    if args.gloo and _sequence(args):
-        raise InvalidMesh("--sp and --cp run in process; drop --gloo")
     apply_deadline(args.deadline, args.gloo)
     artifact = load(phase=phase)
-    sequence_artifact = load_sequence() if _sequence(args) else None
+    sequence_artifact = load_sequence(phase=phase) if _sequence(args) else None
 
     def thresholds(case: TrainingCase) -> dict[str, float]:
         if case.mesh.sp or case.mesh.cp > 1:  # the SP / CP floor, measured on its own
@@ -163,11 +177,12 @@ def cmd_train_check(args: argparse.Namespace) -> int:
     if args.mutations:
         rows = []
         mutations = ALL_TRAINING_MUTATIONS if _sequence(args) else TRAINING_MUTATIONS
+        matrix = _gloo_matrix(cases) if args.gloo else mutation_matrix
         try:
             for i, case in enumerate(cases):
                 line.show(f"train-check --mutations {i + 1}/{len(cases)}: {_label(case)} "
-                          f"({len(mutations)} mutations)")
-                new = mutation_matrix([case], thresholds(case), mutations)
+                          f"({len(mutations)} mutations, phase {phase})")
+                new = matrix([case], thresholds(case), mutations)
                 for row in new:
                     out.record("train_mutation", **_row_record(row))
                 rows += new
@@ -210,8 +225,16 @@ def _gloo_trainer(cases: list[TrainingCase]) -> Callable[[TrainingCase], Trace]:
         shared_pool,  # the gloo launcher, only when asked
     )
     from weight_sync_bench.training.gloo import train_gloo
-    pool = shared_pool(max([4, *(case.mesh.tp for case in cases)]))  # --deadline: already set
+    pool = shared_pool(max([GLOO_RANKS, *(_ranks(case.mesh) for case in cases)]))  # --deadline: set
     return lambda case: train_gloo(case, pool)
+
+
+def _gloo_matrix(cases: list[TrainingCase]) -> Callable[..., list[MatrixRow]]:
+    from weight_sync_bench.collectives.gloo.pool import shared_pool
+    from weight_sync_bench.training.gloo import gloo_mutation_matrix
+    pool = shared_pool(max([GLOO_RANKS, *(_ranks(case.mesh) for case in cases)]))
+    return lambda cs, thresholds, mutations: gloo_mutation_matrix(cs, thresholds, pool,
+                                                                  mutations)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -228,8 +251,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--seed", type=seed, default=0, help="parameter and batch seed (0..2^63-1)")
     p.add_argument("--batch", choices=["unpacked", "packed", "both"], default="both")
     p.add_argument("--gloo", action="store_true",
-                   help="train each TP group over gloo, one process per rank (dp = 1; "
-                   "thresholds from tolerance/training_1b.json)")
+                   help="train the mesh over gloo, one process per rank (dp x cp x tp ranks; "
+                   f"by default dp = 1 and at most {GLOO_RANKS} ranks; thresholds from "
+                   "tolerance/training_1b.json and sequence_1b.json)")
     p.add_argument("--sp", action="store_true",
                    help="sequence parallelism: the residual stream sharded along the sequence "
                    "over each TP group (thresholds from tolerance/sequence.json)")

@@ -6,20 +6,25 @@ rank (an empty dict on a rank past the destination's world).
 
 ``execute_plan``, the harness's executor:
 
-1. destination storage: zeros of each stored tensor's local shape (padding is zero);
-2. local copies for what stays on the rank;
-3. the rest in ``world - 1`` shift steps: at step j rank r sends to ``r + j`` and receives
+1. destination storage (``planned_storage``): uninitialised where the plan writes whole
+   rows, zeros elsewhere (padding is zero; whatever a mutated plan leaves unwritten too);
+2. the rest in ``world - 1`` shift steps: at step j rank r sends to ``r + j`` and receives
    from ``r - j`` (mod world), every pair's transfers cut into messages of at most
-   ``bucket_bytes`` (``Plan.messages``), one ``batch_isend_irecv`` per message pair. A
-   message that is one contiguous region is sent from, or received into, the tensor itself
-   (rows of a dim-0 box: received in place into destination storage); any other is packed
-   into a staging buffer of its size.
+   ``bucket_bytes`` (``Plan.messages``). A message that is one contiguous region is sent
+   from, or received into, the tensor itself (rows of a dim-0 box: received in place into
+   destination storage); any other is packed into a staging buffer of its size.
+   Consecutive messages of a pair are posted together, one ``batch_isend_irecv`` and one
+   wait per exchange (``exchanges``: while neither end stages more than ``bucket_bytes``
+   for it, decided from the layouts' shapes so both ends agree; a run of in-place messages
+   is one exchange): a wait per 4 MiB message costs three times the wire time of the bytes
+   (``bench/bench_sync.py``'s profile);
+3. local copies for what stays on the rank, done while the first exchange is on the wire.
 
 Memory: the staging buffers alive at once are at most one outgoing and one incoming
-message, so the executor's extra memory is at most ``2 * bucket_bytes`` (``Meter`` counts
+exchange's, so the executor's extra memory is at most ``2 * bucket_bytes`` (``Meter`` counts
 every buffer it allocates; ``rss_peak`` reads the kernel's high-water mark independently).
 ``DEFAULT_BUCKET`` is 4 MiB: 8 MiB of staging at most, a quarter of TOY's largest
-parameter (the 32.8 MB embedding), and large enough that per-message cost is noise.
+parameter (the 32.8 MB embedding).
 
 ``gather_scatter`` is the naive resharder production syncs use (every source rank sends its
 tensors whole to rank 0, which assembles each full parameter and sends every destination
@@ -84,8 +89,13 @@ class CountingP2P:
         self.traffic = Traffic()
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]],
-                 recvs: list[tuple[int, torch.Tensor]], tag: str) -> None:
+                 recvs: list[tuple[int, torch.Tensor]], tag: str,
+                 during: Callable[[], None] | None = None) -> None:
+        """Post every send and receive, run ``during`` (work of this rank's own that needs
+        none of these buffers, done while gloo's threads move the bytes), wait for all."""
         if not sends and not recvs:
+            if during is not None:
+                during()
             return
         ops = ([dist.P2POp(dist.isend, t, peer, group=self.group) for peer, t in sends]
                + [dist.P2POp(dist.irecv, t, peer, group=self.group) for peer, t in recvs])
@@ -94,7 +104,10 @@ class CountingP2P:
                 raise ValueError(f"rank {self.rank}: a send to itself ({tag})")
             self.traffic.sent[peer] += t.numel() * t.element_size()
         with self._crumb(tag):
-            for work in dist.batch_isend_irecv(ops):
+            works = dist.batch_isend_irecv(ops)
+            if during is not None:
+                during()
+            for work in works:
                 work.wait()
         for peer, t in recvs:
             self.traffic.received[peer] += t.numel() * t.element_size()
@@ -116,7 +129,7 @@ class Meter:
         self.largest = 0
 
     def allocate(self, numel: int, device: str | torch.device = "cpu") -> torch.Tensor:
-        buf = torch.empty(numel, dtype=torch.float32, device=device)
+        buf = huge_pages(torch.empty(numel, dtype=torch.float32, device=device))
         self.live += numel * ELEMENT_SIZE
         self.peak = max(self.peak, self.live)
         self.largest = max(self.largest, numel * ELEMENT_SIZE)
@@ -171,36 +184,148 @@ def destination_storage(plan: Plan, rank: int, device: str = "cpu") -> Params:
             for name, piece in plan.dst.pieces[rank].items()}
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_pages(x: torch.Tensor) -> torch.Tensor:
+    """Ask Linux for transparent huge pages under ``x``'s memory (``madvise(MADV_HUGEPAGE)``
+    on the 2 MiB-aligned part of a fresh CPU tensor) before anything touches it: first-touch
+    page faults, which a receive into fresh destination memory pays on every 4 KiB page, come
+    512 times fewer (zeroing 38.7 MB of fresh pages: about 4x faster here, ``bench_sync``).
+    A no-op where the call or THP is missing; the values are unaffected either way."""
+    if x.device.type != "cpu" or x.numel() * x.element_size() < 2 * HUGE_PAGE:
+        return x
+    start = -(-x.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    stop = (x.data_ptr() + x.numel() * x.element_size()) // HUGE_PAGE * HUGE_PAGE
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(start, stop - start, 14)  # MADV_HUGEPAGE
+    except (OSError, AttributeError):
+        pass
+    return x
+
+
+def planned_storage(plan: Plan, rank: int, device: str = "cpu") -> Params:
+    """``rank``'s destination tensors, uninitialised where the plan writes every element of a
+    row (dim 0) and zero everywhere else (``unwritten_rows``): padding, and whatever a
+    (mutated) plan leaves unwritten, so nothing the plan does not write holds stale memory.
+    Saves zeroing the rows that the local copies and the receives overwrite anyway (a pass
+    over the whole destination before the first receive could be posted)."""
+    if rank >= plan.dst.world:
+        return {}
+    shapes = plan.dst.config.param_shapes()
+    out = {name: huge_pages(torch.empty(piece.local_shape(shapes[piece.source]),
+                                        dtype=torch.float32, device=device))
+           for name, piece in plan.dst.pieces[rank].items()}
+    for name, runs in unwritten_rows(plan, rank).items():
+        for start, stop in runs:
+            out[name][start:stop].zero_()
+    return out
+
+
+def unwritten_rows(plan: Plan, rank: int) -> dict[str, list[tuple[int, int]]]:
+    """Per destination tensor of ``rank``, the row runs ``[start, stop)`` along dim 0 that no
+    transfer of ``plan`` into it writes whole (every column of the row): what
+    ``planned_storage`` zeroes. A row only partly written is zeroed whole."""
+    if rank >= plan.dst.world:
+        return {}
+    shapes = plan.dst.config.param_shapes()
+    stored = {name: piece.local_shape(shapes[piece.source])
+              for name, piece in plan.dst.pieces[rank].items()}
+    written: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for t in plan.transfers:
+        if t.dst_rank != rank:
+            continue
+        shape = stored[t.dst_name]
+        extents = [b - a for a, b in t.region]
+        if all(t.dst_at[d] == 0 and extents[d] == shape[d] for d in range(1, len(shape))):
+            written[t.dst_name].append((t.dst_at[0], t.dst_at[0] + extents[0]))
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, shape in stored.items():
+        at, runs = 0, []
+        for start, stop in sorted(written[name]) + [(shape[0], shape[0])]:
+            if start > at:
+                runs.append((at, start))
+            at = max(at, stop)
+        if runs:
+            out[name] = runs
+    return out
+
+
+def _staging(plan: Plan, message: Message, side: str) -> int:
+    """Bytes one end of ``message`` stages (``side`` "src": the sender packs, "dst": the
+    receiver unpacks): 0 when its one region is a contiguous view of the stored tensor,
+    decided from the layouts' shapes alone, so both ends of a pair agree."""
+    if len(message.segments) == 1:
+        seg = message.segments[0]
+        t = plan.transfers[seg.index]
+        layout, at, name, owner = ((plan.src, t.src_at, t.src_name, t.src_rank) if side == "src"
+                                   else (plan.dst, t.dst_at, t.dst_name, t.dst_rank))
+        piece = layout.pieces[owner][name]
+        stored = torch.empty(piece.local_shape(layout.config.param_shapes()[piece.source]),
+                             device="meta")
+        if _view(stored, at, seg.region, t.region).is_contiguous():
+            return 0
+    return message.numel * ELEMENT_SIZE
+
+
+def exchanges(plan: Plan, messages: list[Message], bucket: int) -> list[list[Message]]:
+    """One rank pair's messages grouped into the exchanges both ends post together:
+    consecutive messages while neither end stages more than ``bucket`` bytes for the group
+    (a message sent from and received into the tensors themselves stages nothing, so a run
+    of those is one exchange). Every exchange ends in a wait, so one synchronisation per
+    exchange instead of one per message."""
+    out: list[list[Message]] = []
+    send = recv = 0
+    for m in messages:
+        s, r = _staging(plan, m, "src"), _staging(plan, m, "dst")
+        if not out or send + s > bucket or recv + r > bucket:
+            out.append([])
+            send = recv = 0
+        out[-1].append(m)
+        send, recv = send + s, recv + r
+    return out
+
+
 def execute_plan(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor], plan: Plan
                  ) -> Params:
     """The harness's executor (module docstring): ``rank``'s destination shards."""
     bucket = InvalidNumber.count("bucket_bytes", ctx.bucket_bytes, minimum=ELEMENT_SIZE)
-    out = destination_storage(plan, rank, ctx.device)
-    for t in plan.local_copies(rank):
-        _view(out[t.dst_name], t.dst_at, t.region, t.region).copy_(
-            _view(local[t.src_name], t.src_at, t.region, t.region))
+    out = planned_storage(plan, rank, ctx.device)
+    pending = [plan.local_copies(rank)]  # done while the first exchange is on the wire
+
+    def local_copies() -> None:
+        for t in pending.pop() if pending else []:
+            _view(out[t.dst_name], t.dst_at, t.region, t.region).copy_(
+                _view(local[t.src_name], t.src_at, t.region, t.region))
+
     messages = plan.messages(bucket)
     world = plan.world
     for step in range(1, world):
         to, frm = (rank + step) % world, (rank - step) % world
-        outgoing, incoming = messages.get((rank, to), []), messages.get((frm, rank), [])
+        outgoing = exchanges(plan, messages.get((rank, to), []), bucket)
+        incoming = exchanges(plan, messages.get((frm, rank), []), bucket)
         for k in range(max(len(outgoing), len(incoming))):
-            sends, recvs, unpack, staged = [], [], None, []
-            if k < len(outgoing):
-                buf, packed = _pack(plan, outgoing[k], local, ctx)
+            sends, recvs, unpacks, staged = [], [], [], []
+            for message in outgoing[k] if k < len(outgoing) else []:
+                buf, packed = _pack(plan, message, local, ctx)
                 if packed:
                     staged.append(buf)
                 sends.append((to, buf))
-            if k < len(incoming):
-                buf, unpack = _target(plan, incoming[k], out, ctx)
+            for message in incoming[k] if k < len(incoming) else []:
+                buf, unpack = _target(plan, message, out, ctx)
                 if unpack is not None:
                     staged.append(buf)
+                    unpacks.append(unpack)
                 recvs.append((frm, buf))
-            ctx.p2p.exchange(sends, recvs, tag=f"sync step {step} message {k}")
-            if unpack is not None:
+            ctx.p2p.exchange(sends, recvs, tag=f"sync step {step} exchange {k}",
+                             during=local_copies if pending and (sends or recvs) else None)
+            for unpack in unpacks:
                 unpack()
             for buf in staged:
                 ctx.meter.free(buf)
+    local_copies()  # a rank that exchanged nothing
     return out
 
 

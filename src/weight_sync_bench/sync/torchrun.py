@@ -3,18 +3,21 @@
     torchrun --standalone --nproc-per-node 4 -m weight_sync_bench sync --launcher torchrun \\
         --config toy_kv4 --from megatron:4 --to vllm:2
 
-Every process reads its rank from torchrun's environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``), joins the job's process group by ``env://``
-rendezvous, plans the sync itself (the planner is deterministic: every rank plans the same
-plan, none is shipped) and runs ``verify.reshard`` and ``verify.forward``, the functions the
-rank pool runs. Rank 0 plays the part the pool's parent plays for the forward check: it
-builds ``init_params`` and the dense reference and sends every rank its source shards before
-the timed reshard (the element check and the reshard itself never touch a full tensor), then
-gathers every rank's record and judges. It returns the ``SyncResult`` on rank 0, None elsewhere.
+Every process joins the job as ``collectives.gloo.torchrun.TorchrunRanks`` (torchrun's
+environment, ``env://`` rendezvous, the prefix groups; the same pieces ``wsb check
+--launcher torchrun`` runs on), plans the sync itself (the planner is deterministic: every
+rank plans the same plan, none is shipped) and runs ``verify.reshard`` and
+``verify.forward``, the functions the rank pool runs. Unlike the check, whose rank 0 drives
+the others as the pool's parent does, the sync is one program every rank runs alike. Rank 0
+plays the part the pool's parent plays for the forward check: it builds ``init_params`` and
+the dense reference and sends every rank its source shards before the timed reshard (the
+element check and the reshard itself never touch a full tensor), then gathers every rank's
+record and judges. It returns the ``SyncResult`` on rank 0, None elsewhere.
 
-Backends: ``gloo`` (CPU) everywhere; ``nccl`` only where CUDA is available (each rank on
-``cuda:LOCAL_RANK``; the element check and the byte figures, no forward: the floors were
-measured on CPU fp32 and must be re-measured on a GPU). Refused otherwise, with the reason.
+Backends: ``gloo`` (CPU) everywhere; ``nccl`` only where CUDA is available (the job's groups
+``cpu:gloo,cuda:nccl``, each rank's tensors on ``cuda:LOCAL_RANK``; the element check and the
+byte figures, no forward: the floors were measured on CPU fp32 and must be re-measured on a
+GPU). Refused otherwise, with the reason.
 
 What torchrun's agent gives when a rank dies or hangs, and what it does not:
 
@@ -28,22 +31,25 @@ What torchrun's agent gives when a rank dies or hangs, and what it does not:
   the peers wait in their collective until the process-group timeout (``--deadline``
   here) and then fail; the agent names *those* ranks, the waiting ones, not the stuck one.
   Each failing rank's error carries its breadcrumb (phase, collective number, op, tag), so
-  the stuck rank is the one whose breadcrumb is behind, but no stack of it is dumped;
-- the pool's watchdog (stack dumps of every live rank, ``RankStopped`` for a SIGSTOPped
-  rank, the rank behind named) does not exist under torchrun.
+  the stuck rank is the one whose breadcrumb is behind. (The check's rank-0-driven tasks
+  do better: a ``monitored_barrier`` names the stuck rank, and each rank dumps its stacks
+  past the deadline; see ``collectives.gloo.torchrun``.)
 """
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
 from weight_sync_bench.collectives.gloo.rank import RankContext
+from weight_sync_bench.collectives.gloo.torchrun import (
+    BACKENDS,
+    TorchrunRanks,
+    device_for,
+    torchrun_env,
+)
 from weight_sync_bench.conventions import materialize
 from weight_sync_bench.errors import UnsupportedLauncher
 from weight_sync_bench.model.config import init_params, make_tokens
@@ -64,34 +70,7 @@ if TYPE_CHECKING:
     from weight_sync_bench.model.config import ModelConfig
     from weight_sync_bench.sync.layouts import SyncLayout
 
-BACKENDS = ("gloo", "nccl")
-ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def torchrun_env() -> tuple[int, int, int]:
-    """``(rank, world, local rank)`` from torchrun's environment, or ``UnsupportedLauncher``
-    naming what is missing."""
-    missing = [k for k in ENV if k not in os.environ]
-    if missing:
-        raise UnsupportedLauncher(
-            f"--launcher torchrun: {', '.join(missing)} not set: this process was not started "
-            "by torchrun (run torchrun --standalone --nproc-per-node N -m weight_sync_bench "
-            "sync --launcher torchrun ...), or use --launcher pool")
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-
-
-def device_for(backend: str, local_rank: int) -> str:
-    """The device a backend's tensors live on; ``UnsupportedLauncher`` where it cannot run."""
-    if backend == "gloo":
-        return "cpu"
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise UnsupportedLauncher(
-                f"--backend nccl needs CUDA, and torch.cuda.is_available() is False here "
-                f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); "
-                "use --backend gloo")
-        return f"cuda:{local_rank}"
-    raise UnsupportedLauncher(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+__all__ = ["BACKENDS", "device_for", "run_torchrun", "torchrun_env"]
 
 
 def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int = 1,
@@ -99,7 +78,7 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
                  backend: str = "gloo", calibrate: bool = True, deadline: float = 300.0
                  ) -> SyncResult | None:
     """This process's part of the sync (module docstring): the result on rank 0."""
-    rank, world, local_rank = torchrun_env()
+    rank, world, local_rank = torchrun_env("sync")
     device = device_for(backend, local_rank)
     src, dst = sync_layout(config, src_text, dp=dp), sync_layout(config, dst_text)
     plan = plan_for(src, dst)
@@ -112,13 +91,9 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
         run_forward = False
         notes += (f"no forward over {backend}: the phase 1b floor was measured on CPU fp32",)
     threshold = threshold_for(config, "1b") if run_forward else None  # all ranks: same error
-    if device != "cpu":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=deadline))
+    ranks = TorchrunRanks(backend, deadline=deadline, command="sync")  # the job, its groups
     try:
-        group = dist.group.WORLD
-        tracer = Tracer(rank)
+        group, tracer = ranks.groups[world], ranks.tracer
         tracer.mark("sync: load")
         reference = init = None
         tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
@@ -135,9 +110,9 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
         logits = None
         if run_forward:
             tracer.mark("sync: forward")
-            sub = dist.new_group(list(range(dst.degree)))
             if rank < dst.degree:
-                logits = forward(rank, RankContext(rank, dst.degree, sub, tracer),
+                logits = forward(rank, RankContext(rank, dst.degree, ranks.groups[dst.degree],
+                                                   tracer),
                                  key="torchrun", plan=plan, tokens=tokens)
         if rank != 0:
             return None
@@ -151,7 +126,7 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
         return collect(plan, name, records, verdict,
                        notes + (f"launched by torchrun ({world} ranks, {backend})",))
     finally:
-        dist.destroy_process_group()
+        ranks.leave()  # every rank runs this function alike: none serves
 
 
 def _init_shards(rank: int, world: int, group: Any, tracer: Tracer, src: SyncLayout, seed: int,

@@ -1,0 +1,74 @@
+"""``--launcher pool|torchrun`` for a subcommand whose gloo runs go through the shared pool
+(``wsb check``): under torchrun this process is one rank of the job. Prints nothing itself.
+
+    torchrun --standalone --nproc-per-node 4 -m weight_sync_bench check --launcher torchrun \\
+        --config toy --src 4 --dst 2 [--backend gloo|nccl] [--deadline SECONDS]
+
+Rank 0 runs the subcommand as on the pool, the job's ranks standing in for the shared pool
+(``collectives.gloo.torchrun``), and alone prints and judges; the other ranks serve its
+tasks and exit 0 (or 3 with their own typed error on their stderr, which torchrun passes
+through). ``--backend`` is then the job's: gloo (the default), or nccl where CUDA is
+available (refused otherwise, naming why). The phase 1b check's tensors stay on CPU under
+either (its floor was measured on CPU fp32), so its collectives go over gloo; with nccl the
+job's groups are ``cpu:gloo,cuda:nccl``, and a note says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from weight_sync_bench.cli.output import EXIT_OK
+from weight_sync_bench.collectives.gloo.torchrun import device_for
+from weight_sync_bench.errors import UnsupportedLauncher
+
+LAUNCHERS = ("pool", "torchrun")
+NCCL_NOTE = ("--backend nccl: the job's groups are cpu:gloo,cuda:nccl; the phase 1b check's "
+             "tensors stay on CPU (its floor was measured on CPU fp32), so its collectives "
+             "ran over gloo")
+
+
+def add_launcher_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="pool",
+                        help="pool: the harness's rank processes; torchrun: this process is "
+                             "one rank of a torchrun job (env:// rendezvous; rank 0 prints)")
+
+
+def launched(fn: Callable[[argparse.Namespace], int], *, pool_default: str = "inprocess"
+             ) -> Callable[[argparse.Namespace], int]:
+    """``fn`` under ``args.launcher``. ``args.backend`` None means ``pool_default`` on the
+    pool and gloo under torchrun; nccl needs torchrun and CUDA."""
+
+    def run(args: argparse.Namespace) -> int:
+        backend = args.backend
+        if args.launcher != "torchrun":
+            if backend == "nccl":
+                device_for("nccl", 0)  # refused without CUDA, naming why
+                raise UnsupportedLauncher("--backend nccl needs --launcher torchrun (the rank "
+                                          "pool runs gloo on CPU)")
+            args.backend = backend or pool_default
+            return fn(args)
+        if backend not in (None, "gloo", "nccl"):
+            raise UnsupportedLauncher(f"--backend {backend} runs every rank in this process; "
+                                      "under --launcher torchrun the ranks are the job's "
+                                      "processes: --backend gloo (the default) or nccl")
+        from weight_sync_bench.collectives.gloo.pool import stand_in
+        from weight_sync_bench.collectives.gloo.torchrun import TorchrunRanks
+
+        ranks = TorchrunRanks(backend or "gloo", deadline=args.deadline or 300.0,
+                              command=args.command)
+        stand_in(ranks)
+        try:
+            if ranks.rank != 0:
+                ranks.serve()
+                return EXIT_OK
+            args.backend, args.deadline = "gloo", None  # the job's deadline is set
+            if backend == "nccl":
+                print(f"note: {NCCL_NOTE}", file=sys.stderr, flush=True)
+            return fn(args)
+        finally:
+            stand_in(None)
+            ranks.close()
+
+    return run
