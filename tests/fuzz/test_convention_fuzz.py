@@ -173,3 +173,23 @@ def test_qkv_bias_not_split_is_declared_not_applicable_at_replicated_kv_heads():
     assert mutation.not_applicable(split) is None
     assert run_case(ConversionCase(config, "vllm", 1, "vllm", 2, 0, "qkv_bias_not_split")
                     ).holds("convert_kill")
+
+
+def test_rope_mutations_are_judged_at_the_length_they_state_where_4_tokens_hide_them(
+        monkeypatch):
+    """The conversion fuzz's first discoveries (corpus a417f71d13ea11eb: 7x at 4 tokens;
+    4fef1ab671018ec0: 0.0002x) replay killed because a RoPE mutation's forward runs
+    ``min_seq_len`` = 16 tokens. Twin: at the drawn 4 tokens the same cases are not killed."""
+    from pathlib import Path
+
+    import dataclasses
+
+    corpus = Path(__file__).resolve().parents[2] / "corpus"
+    cases = [load_entry(corpus / f"{name}.json").case
+             for name in ("a417f71d13ea11eb", "4fef1ab671018ec0")]
+    assert all(c.config.seq_len == 4 for c in cases)
+    assert all(run_case(c).holds("convert_kill") for c in cases)
+    for name in ("rope_permute_missing", "rope_permute_twice"):
+        monkeypatch.setitem(CONVERSION_MUTATIONS, name, dataclasses.replace(
+            CONVERSION_MUTATIONS[name], min_seq_len=1))
+    assert not any(run_case(c).holds("convert_kill") for c in cases)

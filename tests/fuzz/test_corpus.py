@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from weight_sync_bench.errors import CorruptCorpusEntry
-from weight_sync_bench.fuzz.case import Case, run_case
+from weight_sync_bench.fuzz.case import Case, ConversionCase, run_case
 from weight_sync_bench.fuzz.corpus import (
     classify,
     corpus_dir,
@@ -41,12 +41,15 @@ def test_committed_entry_replays_with_the_projects_claim_holding(path):
 
 
 def test_corpus_entries_are_fed_to_the_properties_as_explicit_examples():
-    by_mutation = {}
+    by_property = {}  # a conversion's entries feed the convert properties, a layout's the others
     for entry in load_corpus():
-        by_mutation.setdefault(entry.case.mutation, []).append(entry.case)
-    for mutation, entries in by_mutation.items():
-        prop = "invariant" if mutation is None else "kill"
+        conversion = isinstance(entry.case, ConversionCase)
+        prop = (("convert" if conversion else "invariant") if entry.case.mutation is None
+                else ("convert_kill" if conversion else "kill"))
+        by_property.setdefault((prop, entry.case.mutation), []).append(entry.case)
+    for (prop, mutation), entries in by_property.items():
         assert corpus_examples(prop, mutation) == entries
+    by_mutation = {m: cases for (prop, m), cases in by_property.items() if prop == "kill"}
     mutation = next(m for m in by_mutation if m is not None)
     tally = run_property("kill", mutation, profile="wsb-replay")  # explicit examples only
     assert tally.examples == len(by_mutation[mutation]) and tally.killed == tally.examples

@@ -79,6 +79,13 @@ class ConversionMutation:
     applies: Rule
     identity: Rule
     depends_on: DependsOn = "destination"
+    # The fewest tokens per sequence at which the forward sees the bug with the kill margin:
+    # a RoPE pairing error is exact at relative distance 0 and grows with it. The conversion
+    # fuzz found rope_permute_missing/twice at 7x and 0.0002x with 4 tokens (corpus
+    # a417f71d13ea11eb, 8426db6c58fd97b9, 4fef1ab671018ec0), at 465x and more with 8, and
+    # >= 198x over 60 random geometries each with 16 (the fixed matrix's length too), so a
+    # fuzzed check of these runs at least 16 tokens (fuzz.case.run_conversion_case).
+    min_seq_len: int = 1
 
     def not_applicable(self, conversion: Conversion) -> str | None:
         """Why the bug cannot occur in ``conversion``, or None where it can."""
@@ -426,19 +433,20 @@ CONVERSION_MUTATIONS: tuple[ConversionMutation, ...] = (
         "rope_permute_missing", "Meta <-> HF RoPE permute of q and k not applied",
         "llama2.c PR #286, torchtitan PR #1441 (exact at distance 0, wrong as it grows)",
         _rope_bug(lambda c, m: _missing(c, False, m), lambda c, m: _missing(c, True, m)),
-        _one_side_meta, _head_dim_2),
+        _one_side_meta, _head_dim_2, min_seq_len=16),
     ConversionMutation(
         "rope_permute_twice", "Meta <-> HF RoPE permute of q and k applied twice",
         "double conversion of already-converted q/k (same class as llama2.c PR #286)",
         _rope_bug(lambda c, m: _twice(c, False, m), lambda c, m: _twice(c, True, m)),
-        _one_side_meta, _head_dim_2),
+        _one_side_meta, _head_dim_2, min_seq_len=16),
     ConversionMutation(
         "rope_k_permuted_with_n_heads", "k permuted with n_heads instead of n_kv_heads",
         "transformers PR #31788 / issue #31766, llama.cpp PR #3364, flash-attention PR #546",
         _rope_bug(lambda c, m: rows(0, c.q_rows), _k_with_n_heads),
         _k_view_valid,
         lambda cv: ("n_heads == n_kv_heads: the two permutes coincide"
-                    if cv.config.n_heads == cv.config.n_kv_heads else None)),
+                    if cv.config.n_heads == cv.config.n_kv_heads else None),
+        min_seq_len=16),
     ConversionMutation(
         "qkv_bias_not_split", "the fused qkv bias cut contiguously, not with its rows' heads",
         "Qwen2-style qkv bias moved apart from its weight (Megatron-Bridge merge_qkv_biases "

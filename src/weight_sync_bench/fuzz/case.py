@@ -24,6 +24,7 @@ made, and nothing loops over layers), so a replay can refuse a case before alloc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -252,13 +253,22 @@ def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None 
     from weight_sync_bench.conventions import convert
     from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
 
-    checker = checker or FuzzConversionChecker(case.config, seed=case.seed,
-                                               threshold_rule=threshold_rule)
+    drawn = case
+    mutation = conversion_mutation(case.mutation) if case.mutation is not None else None
+    config = case.config
+    if mutation is not None and config.seq_len < mutation.min_seq_len:
+        # a RoPE pairing bug grows with relative position: its forward runs the length the
+        # mutation states (ConversionMutation.min_seq_len), the geometry is otherwise the case's
+        config = dataclasses.replace(config, seq_len=mutation.min_seq_len)
+        case = dataclasses.replace(case, config=config)
+    if checker is None or case is not drawn:  # a checker made for the drawn length won't do
+        checker = FuzzConversionChecker(case.config, seed=case.seed,
+                                        threshold_rule=threshold_rule)
     conversion = case.conversion()
     shards = convert(checker.source(conversion.src), conversion.src, conversion.dst, case.config)
-    if case.mutation is not None:
-        shards = conversion_mutation(case.mutation).apply(shards, conversion)
+    if mutation is not None:
+        shards = mutation.apply(shards, conversion)
     verdict = checker.verdict(shards, src=conversion.src, dst=conversion.dst,
                               mutation=case.mutation)
-    return Outcome(case, verdict.max_abs_error, verdict.threshold,
+    return Outcome(drawn, verdict.max_abs_error, verdict.threshold,
                    shards_differ=verdict.first_mismatch is not None)

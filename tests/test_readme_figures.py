@@ -1,0 +1,267 @@
+"""The README's measured figures equal the committed artifacts they cite.
+
+Each check below reads a figure the README states (a regular expression around the sentence
+that states it) and the artifact that figure comes from (``tolerance/*.json``,
+``mutation/results.json``, ``campaigns/*.json``, ``corpus/``), and returns the differences as
+messages. A re-measurement that changes a figure fails here until the README says the new
+one. The twins run the same checks on a copy of the README with one figure changed.
+
+A figure matches when the artifact's value, rounded to as many significant digits as the
+README writes, is the README's number (``162x`` for 161.62; ``1.19e-6`` for 1.1921e-6).
+Reads files only: no model is built, nothing is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+TOLERANCE = ROOT / "tolerance"
+
+
+def n(name: str) -> str:
+    """A named group for one figure as the README writes it (``1,011``, ``27.7``, ``1.19e-6``)."""
+    return rf"(?P<{name}>[0-9][0-9,]*(?:\.[0-9]+)?(?:e-?[0-9]+)?)"
+
+
+pytestmark = pytest.mark.skipif(not (TOLERANCE / "phase1a.json").is_file(),
+                                reason="no checkout: the committed artifacts are not here")
+
+
+def same_figure(stated: str, value: float) -> bool:
+    """``stated`` (``"162"``, ``"27.7"``, ``"1.19e-6"``, ``"1,011"``) is ``value`` rounded to
+    the significant digits ``stated`` shows (every digit of an integer counts)."""
+    text = stated.replace(",", "")
+    mantissa = text.lower().split("e")[0].replace(".", "").lstrip("0")
+    digits = max(len(mantissa), 1)
+    return float(text) == float(f"{value:.{digits}g}")
+
+
+def _flat(text: str) -> str:
+    """The README with line breaks and runs of spaces as single spaces (sentences wrap)."""
+    return re.sub(r"\s+", " ", text)
+
+
+def compare(text: str, pattern: str, expected: dict[str, float | str]) -> list[str]:
+    """The figures of ``pattern``'s named groups in ``text`` against ``expected``: one message
+    per figure that differs (numbers by ``same_figure``, names exactly), or one saying the
+    sentence is gone."""
+    found = re.search(pattern, _flat(text))
+    if found is None:
+        return [f"the README no longer states /{pattern}/"]
+    wrong = []
+    for name, want in expected.items():
+        got = found.group(name)
+        ok = got == want if isinstance(want, str) else same_figure(got, want)
+        if not ok:
+            wrong.append(f"{name}: the README says {got}, the artifact {want}")
+    return wrong
+
+
+def _artifact(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+# --- the random-geometry fuzz rules: tolerance/random_floor_<phase>.json -------------------
+
+def fuzz_rule_mismatches(text: str) -> list[str]:
+    wrong = []
+    for phase in ("1a", "1b"):
+        art = _artifact(TOLERANCE / f"random_floor_{phase}.json")
+        rule = next(r for r in art["rules"] if r["rule"] == art["chosen"])
+        held = next(h for h in art["holdout"] if h["rule"] == art["chosen"])
+        pattern = (rf"Phase {phase}: `(?P<rule>\w+)`, {n('value')}"
+                   rf"[^(]*\(`tolerance/random_floor_{phase}\.json`: "
+                   rf"{n('samples')} samples, "
+                   rf"{n('fp')} false positives, smallest headroom "
+                   rf"{n('headroom')}x, held-out "
+                   rf"{n('held')}x over "
+                   rf"{n('held_samples')} samples, smallest kill ratio "
+                   rf"{n('kill')}x")
+        wrong += [f"phase {phase}: {m}" for m in compare(text, pattern, {
+            "rule": art["chosen"], "value": rule["value"], "samples": len(art["samples"]),
+            "fp": rule["false_positives"], "headroom": rule["min_headroom"],
+            "held": held["min_headroom"], "held_samples": held["samples"],
+            "kill": rule["min_kill_ratio"]})]
+        # what the README claims of the chosen rule: it keeps the safety factor held out
+        if held["min_headroom"] < art["safety"] or held["false_positives"]:
+            wrong.append(f"phase {phase}: the chosen rule keeps {held['min_headroom']:.3g}x "
+                         f"held out, below the artifact's safety {art['safety']}x")
+    art = _artifact(TOLERANCE / "random_floor_1a.json")
+    relative = next(r for r in art["rules"] if r["rule"] == "relative")
+    held = next(h for h in art["holdout"] if h["rule"] == "relative")
+    wrong += compare(text, rf"`relative`, with the larger kill ratio {n('kill')}x, "
+                           rf"keeps only {n('held')}x held out, below the "
+                           rf"artifact's `safety` of {n('safety')}x",
+                     {"kill": relative["min_kill_ratio"], "held": held["min_headroom"],
+                      "safety": art["safety"]})
+    return wrong
+
+
+# --- the mutation-testing scores: mutation/results.json ------------------------------------
+
+def mutation_mismatches(text: str) -> list[str]:
+    totals = _artifact(ROOT / "mutation" / "results.json")["totals"]
+    before, after = totals["before"], totals["after"]
+    pattern = (rf"{n('tried0')} mutants scored "
+               rf"{n('score0')}% with the tests of then; with the tests "
+               rf"added for the survivors, {n('tried1')} mutants scored "
+               rf"{n('score1')}% \({n('killed')} "
+               rf"killed, {n('timeout')} timeouts, "
+               rf"{n('survived')} survivors")
+    return compare(text, pattern, {
+        "tried0": before["tried"], "score0": before["score"], "tried1": after["tried"],
+        "score1": after["score"], "killed": after["killed"], "timeout": after["timeout"],
+        "survived": after["survived"]})
+
+
+# --- the committed floors: tolerance/phase1a*.json, tolerance/geometry/ --------------------
+
+def floor_mismatches(text: str) -> list[str]:
+    wrong = compare(text, rf"measures that floor \({n('reps')} model and "
+                          r"token seeds per destination cell: the artifact's `repetitions`\)",
+                    {"reps": _artifact(TOLERANCE / "phase1a.json")["repetitions"]})
+    wrong += compare(text, rf"worst {n('bf16')} and "
+                           rf"{n('fp16')} on TOY / TOY_KV4",
+                     {"bf16": _artifact(TOLERANCE / "phase1a_bf16.json")["worst_abs"],
+                      "fp16": _artifact(TOLERANCE / "phase1a_fp16.json")["worst_abs"]})
+    llama = sorted((TOLERANCE / "geometry").glob("llama3_8b-1a-fp32-*.json"))
+    if len(llama) != 1:
+        return [*wrong, f"expected one committed llama3_8b floor, found {len(llama)}"]
+    wrong += compare(text, rf"--layers 1 --repetitions 2`: worst "
+                           rf"{n('worst')} over t = 1, 2, 4, 8",
+                     {"worst": _artifact(llama[0])["worst_abs"]})
+    # the Limits line: which floors were measured under every kernel set
+    stated = re.search(r"the other floors of `tolerance/\*\.json` under (?P<sets>[A-Z0-9, ]+?) "
+                       r"and (?P<last>[A-Z0-9]+) \(their `kernel_sets` field\)", _flat(text))
+    if stated is None:
+        return [*wrong, "the README no longer states the kernel sets of the floors"]
+    sets = [*stated.group("sets").split(", "), stated.group("last")]
+    for path in sorted(TOLERANCE.glob("*.json")):
+        recorded = _artifact(path).get("kernel_sets")
+        if path.name.startswith("random_floor_"):
+            if recorded is not None:
+                wrong.append(f"{path.name} records kernel sets {recorded}; the README says none")
+        elif recorded != sets:
+            wrong.append(f"{path.name}: kernel sets {recorded}, the README says {sets}")
+    return wrong
+
+
+# --- the corpus: corpus/*.json origins ----------------------------------------------------
+
+def corpus_mismatches(text: str) -> list[str]:
+    origins = Counter(_artifact(p).get("origin", "seeded")
+                      for p in (ROOT / "corpus").glob("*.json"))
+    return compare(text, rf"{n('seeded')} of the corpus entries are "
+                         rf"seeded\).*?; {n('discovered')} entries are "
+                         r"discovered",
+                   {"seeded": origins["seeded"], "discovered": origins["discovered"]})
+
+
+# --- the fuzz campaigns: campaigns/*.json -------------------------------------------------
+
+def campaign_mismatches(text: str) -> list[str]:
+    cited = sorted(set(re.findall(r"campaigns/[\w.-]+\.json", text)))
+    wrong = [f"the README cites {c}, which is not committed" for c in cited
+             if not (ROOT / c).is_file()]
+    if not cited:
+        wrong.append("the README cites no campaign summary")
+    name = "campaigns/2026-12-01-default.json"
+    if not (ROOT / name).is_file():
+        return [*wrong, f"{name} is not committed"]
+    s = _artifact(ROOT / name)
+    layout = {p["mutation"]: p["smallest_kill_ratio"] for p in s["properties"]
+              if p["property"] == "kill" and p["smallest_kill_ratio"] is not None}
+    weakest = min(layout, key=layout.__getitem__)
+    pattern = (rf"`{re.escape(name)}`, the default `wsb fuzz --minutes "
+               rf"{n('minutes')}`: {n('examples')} "
+               rf"examples over {n('props')} properties in "
+               rf"{n('seconds')} s, {n('failures')} "
+               rf"failures \({n('new')} new corpus entries\), "
+               rf"{n('faults')} harness faults, worst invariant ratio "
+               rf"{n('worst')}, smallest kill ratio among the layout "
+               rf"mutations {n('kill')}x \(`(?P<weakest>\w+)`\)")
+    wrong += compare(text, pattern, {
+        "minutes": s["campaign"]["budget"]["minutes"], "examples": s["totals"]["examples"],
+        "props": s["totals"]["properties"], "seconds": s["campaign"]["duration_s"],
+        "failures": s["totals"]["failures"], "new": len(s["totals"]["new_entries"]),
+        "faults": s["totals"]["harness_faults"], "worst": s["worst_invariant_ratio"],
+        "kill": layout[weakest], "weakest": weakest})
+    # the discoveries the README names are this campaign's new entries, still in corpus/
+    ratios: dict[str, list[float]] = {}
+    for entry in s["totals"]["new_entries"]:
+        path = ROOT / "corpus" / entry
+        if not path.is_file():
+            wrong.append(f"{name} created corpus/{entry}, which is not committed")
+            continue
+        data = _artifact(path)
+        ratios.setdefault(data["case"]["mutation"], []).append(data["measured"]["ratio"])
+    if set(ratios) != {"rope_permute_missing", "rope_permute_twice"}:
+        return [*wrong, f"{name}'s discoveries are of {sorted(ratios)}, not the README's"]
+    wrong += compare(text, rf"found `rope_permute_missing` and `rope_permute_twice` at "
+                           rf"{n('both')}x .*? and `rope_permute_twice` at {n('twice')}x",
+                     {"both": ratios["rope_permute_missing"][0],
+                      "twice": min(ratios["rope_permute_twice"])})
+    return wrong
+
+
+CHECKS: dict[str, Callable[[str], list[str]]] = {
+    "fuzz rules": fuzz_rule_mismatches, "mutation scores": mutation_mismatches,
+    "floors": floor_mismatches, "corpus origins": corpus_mismatches,
+    "campaign": campaign_mismatches}
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=str)
+def test_the_readme_states_the_committed_figures(check):
+    assert CHECKS[check](README.read_text()) == []
+
+
+# --- twins: the same checks see a wrong figure ---------------------------------------------
+
+def test_same_figure_rounds_to_the_digits_the_readme_shows():
+    assert same_figure("162", 161.62) and same_figure("27.7", 27.6995)
+    assert same_figure("1.19e-6", 1.1920928955078125e-06) and same_figure("1,011", 1011)
+    assert same_figure("0.001", 0.001) and same_figure("20", 20)
+    assert not same_figure("161", 161.62) and not same_figure("27.6", 27.6995)
+    assert not same_figure("1.18e-6", 1.1920928955078125e-06) and not same_figure("1,012", 1011)
+    assert not same_figure("2", 20)
+
+
+@pytest.mark.parametrize("check, right, wrong", [
+    ("fuzz rules", "held-out 162x over 507 samples", "held-out 61x over 507 samples"),
+    ("fuzz rules", "Phase 1a: `relative_pow10`", "Phase 1a: `relative`"),
+    ("mutation scores", "scored 98.2% (1326 killed", "scored 99.2% (1326 killed"),
+    ("floors", "(20 model and token seeds", "(10 model and token seeds"),
+    ("floors", "worst 1.19e-6 and 1.07e-6", "worst 1.19e-6 and 1.7e-6"),
+    ("floors", "under DEFAULT, AVX2 and AVX512 (their", "under AVX2 and AVX512 (their"),
+    ("corpus origins", "3 entries are discovered", "0 entries are discovered"),
+    ("campaign", "9606 examples", "9660 examples"),
+    ("campaign", "38.9x (`gate_up_swapped`)", "38.9x (`replica_scaled`)"),
+    ("campaign", "at 0.00018x with 4 query heads", "at 0.0018x with 4 query heads"),
+])
+def test_a_readme_with_one_wrong_figure_is_caught(check, right, wrong):
+    text = _flat(README.read_text())
+    assert right in text, f"the twin's figure {right!r} is not in the README"
+    assert CHECKS[check](text) == []
+    found = CHECKS[check](text.replace(right, wrong, 1))
+    assert found and all(isinstance(m, str) for m in found), found
+
+
+def test_a_sentence_that_is_gone_is_caught():
+    assert compare("nothing here", r"worst (?P<x>[0-9.]+)", {"x": 1.0}) == [
+        "the README no longer states /worst (?P<x>[0-9.]+)/"]
+
+
+def test_a_cited_campaign_that_is_not_committed_is_caught():
+    text = README.read_text()
+    assert campaign_mismatches(text) == []
+    assert campaign_mismatches(text + "\nsee `campaigns/2026-13-01-missing.json`\n") == [
+        "the README cites campaigns/2026-13-01-missing.json, which is not committed"]
