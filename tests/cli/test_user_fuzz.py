@@ -130,3 +130,15 @@ def test_replay_reruns_a_user_entry_and_says_when_its_source_changed(user_module
     source.write_text(source.read_text() + "\n# edited\n")
     assert main(["replay"]) == 1
     assert "changed since the entry was written (sha256 " in capsys.readouterr().out
+
+
+def test_phase_1b_fuzzes_a_users_resharder_over_gloo_and_finds_the_planted_bug(user_module,
+                                                                               capsys):
+    code, out = _fuzz(capsys, "--phase", "1b", "--no-real-geometries",
+                      "--resharder", "my_functions:reshard_wrong_for_mha")
+    assert code == 1 and "phase 1b" in out.out
+    assert "rank 0 layers.0.qkv.weight holds rows 0-1, 6-7, 2-3, 8-9, 4-5, 10-11" in out.out
+    code, out = main(["fuzz", "--examples", "6", "--seed", "1", "--phase", "1b",
+                      "--no-real-geometries", "--resharder", "my_functions:reshard_correct"]), \
+        capsys.readouterr()
+    assert code == 0 and "0 failures" in out.out

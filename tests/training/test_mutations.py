@@ -98,8 +98,25 @@ def test_a_late_boundary_that_only_moves_padding_is_declared_the_identity():
     assert not mutation.check(moved, PLAIN).passed
 
 
+def _toy_matrix_case():
+    return TrainingCase(TOY, Mesh(2, 2), seed=3, steps=1, spec=default_spec(TOY, packed=True))
+
+
+def test_on_toy_exactly_the_bias_and_padding_mutations_are_the_identity():
+    # the cheap half of the matrix test below (no training): which cells it skips on TOY
+    case = _toy_matrix_case()
+    identity = {m.name for m in TRAINING_MUTATIONS if m.identity_reason(case) is not None}
+    assert identity == {"row_bias_every_rank", "padded_vocab_unmasked"}  # no bias, no padding
+
+
+# About 10 s (TOY's 19M parameters trained once per mutation). In the default run each
+# mutation's detection at dp=2 x tp=2 is test_each_training_mutation_is_detected_where_it_is_
+# not_the_identity (above, on the exposing case), mutation_matrix itself is run (9 of 9
+# detected) by tests/cli/test_train.py::test_train_check_mutations_reports_each_ratio, and
+# TOY's identity cells are the test above.
+@pytest.mark.slow
 def test_matrix_on_toy_detects_every_mutation_that_is_not_the_identity():
-    case = TrainingCase(TOY, Mesh(2, 2), seed=3, steps=1, spec=default_spec(TOY, packed=True))
+    case = _toy_matrix_case()
     rows = mutation_matrix([case], PLAIN)
     skipped = {r.mutation: r.identity for r in rows if r.report is None}
     assert set(skipped) == {"row_bias_every_rank", "padded_vocab_unmasked"}  # no bias, no padding
