@@ -304,3 +304,89 @@ def test_over_gloo_the_destination_forward_runs_one_process_per_rank_with_phase_
         return out
     failed = check_convert(swapped, TOY, "megatron:2", "vllm:2", backend="gloo")
     assert not failed.passed and failed.ratio >= 10
+
+
+# -- bf16 and fp16 weights, and streamed conversions (real widths)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_low_precision_conversion_is_compared_bit_exactly_in_its_dtype(dtype):
+    src, dst = "megatron:4", "vllm:2"
+    verdict = check_convert(harness(src, dst, TOY_KV4), TOY_KV4, src, dst, dtype=dtype)
+    assert verdict.passed and verdict.dtype == dtype and f"{dtype} weights" in str(verdict)
+    wanted = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+    def upcast(shards, degree):  # the fp32 the dtype was rounded from is not what is synced
+        out = harness(src, dst, TOY_KV4)(shards, degree)
+        out[1]["model.layers.0.mlp.down_proj.weight"] = out[1][
+            "model.layers.0.mlp.down_proj.weight"].float()
+        return out
+    with pytest.raises(WrongShardShape, match=r"vllm:2 rank 1 model.layers.0.mlp.down_proj"
+                       r".weight: dtype torch.float32, declared " + str(wanted)) as caught:
+        check_convert(upcast, TOY_KV4, src, dst, dtype=dtype)
+    assert caught.value.rank == 1 and caught.value.actual_dtype == torch.float32
+
+    other = torch.float16 if wanted == torch.bfloat16 else torch.bfloat16
+
+    def round_trip(shards, degree):  # through the other 16-bit dtype and back: bytes moved
+        out = harness(src, dst, TOY_KV4)(shards, degree)
+        name = "model.layers.0.self_attn.o_proj.weight"
+        out[0][name] = out[0][name].to(other).to(wanted)
+        return out
+    failed = check_convert(round_trip, TOY_KV4, src, dst, dtype=dtype)
+    assert not failed.passed and failed.first_mismatch == "model.layers.0.self_attn.o_proj.weight"
+    assert "o_proj.weight holds columns" in failed.diagnosis[0] and "?" in failed.diagnosis[0]
+
+
+@pytest.mark.parametrize("per", ["layer", "parameter"])
+@pytest.mark.parametrize("src, dst, config", [("megatron:4", "vllm:8", TOY_KV4),
+                                              ("meta:2", "hf", TOY), ("hf", "megatron:2", TOY)])
+def test_a_streamed_conversion_gives_the_whole_model_verdict(per, src, dst, config):
+    from weight_sync_bench.check.convert import stage_convert
+
+    for dtype in ("fp32", "bf16"):
+        whole = check_convert(harness(src, dst, config), config, src, dst, dtype=dtype)
+        streamed = check_convert(stage_convert(src, dst, config), config, src, dst,
+                                 dtype=dtype, stream=per)
+        assert whole.passed and streamed.passed
+        assert (streamed.max_abs_error, streamed.threshold, streamed.notes, streamed.route) == (
+            whole.max_abs_error, whole.threshold, whole.notes, whole.route)
+    qkv = next(n for n in shards_for(config, dst.split(":")[0], int(dst.partition(":")[2] or 1))[0]
+               if "qkv" in n or n.endswith(("wq.weight", "q_proj.weight")))
+    calls = []
+
+    def wrong(shards, degree):  # the twin: one stored tensor of the last rank negated
+        calls.append(sorted(shards[0]))
+        out = stage_convert(src, dst, config)(shards, degree)
+        if qkv in out[-1]:
+            out[-1][qkv] = -out[-1][qkv]
+        return out
+    streamed = check_convert(wrong, config, src, dst, stream=per)
+    whole = check_convert(harness(src, dst, config), config, src, dst)
+    assert not streamed.passed and streamed.first_mismatch == qkv and streamed.ratio > 10
+    assert streamed.max_abs_error > whole.max_abs_error
+    assert streamed.diagnosis and f"{qkv} holds" in streamed.diagnosis[0]  # diagnosed
+    # fn saw one stage (or one canonical parameter) at a time, never the whole model
+    assert len(calls) > config.n_layers + 2 if per == "parameter" else len(calls) == \
+        config.n_layers + 2
+
+
+def test_a_streamed_conversion_runs_in_process_only():
+    with pytest.raises(ValueError, match="runs in process"):
+        check_convert(harness("hf", "vllm:2", TOY), TOY, "hf", "vllm:2", stream="layer",
+                      backend="gloo")
+
+
+def test_a_streamed_converter_that_writes_into_its_input_is_refused_and_its_twin_passes():
+    from weight_sync_bench.check.convert import stage_convert
+
+    def scribbles(shards, degree):  # the harness rebuilds the canonical rows from its input
+        out = stage_convert("hf", "vllm:2", TOY)(shards, degree)
+        for rank in shards:
+            for x in rank.values():
+                x.zero_()
+        return out
+    with pytest.raises(UserCodeError, match="wrote into the tensors it was given"):
+        check_convert(scribbles, TOY, "hf", "vllm:2", stream="parameter")
+    assert check_convert(stage_convert("hf", "vllm:2", TOY), TOY, "hf", "vllm:2",
+                         stream="parameter").passed

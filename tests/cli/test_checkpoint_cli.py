@@ -5,6 +5,7 @@ formats (safetensors, the HF index, vLLM's per-rank file names), not the harness
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -153,9 +154,14 @@ def test_emit_refuses_a_directory_with_files_and_verify_a_directory_that_is_not_
     assert "hf: model.embed_tokens.weight needs t == 1" in capsys.readouterr().err
 
 
-def test_a_real_geometry_is_emitted_and_verified_reduced(tmp_path, capsys):
+def test_a_real_geometry_is_emitted_and_verified_reduced(tmp_path, capsys, monkeypatch):
     """``--hf-config PATH --layers N --vocab V`` for emit and verify: the config.json emitted
-    states the reduced geometry, and verify measures a threshold for it."""
+    states the reduced geometry; verify refuses it until its floor is measured (naming the
+    command), ``--measure-floor`` measures and caches it, and the next verify reads the cache."""
+    tolerance = tmp_path / "tolerance"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "tolerance", tolerance,
+                    ignore=shutil.ignore_patterns("geometry"))
+    monkeypatch.setenv("WSB_TOLERANCE_DIR", str(tolerance))
     config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
               "intermediate_size": 96, "num_attention_heads": 8, "num_key_value_heads": 2,
               "num_hidden_layers": 28, "vocab_size": 152064, "rope_theta": 1e6,
@@ -173,7 +179,14 @@ def test_a_real_geometry_is_emitted_and_verified_reduced(tmp_path, capsys):
         "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.k_proj.bias",
         "model.layers.0.self_attn.v_proj.bias"}  # Qwen2: q, k, v biases only
     capsys.readouterr()
-    assert main(["verify", "--convention", "hf", *model, str(tmp_path / "out")]) == 0
+    assert main(["verify", "--convention", "hf", *model, str(tmp_path / "out")]) == 2
+    assert "python -m weight_sync_bench.tolerance geometry" in capsys.readouterr().err
+    assert not (tolerance / "geometry").exists()
+    assert main(["verify", "--convention", "hf", *model, "--measure-floor",
+                 str(tmp_path / "out")]) == 0
+    assert "PASS qwen hf:1 -> hf:1" in capsys.readouterr().out
+    assert len(list((tolerance / "geometry").glob("*.json"))) == 1
+    assert main(["verify", "--convention", "hf", *model, str(tmp_path / "out")]) == 0  # cached
     assert "PASS qwen hf:1 -> hf:1" in capsys.readouterr().out
     # the twin: the same files checked as another geometry name the config.json field
     other = [*model[:-1], "512"]

@@ -5,13 +5,26 @@ a user's converter between frameworks from the command line, under the exit-code
 from __future__ import annotations
 
 import json
+import shutil
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from weight_sync_bench.cli.main import main
 
 MODULE = "wsb_cli_converters"
+CHECKOUT = Path(__file__).resolve().parents[2] / "tolerance"
+
+
+@pytest.fixture
+def tolerance(tmp_path, monkeypatch):
+    """The committed floors, copied under ``tmp_path`` without the per-geometry cache: a
+    floor measured here is cached there, never in the checkout."""
+    copy = tmp_path / "tolerance"
+    shutil.copytree(CHECKOUT, copy, ignore=shutil.ignore_patterns("geometry"))
+    monkeypatch.setenv("WSB_TOLERANCE_DIR", str(copy))
+    return copy
 
 
 @pytest.fixture
@@ -96,14 +109,19 @@ def small_hf_config(tmp_path, **changes):
     return path
 
 
-def test_a_real_geometry_is_checked_reduced_with_a_threshold_measured_for_it(
-        tmp_path, converters, capsys):
+def test_a_real_geometry_is_checked_reduced_with_the_floor_measured_for_it(
+        tmp_path, converters, tolerance, capsys):
     path = str(small_hf_config(tmp_path))
     model = ["--hf-config", path, "--layers", "1", "--vocab", "256"]
-    # the harness's own invariant and a user's converter, on the same reduced geometry
-    assert main(["check", *model, "--src", "1", "--dst", "2"]) == 0
+    # no floor covers it: refused, naming the command; --measure-floor measures and caches it
+    assert main(["check", *model, "--src", "1", "--dst", "2"]) == 2
+    assert (f"`python -m weight_sync_bench.tolerance geometry --hf-config {path} --layers 1 "
+            "--vocab 256`") in capsys.readouterr().err
+    assert main(["check", *model, "--src", "1", "--dst", "2", "--measure-floor"]) == 0
     out = capsys.readouterr().out
     assert "small   1 -> 2" in out and "1 passed, 0 failed" in out
+    assert len(list((tolerance / "geometry").glob("small-1a-fp32-*.json"))) == 1
+    # the harness's own invariant and a user's converter read that floor, measuring nothing
     (tmp_path / "wsb_cli_small.py").write_text(textwrap.dedent(f"""
         from weight_sync_bench import ModelConfig, convert
         SMALL = ModelConfig.from_hf_config({path!r}, n_layers=1, vocab=256)

@@ -14,11 +14,34 @@ returns the destination's. The verdict is ``check_split``'s, for conventions:
   (``conventions.reading``), against the dense reference within the threshold
   ``check_split`` uses for the config. Non-finite logits never pass; a byte mismatch fails
   even when the logits stay within tolerance.
+
+Which floor judges a conversion: the geometry's phase floor (``tolerance.rules.floor_for``:
+the committed artifact that records it, else the per-geometry one cached under
+``tolerance_dir()/geometry/``, else ``FloorNotMeasured``), the same one ``check_split``
+reads. It covers the conversion's forward because, once ``reading_plan`` has put each rank's
+stored rows in forward order, that forward IS the plain layout's sharded forward at the
+destination degree: the same ``ShardedModel`` steps over ``layout_for``'s placements, so the
+same row-parallel partial sums (o_proj and down over t contiguous chunks of their input
+dimension, the all-reduced vocab-parallel embedding), which are the only source of rounding
+a layout adds; the two departures add none (Meta's hidden-split embedding is an all-gather,
+a concatenation; vLLM's replicated KV heads are copies, each Q head's attention computed on
+one rank as under the plain layout). The one degree the plain floor cannot have measured is
+vLLM's t > n_kv_heads (``HeadPartitioned`` rejects it): its o_proj sums t partials where the
+floor's largest degree summed fewer, and the verdict says so in a note (``degree_notes``).
+
+``dtype`` (``"bf16"``, ``"fp16"``): the synced weights' dtype, as for ``check_split``: the
+source shards are in it, the output is compared bit for bit in it (an fp32 tensor where
+bf16 is declared is ``WrongShardShape`` naming rank, name and both dtypes), both forwards
+compute in fp32 from those values, judged by that dtype's floor. ``stream="layer"`` (or
+``"parameter"``) streams the check as ``check.stream`` does a split: ``fn`` called once per
+stage (or canonical parameter) with that stage's stored tensors only, memory bounded by
+the largest parameter (``stream_convert``).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weight_sync_bench.check.checker import Checker, Verdict, checker_for
+from weight_sync_bench.check.checker import (
+    Checker,
+    Verdict,
+    checker_for,
+    environment_notes,
+    resolve_floor,
+)
 from weight_sync_bench.check.diagnosis import (
     _bit_equal,
     format_indices,
@@ -34,6 +63,7 @@ from weight_sync_bench.check.diagnosis import (
     mismatching,
     slice_index,
 )
+from weight_sync_bench.check.floor import computing
 from weight_sync_bench.check.user_code import check_signature, frame_error
 from weight_sync_bench.check.user_code import describe as describe_fn
 from weight_sync_bench.collectives.inprocess import InProcessCollective
@@ -43,22 +73,33 @@ from weight_sync_bench.conventions import (
     materialize,
     reading_plan,
 )
+from weight_sync_bench.conventions.maps import gather_canonical
 from weight_sync_bench.conventions.meta import permute_index
 from weight_sync_bench.errors import (
     CheckpointError,
     InvalidNumber,
     InvalidShards,
+    UserCodeError,
     WrongShardShape,
 )
-from weight_sync_bench.model.config import init_params, make_tokens
+from weight_sync_bench.model.config import (
+    dtype_name,
+    init_params,
+    iter_params,
+    make_tokens,
+    parse_dtype,
+)
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, derive_threshold
 
 if TYPE_CHECKING:
+    from weight_sync_bench.check.stream import Progress
     from weight_sync_bench.collectives.gloo.rank import RankContext
     from weight_sync_bench.conventions import Endpoint, ForwardLayout, Piece
+    from weight_sync_bench.conventions.maps import Pieces
     from weight_sync_bench.model.config import ModelConfig
+    from weight_sync_bench.tolerance.rules import Floor
 
 
 Params = dict[str, torch.Tensor]
@@ -76,6 +117,8 @@ class ConversionChecker:
     seed: int = 0
     backend: str = "inprocess"
     threshold: float | None = None
+    dtype: torch.dtype | str = torch.float32  # the synced weights' (``Checker.dtype``)
+    measure_floor: bool = False  # measure (and cache) an unmeasured geometry's floor
     checker: Checker = field(init=False)
     _declared: dict[str, list[Params]] = field(init=False, default_factory=dict)
     _declared_error: dict[str, float] = field(init=False, default_factory=dict)
@@ -83,7 +126,8 @@ class ConversionChecker:
 
     def __post_init__(self) -> None:
         self.checker = checker_for(self.config, seed=self.seed, backend=self.backend,
-                                   threshold=self.threshold)
+                                   threshold=self.threshold, dtype=self.dtype,
+                                   measure_floor=self.measure_floor)
 
     def source(self, where: str | Endpoint) -> list[Params]:
         """Fresh copies of a convention's declared shards (what ``fn`` receives)."""
@@ -100,7 +144,8 @@ class ConversionChecker:
         """Max |logits - reference| of ``where``'s forward reading ``shards``."""
         ep = endpoint(where)
         plan = reading_plan(ep.convention, self.config, ep.degree)
-        inputs = forward_inputs(shards, ep.convention, self.config, ep.degree)
+        inputs = [computing(x) for x in forward_inputs(shards, ep.convention, self.config,
+                                                      ep.degree)]  # fp32 from bf16 / fp16
         forward = plan.forward
         tokens = self.checker.tokens
         assert tokens is not None
@@ -141,7 +186,9 @@ class ConversionChecker:
             "config": self.config.name, "src": source.degree, "dst": target.degree,
             "threshold": self.checker.threshold, "phase": self.checker.phase,
             "mutation": mutation, "conventions": (source.name, target.name),
-            "notes": self.checker.notes}
+            "notes": self.checker.notes + degree_notes(self.checker.floor, self.config,
+                                                       target.degree),
+            "dtype": self.checker.dtype_name}
         if not differ:
             return Verdict(max_abs_error=self.declared_error(target), first_mismatch=None,
                            **common)
@@ -155,14 +202,18 @@ class ConversionChecker:
 
 
 def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, seed: int = 0,
-                  backend: str = "inprocess", threshold: float | None = None) -> Verdict:
+                  backend: str = "inprocess", threshold: float | None = None,
+                  dtype: torch.dtype | str = torch.float32, measure_floor: bool = False,
+                  stream: str | None = None,
+                  progress: Callable[[Progress], None] | None = None) -> Verdict:
     """Check a user's converter ``fn(shards, degree)`` from ``src`` to ``dst`` (``"megatron:4"``,
     ``"vllm:2"``, ``"hf"`` for degree 1): it gets fresh copies of ``shards_for(config, src)``
     and the destination degree, and must return ``shards_for(config, dst)`` byte for byte.
 
-    The threshold is the one ``check_split`` uses for ``config`` (the measured floor of its
-    geometry, ``tolerance.rules.threshold_for``), or ``threshold`` when given: a geometry
-    with no committed floor can pass one ``measure_threshold`` derived. ``backend="gloo"``
+    The threshold is the one ``check_split`` uses for ``config`` (the floor that covers its
+    geometry, ``tolerance.rules.floor_for``; ``FloorNotMeasured`` naming the command where
+    none does, unless ``measure_floor`` measures and caches it), or ``threshold`` when given.
+    ``dtype``, ``stream`` and ``progress``: see the module docstring. ``backend="gloo"``
     runs the destination forward one process per rank (phase 1b), its forward inputs
     scattered by ``GlooTransport`` under the destination's forward layout (Meta's
     hidden-split embedding and vLLM's replicated KV heads included)."""
@@ -170,7 +221,15 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     source, target = endpoint(src), endpoint(dst)
     source.pieces(config)  # both conventions' rules, before the user's code runs
     target.pieces(config)
-    checker = ConversionChecker(config, seed=seed, backend=backend, threshold=threshold)
+    if stream is not None:
+        if backend != "inprocess":
+            raise ValueError(f"stream={stream!r} runs in process (phase 1a); backend "
+                             f"{backend!r} holds the whole model on rank 0")
+        return stream_convert(fn, config, source, target, per=stream, seed=seed, dtype=dtype,
+                              threshold=threshold, measure_floor=measure_floor,
+                              progress=progress)
+    checker = ConversionChecker(config, seed=seed, backend=backend, threshold=threshold,
+                                dtype=dtype, measure_floor=measure_floor)
     args = (checker.source(source), target.degree)
     check_signature(fn, args, role="converter", call="fn(shards, degree)")
     try:
@@ -181,16 +240,192 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     return checker.verdict(out, src=source, dst=target)
 
 
+def degree_notes(floor: Floor | None, config: ModelConfig, degree: int) -> tuple[str, ...]:
+    """A note where the floor judging a conversion measured no cell at its destination
+    degree (vLLM's replicated KV heads at t > n_kv_heads; see the module docstring)."""
+    if floor is None:
+        return ()
+    measured = sorted({int(c["degree"]) for c in floor.artifact.get("cells", ())
+                       if c.get("config") == config.name})
+    if not measured or degree in measured:
+        return ()
+    note = (f"the floor of {config.name} ({floor.path.name}) measured degrees "
+            f"{', '.join(map(str, measured))}; this forward runs at t={degree} (a layout the "
+            "harness's own cannot store), judged by the same threshold")
+    return (note,)
+
+
+def stage_convert(src: str | Endpoint, dst: str | Endpoint, config: ModelConfig) -> ConvertFn:
+    """The harness's own converter (``conventions.convert``) written per stage, the shape of
+    a streamed ``fn``: it works on any subset of the source's stored tensors holding whole
+    canonical parameters (one parameter, one layer, or all), and returns the destination's
+    stored tensors of those parameters."""
+    source, target = endpoint(src), endpoint(dst)
+
+    def fn(shards: list[Params], degree: int) -> list[Params]:
+        names = set(shards[0])
+        sub = [{n: p for n, p in rank.items() if n in names} for rank in source.pieces(config)]
+        sources = {p.source for rank in sub for p in rank.values()}
+        canonical = gather_canonical(shards, sub, config.param_shapes(), sources)
+        want = [{n: p for n, p in rank.items() if p.source in sources}
+                for rank in type(target)(target.convention, degree).pieces(config)]
+        return materialize(want, canonical)
+    return fn
+
+
+def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
+                   dst: str | Endpoint, *, per: str = "layer", seed: int = 0,
+                   dtype: torch.dtype | str = torch.float32, threshold: float | None = None,
+                   measure_floor: bool = False,
+                   progress: Callable[[Progress], None] | None = None) -> Verdict:
+    """``check_convert`` streamed (``check.stream``'s steps, for conventions): per stage the
+    canonical parameters are drawn, the reference steps, ``fn`` gets that stage's (or one
+    canonical parameter's, ``per="parameter"``) source stored tensors and the destination
+    degree, its output is validated and compared bit for bit with the declared destination
+    tensors of those parameters (the first that differs diagnosed while the canonical tensor
+    is here), read by the destination's forward plan, upcast, and the destination forward
+    steps; then everything is dropped. The verdict's numbers are the whole-model check's
+    (the same draws, steps and comparison); ``first_mismatch`` is the first in stage order.
+
+    Memory: once the reference has stepped, a parameter's canonical tensor is dropped as its
+    source slices are cut (they hold every row; the comparison rebuilds it from them after
+    ``fn`` returns, so ``fn`` must not write into them: ``UserCodeError``). While ``fn`` runs
+    the harness holds the source slices, the stage's parameters not yet converted and the
+    forward inputs converted so far; ``fn`` adds its own copies (``stage_convert`` gathers a
+    canonical tensor, then cuts the destination's)."""
+    from weight_sync_bench.check.stream import PER, _draw, stages
+    from weight_sync_bench.check.stream import Progress as Step
+
+    InvalidNumber.seed("seed", seed)
+    if per not in PER:
+        raise ValueError(f"per={per!r}: a streamed check calls fn per {' or per '.join(PER)}")
+    source, target = endpoint(src), endpoint(dst)
+    src_pieces, dst_pieces = source.pieces(config), target.pieces(config)
+    weights = parse_dtype(dtype)
+    name = dtype_name(weights)
+    notes: tuple[str, ...] = ()
+    if threshold is None:  # refused before anything is drawn
+        floor = resolve_floor(config, "1a", name, measure=measure_floor)
+        threshold = floor.threshold
+        notes = environment_notes(floor, config, "1a", name) + degree_notes(
+            floor, config, target.degree)
+    t = target.degree
+    plan = reading_plan(target.convention, config, t)
+    tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+    reference = ReferenceModel(config, {})
+    sharded = ShardedModel(plan.forward.config, [{} for _ in range(t)],
+                           InProcessCollective(t), embedding=plan.forward.embedding)
+    draws = iter_params(config, seed, dtype=weights)
+    differ: list[str] = []
+    diagnosis: list[str] = []
+    tied_ref: torch.Tensor | None = None
+    tied_inputs: list[torch.Tensor] | None = None
+    signed = False
+    started, steps = time.perf_counter(), stages(config)
+    with torch.no_grad():
+        for k, (label, names) in enumerate(steps):
+            full = _draw(draws, names)
+            size = sum(x.numel() * x.element_size() for x in full.values())
+            compute = computing(full)
+            if label == "head" and tied_ref is not None:
+                compute["tok_embeddings.weight"] = tied_ref
+            reference.params = compute
+            if label == "embedding":
+                ref_state = reference.begin(tokens)
+                if config.tie_embeddings:
+                    tied_ref = compute["tok_embeddings.weight"]
+            elif label == "head":
+                expected = reference.end(ref_state)
+            else:
+                reference.block(ref_state, k - 1)
+            reference.params = {}
+            del compute
+            inputs: list[Params] = [{} for _ in range(t)]
+            for group in ([names] if per == "layer" else [[n] for n in names]):
+                sources = set(group)
+                mine_src = [{n: p for n, p in rank.items() if p.source in sources}
+                            for rank in src_pieces]
+                given = [{n: p.take(full[p.source]) for n, p in rank.items()}
+                         for rank in mine_src]
+                for n in group:  # the reference has stepped; the source shards hold every row
+                    del full[n]  # so the peak is 3x the parameter, not 4x (fn's own copies)
+                want = [{n: p for n, p in rank.items() if p.source in sources}
+                        for rank in dst_pieces]
+                args = (given, t)
+                if not signed:
+                    check_signature(fn, args, role="converter", call="fn(shards, degree)")
+                    signed = True
+                versions = [x._version for rank in given for x in rank.values()]
+                try:
+                    out = fn(*args)
+                except Exception as exc:
+                    raise frame_error(exc, role="converter", function=describe_fn(fn),
+                                      during=f"while converting {config.name} {source} -> "
+                                             f"{target} ({', '.join(group)})") from exc
+                if [x._version for rank in given for x in rank.values()] != versions:
+                    raise UserCodeError(
+                        f"your converter `{describe_fn(fn)}` wrote into the tensors it was "
+                        f"given ({', '.join(group)}) while converting {config.name} {source} "
+                        f"-> {target}: a streamed check hands fn its own tensors, not copies; "
+                        "return new ones", role="converter", function=describe_fn(fn))
+                validate_convention_shards(out, target, config,
+                                           {n: weights for n in config.param_shapes()},
+                                           pieces=want)
+                assert isinstance(out, Sequence)
+                # the canonical tensors again, exactly, from the harness's own source slices
+                canon = gather_canonical(given, mine_src, config.param_shapes(), sources)
+                del given
+                for stored in want[0]:
+                    mine = [r[stored] for r in out]
+                    if not all(_bit_equal(m, w[stored].take(canon[w[stored].source]))
+                               for m, w in zip(mine, want)):
+                        differ.append(stored)
+                        if len(differ) == 1:
+                            diagnosis.extend(diagnose_piece(canon, config, stored,
+                                                            [w[stored] for w in want], mine))
+                del canon
+                for rank, selections in enumerate(plan.ranks):
+                    for canonical in group:
+                        inputs[rank][canonical] = computing(
+                            {canonical: selections[canonical].apply(out[rank])})[canonical]
+                del out
+            sharded.shards = inputs
+            if label == "embedding":
+                sharded_state = sharded.begin(tokens)
+                if config.tie_embeddings:
+                    tied_inputs = [x["tok_embeddings.weight"] for x in inputs]
+            elif label == "head":
+                if tied_inputs is not None:
+                    for x, table in zip(inputs, tied_inputs):
+                        x["tok_embeddings.weight"] = table
+                logits = sharded.end(sharded_state)[0]
+            else:
+                sharded.block(sharded_state, k - 1)
+            sharded.shards = [{} for _ in range(t)]
+            del inputs
+            if progress is not None:
+                progress(Step(k + 1, len(steps), label, size, time.perf_counter() - started))
+    error = float((logits - expected).abs().max())
+    return Verdict(config=config.name, src=source.degree, dst=t, max_abs_error=error,
+                   threshold=threshold, first_mismatch=differ[0] if differ else None,
+                   mismatches=tuple(differ), diagnosis=tuple(diagnosis),
+                   own_forward=bool(differ), conventions=(source.name, target.name),
+                   notes=notes, dtype=name)
+
+
 def verify_checkpoint(directory: str | Path, config: ModelConfig, dst: str, *,
                       src: str | None = None, seed: int = 0, backend: str = "inprocess",
-                      threshold: float | None = None) -> Verdict:
+                      threshold: float | None = None, measure_floor: bool = False
+                      ) -> Verdict:
     """``check_convert``'s verdict on a checkpoint a converter wrote to ``directory`` in
     ``dst``'s files (``conventions.checkpoint``: per-rank safetensors for ``vllm:2``, an HF
     directory for ``hf``, consolidated files for ``meta:2``), against the synthetic model
     of ``seed`` (what ``wsb emit`` wrote). ``src`` names the source in the verdict only
     (default ``dst``); with the converter's source it is the verdict ``check_convert``
     gives the same tensors. A file missing, truncated, mis-named or holding a tensor of the
-    wrong name, shape or dtype raises ``CheckpointError`` naming the file."""
+    wrong name, shape or dtype raises ``CheckpointError`` naming the file. The threshold is
+    ``check_convert``'s (``floor_for``; ``measure_floor`` measures and caches an unmeasured
+    geometry's floor, else ``FloorNotMeasured`` names the command)."""
     from weight_sync_bench.conventions.checkpoint import read_checkpoint
 
     InvalidNumber.seed("seed", seed)
@@ -198,7 +433,8 @@ def verify_checkpoint(directory: str | Path, config: ModelConfig, dst: str, *,
     source = endpoint(src) if src is not None else target
     target.pieces(config)
     checkpoint = read_checkpoint(directory, target, config)
-    checker = ConversionChecker(config, seed=seed, backend=backend, threshold=threshold)
+    checker = ConversionChecker(config, seed=seed, backend=backend, threshold=threshold,
+                                measure_floor=measure_floor)
     try:
         validate_convention_shards(checkpoint.shards, target, config,
                                    {n: x.dtype for n, x in checker.checker.full.items()})
@@ -273,12 +509,15 @@ def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
 
 
 def validate_convention_shards(shards: object, where: Endpoint, config: ModelConfig,
-                               dtypes: Mapping[str, torch.dtype]) -> None:
+                               dtypes: Mapping[str, torch.dtype], *,
+                               pieces: Pieces | None = None) -> None:
     """Raise unless ``shards`` is a list of ``where.degree`` dicts holding exactly the
     convention's stored names (str keys) with their declared shapes and the canonical
     parameters' dtypes. ``InvalidShards`` (``WrongShardShape`` for a shape or dtype) names
-    the endpoint, the rank, the stored name, the expected and the actual value."""
-    degree, pieces, shapes = where.degree, where.pieces(config), config.param_shapes()
+    the endpoint, the rank, the stored name, the expected and the actual value. ``pieces``:
+    only these stored tensors (one stage of a streamed check), else all of them."""
+    degree, shapes = where.degree, config.param_shapes()
+    pieces = pieces if pieces is not None else where.pieces(config)
     if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
         raise InvalidShards(f"{where}: expected a list of {degree} rank dicts, got "
                             f"{type(shards).__name__}")

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from weight_sync_bench.check.checker import BACKENDS
-from weight_sync_bench.check.convert import measure_threshold, verify_checkpoint
+from weight_sync_bench.check.convert import verify_checkpoint
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
     EXIT_OK,
@@ -32,7 +31,7 @@ from weight_sync_bench.cli.output import (
 )
 from weight_sync_bench.conventions import CONVENTIONS, endpoint, shards_for
 from weight_sync_bench.conventions.checkpoint import write_checkpoint
-from weight_sync_bench.errors import WsbError
+from weight_sync_bench.errors import FloorNotMeasured, WsbError
 from weight_sync_bench.model.config import (
     CONFIGS,
     HF_CONFIGS,
@@ -40,11 +39,6 @@ from weight_sync_bench.model.config import (
     config_by_name,
     hf_config_path,
 )
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-    from weight_sync_bench.conventions import Endpoint
 
 MODEL_HELP = ("--hf-config PATH reads a Hugging Face config.json (or names a shipped one: "
               + ", ".join(HF_CONFIGS) + "); --layers and --vocab reduce it so that it fits "
@@ -96,17 +90,6 @@ def model_of(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConf
         args.config or args.config_default)
 
 
-def threshold_of(config: ModelConfig, endpoints: Iterable[str | Endpoint]) -> float | None:
-    """None for a committed config (its measured floor); for any other geometry a threshold
-    measured for it, as ``measure_threshold`` does (phase 1a forwards, 4 seeds), over the
-    endpoints checked and the harness's own layout at each degree up to 8 it supports (a
-    degree-1 forward alone is the dense one, a floor of zero)."""
-    if CONFIGS.get(config.name) == config:
-        return None
-    plain = [f"plain:{t}" for t in CONVENTIONS["plain"].supported_degrees(config, 8)]
-    return measure_threshold(config, [*endpoints, *plain])
-
-
 # -- wsb emit
 
 
@@ -130,16 +113,27 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from weight_sync_bench.cli.main import verdict_record  # main registers this module
+    from weight_sync_bench.cli.main import (  # main registers this
+        floor_command,
+        verdict_record,
+    )
 
     out = Output(args)
     apply_deadline(args.deadline, args.backend == "gloo")
     config = model_of(args)
     where = endpoint(args.convention)
     source = endpoint(args.src) if args.src is not None else where
-    verdict = verify_checkpoint(args.directory, config, str(where), src=str(source),
-                                seed=args.seed, backend=args.backend,
-                                threshold=threshold_of(config, [source, where]))
+    try:
+        verdict = verify_checkpoint(args.directory, config, str(where), src=str(source),
+                                    seed=args.seed, backend=args.backend,
+                                    measure_floor=args.measure_floor)
+    except FloorNotMeasured as exc:
+        if args.hf_config is None:
+            raise
+        args.dtype = "fp32"  # what floor_command reads; the checkpoint's own dtype is checked
+        raise FloorNotMeasured(f"{exc}.\nFrom the command line: `{floor_command(args, config)}` "
+                               "(once), or rerun this verify with --measure-floor",
+                               command=floor_command(args, config)) from None
     out.record("check", directory=str(args.directory), **verdict_record(verdict))
     out.text(str(verdict))
     code = EXIT_OK if verdict.passed else EXIT_FAILED
@@ -185,6 +179,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="the seed `wsb emit` wrote the source with (default 0)")
     verify.add_argument("--backend", choices=BACKENDS, default="inprocess",
                         help="where the destination forward runs (gloo: one process per rank)")
+    verify.add_argument("--measure-floor", action="store_true",
+                        help="a geometry no floor covers (an --hf-config one): measure its floor "
+                             "now and cache it under tolerance/geometry/, then verify (as "
+                             "`wsb check --measure-floor`); without, such a geometry is refused "
+                             "naming the command")
     verify.add_argument("directory", metavar="DIR", type=Path)
     add_output_options(verify)
     add_deadline_option(verify)

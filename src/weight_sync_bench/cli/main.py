@@ -6,6 +6,7 @@
     torchrun --nproc-per-node N -m weight_sync_bench check --launcher torchrun [...] [--backend gloo|nccl]
     wsb check --converter module:function --from megatron:4 --to vllm:2 [--config ...]
     wsb check ... --hf-config PATH --layers N [--vocab V]   (a real geometry, reduced)
+    wsb check ... [--dtype fp32|bf16|fp16] [--stream layer|parameter] [--measure-floor]
     wsb layout --config NAME [--convention NAME] [--degree T]
     wsb emit --convention hf|meta:T|megatron:T|vllm:T --config NAME DIR
     wsb verify --convention vllm:2 --config NAME DIR
@@ -20,7 +21,6 @@ checks found, and ``exit_code`` maps whatever it raises.
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib
 import importlib.metadata
 import os
@@ -28,6 +28,7 @@ import platform
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,12 +44,13 @@ from weight_sync_bench.check.checker import (
     sweep,
 )
 from weight_sync_bench.check.convert import check_convert
+from weight_sync_bench.check.floor import measure_geometry
+from weight_sync_bench.check.stream import PER, stream_check
 from weight_sync_bench.check.user_code import frame_error
 from weight_sync_bench.cli.checkpoint import (
     add_model_options,
     hf_model,
     model_of,
-    threshold_of,
 )
 from weight_sync_bench.cli.checkpoint import register as register_checkpoint
 from weight_sync_bench.cli.fuzz import register as register_fuzz
@@ -62,6 +64,7 @@ from weight_sync_bench.cli.output import (
     EXIT_USAGE,
     EXIT_USER_CODE,
     Output,
+    ProgressLine,
     add_deadline_option,
     add_output_options,
     apply_deadline,
@@ -76,6 +79,7 @@ from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.cli.sync import register as register_sync
 from weight_sync_bench.conventions import convention_by_name, endpoint, render
 from weight_sync_bench.errors import (
+    FloorNotMeasured,
     InvalidShards,
     MissingArtifacts,
     PeerAborted,
@@ -84,8 +88,16 @@ from weight_sync_bench.errors import (
     UserCodeError,
     WsbError,
 )
-from weight_sync_bench.model.config import CONFIGS, ModelConfig, config_by_name
+from weight_sync_bench.model.config import (
+    CONFIGS,
+    DTYPES,
+    HF_CONFIGS,
+    ModelConfig,
+    config_by_name,
+    hf_config_path,
+)
 from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.tolerance.rules import floor_for
 
 FORWARD_LEGEND = ("forward: declared = the shards equal the declared split byte for byte, so "
                   "the declared split's sharded forward was reused; own = they differ, and ran "
@@ -176,17 +188,67 @@ def _pairs(args: argparse.Namespace, degrees: list[int]) -> list[tuple[int, int]
     return [(s, d) for s in srcs for d in dsts]
 
 
-def _plan(args: argparse.Namespace) -> tuple[list[tuple[str, Callable[[], Verdict]]], list[str]]:
-    """Every check to run, as (label, thunk), and the configs skipped (``--config all``)."""
+# A check to run: called with the progress callback of a streamed check (None: none shown).
+Job = Callable[[Callable[..., None] | None], Verdict]
+
+
+def _phase(args: argparse.Namespace) -> str:
+    return "1b" if args.backend == "gloo" else "1a"
+
+
+def floor_command(args: argparse.Namespace, config: ModelConfig) -> str:
+    """The command that measures an ``--hf-config`` geometry's floor, as the user named it."""
+    path = Path(args.hf_config)
+    if not path.exists() and args.hf_config in HF_CONFIGS:
+        path = hf_config_path(args.hf_config)
+    return (f"python -m weight_sync_bench.tolerance geometry --hf-config {path} --layers "
+            f"{config.n_layers}" + (f" --vocab {args.vocab}" if args.vocab else "")
+            + (f" --phase {_phase(args)}" if _phase(args) != "1a" else "")
+            + (f" --dtype {args.dtype}" if args.dtype != "fp32" else ""))
+
+
+def ensure_floor(args: argparse.Namespace, config: ModelConfig, line: ProgressLine) -> None:
+    """Before anything of ``config`` is drawn: the floor its checks will read exists
+    (``floor_for``: a committed floor that records the geometry, else the per-geometry one
+    cached under ``tolerance_dir()/geometry/``). Every check of a geometry (split, reshard,
+    the invariant, a conversion) reads its threshold from that one place. With none:
+    ``--measure-floor`` measures it now (phase 1a here, with a progress line; phase 1b by
+    the checker, over the gloo forward) and caches it with its provenance, so the next run
+    reads it; without, ``FloorNotMeasured`` naming the command (exit 2)."""
+    phase = _phase(args)
+    try:
+        floor_for(config, phase, args.dtype)
+        return
+    except FloorNotMeasured as exc:
+        if not args.measure_floor:
+            if args.hf_config is None:
+                raise
+            command = floor_command(args, config)
+            how = ("rerun this check with --measure-floor (it measures the floor once and "
+                   "caches it)" if exc.command == command else
+                   f"`{command}` (once; the checks then read the cached floor), or rerun "
+                   "this check with --measure-floor")
+            raise FloorNotMeasured(f"{exc}.\nFrom the command line: {how}",
+                                   command=command) from None
+    if phase == "1a":
+        line.show(f"measuring the floor of {config.name} (once; cached) ...")
+        measure_geometry(config, phase=phase, dtype=args.dtype,
+                         progress=line.show if line.live else None)
+
+
+def _plan(args: argparse.Namespace, line: ProgressLine | None = None
+          ) -> tuple[list[tuple[str, Job]], list[str]]:
+    """Every check to run, as (label, job), and the configs skipped (``--config all``)."""
+    line = line if line is not None else ProgressLine(enabled=False)
     every = args.hf_config is None and (args.config or args.config_default) == "all"
     role = next((r for r in ("converter", "splitter", "resharder") if getattr(args, r)), None)
     fn = load_function(getattr(args, role), role) if role else None
     if args.converter:
-        return _convert_plan(args, fn, every)
+        return _convert_plan(args, fn, every, line)
     if args.convert_from is not None or args.convert_to is not None:
         raise WsbError("--from and --to are a converter's conventions: give --converter "
                        "MODULE:FUNCTION (--src and --dst are the degrees of the harness's own)")
-    jobs: list[tuple[str, Callable[[], Verdict]]] = []
+    jobs: list[tuple[str, Job]] = []
     skipped: list[str] = []
     for config in _models(args):
         name = config.name
@@ -201,35 +263,44 @@ def _plan(args: argparse.Namespace) -> tuple[list[tuple[str, Callable[[], Verdic
             skipped.append(f"skipped {name}: {exc}")  # --config all: check where it applies
             continue
         degrees = layout.supported_degrees()
-        # a committed config's measured floor, else one measured now (once, when first needed)
-        threshold = functools.cache(lambda c=config: threshold_of(c, []))
-        common = {"seed": args.seed, "backend": args.backend}
+        ensure_floor(args, config, line)  # the one floor every check of this geometry reads
+        common: dict[str, Any] = {"seed": args.seed, "backend": args.backend,
+                                  "dtype": args.dtype, "measure_floor": args.measure_floor}
         if args.splitter:
             for dst in ([args.dst] if args.dst is not None else degrees):
-                jobs.append((f"{name} split -> {dst}", lambda c=config, d=dst, k=common,
-                             th=threshold: check_split(fn, c, d, threshold=th(), **k)))
+                jobs.append((f"{name} split -> {dst}", lambda progress, c=config, d=dst, k=common:
+                             check_split(fn, c, d, stream=args.stream, progress=progress, **k)))
         elif args.resharder:
             for src, dst in _pairs(args, degrees):
-                jobs.append((f"{name} {src} -> {dst}", lambda c=config, s=src, d=dst, k=common,
-                             th=threshold: check_reshard(fn, c, s, d, threshold=th(), **k)))
+                jobs.append((f"{name} {src} -> {dst}", lambda progress, c=config, s=src, d=dst,
+                             k=common: check_reshard(fn, c, s, d, stream=args.stream,
+                                                     progress=progress, **k)))
+        elif args.stream is not None:  # the invariant streamed: the declared split at src,
+            pairs = _pairs(args, degrees) if (args.src or args.dst) else degree_pairs(layout)
+            jobs += [(f"{name} {s} -> {d}",  # resharded per parameter, each pair a pass
+                      lambda progress, c=config, s=s, d=d: stream_check(
+                          c, d, src=s, per=args.stream, seed=args.seed, dtype=args.dtype,
+                          measure_floor=args.measure_floor, progress=progress))
+                     for s, d in pairs]
         else:
             pairs = _pairs(args, degrees) if (args.src or args.dst) else degree_pairs(layout)
             shared: dict[str, Any] = {}  # one checker (one reference forward) per config
 
-            def one(c=config, pair=(0, 0), shared=shared, th=threshold) -> Verdict:
+            def one(c=config, pair=(0, 0), shared=shared) -> Verdict:
                 if "checker" not in shared:
                     shared["checker"] = checker_for(c, seed=args.seed, backend=args.backend,
-                                                    threshold=th())
+                                                    dtype=args.dtype,
+                                                    measure_floor=args.measure_floor)
                 (verdict,) = sweep(c, pairs=[pair], seed=args.seed, checker=shared["checker"])
                 return verdict
 
-            jobs += [(f"{name} {s} -> {d}", lambda p=(s, d), one=one: one(pair=p))
+            jobs += [(f"{name} {s} -> {d}", lambda progress, p=(s, d), one=one: one(pair=p))
                      for s, d in pairs]
     return jobs, skipped
 
 
-def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool
-                  ) -> tuple[list[tuple[str, Callable[[], Verdict]]], list[str]]:
+def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool,
+                  line: ProgressLine) -> tuple[list[tuple[str, Job]], list[str]]:
     """``check_convert(fn, config, --from, --to)`` for each geometry that both conventions
     can store (``--config all``: the others are skipped, naming the rule)."""
     if args.src is not None or args.dst is not None:
@@ -239,7 +310,7 @@ def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool
         raise WsbError("--converter needs --from NAME:T and --to NAME:T (e.g. --from "
                        "megatron:4 --to vllm:2; a bare hf means degree 1)")
     src, dst = endpoint(args.convert_from), endpoint(args.convert_to)
-    jobs: list[tuple[str, Callable[[], Verdict]]] = []
+    jobs: list[tuple[str, Job]] = []
     skipped: list[str] = []
     for config in _models(args):
         try:
@@ -250,9 +321,12 @@ def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool
                 raise
             skipped.append(f"skipped {config.name}: {exc}")
             continue
-        jobs.append((f"{config.name} {src} -> {dst}", lambda c=config: check_convert(
-            fn, c, str(src), str(dst), seed=args.seed, backend=args.backend,
-            threshold=threshold_of(c, [src, dst]))))
+        # The geometry's phase floor, as for a split (``check.convert``'s docstring says why
+        # it covers a conversion's forward): never a threshold measured for this run alone.
+        ensure_floor(args, config, line)
+        jobs.append((f"{config.name} {src} -> {dst}", lambda progress, c=config: check_convert(
+            fn, c, str(src), str(dst), seed=args.seed, backend=args.backend, dtype=args.dtype,
+            measure_floor=args.measure_floor, stream=args.stream, progress=progress)))
     return jobs, skipped
 
 
@@ -269,8 +343,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.splitter and args.src is not None:
         raise WsbError("--src has no meaning with --splitter (a split starts from the full "
                        "model); give --dst")
+    if args.stream is not None and args.backend == "gloo":
+        raise WsbError(f"--stream {args.stream} runs every rank in this process (phase 1a); "
+                       "--backend gloo holds the whole model on rank 0: drop one of them")
     apply_deadline(args.deadline, args.backend == "gloo")
-    jobs, skipped = _plan(args)
+    line = out.progress()
+    try:
+        jobs, skipped = _plan(args, line)
+    finally:
+        line.close()
     if not jobs:
         raise WsbError("no config supports the requested degrees:\n  " + "\n  ".join(skipped))
     verdicts: list[Verdict] = []
@@ -278,8 +359,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     interrupted: KeyboardInterrupt | None = None
     try:
         for i, (label, job) in enumerate(jobs):
-            line.show(f"check {i + 1}/{len(jobs)}: {label} ({args.backend})")
-            verdicts.append(job())
+            head = f"check {i + 1}/{len(jobs)}: {label} ({args.backend})"
+            line.show(head)
+            # a streamed check's stages (layer k of n, bytes, elapsed) on a terminal only
+            verdicts.append(job((lambda p, head=head: line.show(f"{head}: {p}"))
+                                if line.live and args.stream else None))
             out.record("check", **verdict_record(verdicts[-1]))
             if pending_interrupt() is not None:  # signalled, but its raise was swallowed
                 raise pending_interrupt()
@@ -375,6 +459,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "hf, meta) and degree, e.g. megatron:4")
     check.add_argument("--to", dest="convert_to", metavar="NAME:T", default=None,
                        help="with --converter: the destination, e.g. vllm:2 (hf: degree 1)")
+    check.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                       help="the synced weights' dtype: shards compared bit for bit in it, "
+                            "the forwards computed in fp32 from those values, judged by that "
+                            "dtype's measured floor")
+    check.add_argument("--stream", choices=list(PER), default=None,
+                       help="stream the check (phase 1a): memory bounded by the largest "
+                            "parameter, your function called once per layer (or parameter) "
+                            "with a dict of just those tensors; for real widths")
+    check.add_argument("--measure-floor", action="store_true",
+                       help="a geometry no measured floor covers (an --hf-config one): "
+                            "measure its floor now and cache it under tolerance/geometry/ "
+                            "(the next check reads it), rather than refuse")
     add_output_options(check)
     add_deadline_option(check)
     check.set_defaults(func=launched(cmd_check))
