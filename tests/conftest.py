@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import settings
 
@@ -24,6 +25,7 @@ torch.set_num_threads(1)
 settings.load_profile(profile_name())
 
 _SCRATCH = Path(tempfile.mkdtemp(prefix="wsb-test-"))
+CHECKOUT_TOLERANCE = Path(__file__).resolve().parents[1] / "tolerance"
 
 
 def pytest_configure(config):
@@ -36,3 +38,14 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     shutil.rmtree(_SCRATCH, ignore_errors=True)
+
+
+@pytest.fixture
+def tolerance(tmp_path, monkeypatch):
+    """The committed floors, copied under ``tmp_path`` without the per-geometry cache, and
+    ``WSB_TOLERANCE_DIR`` pointing there: a floor a test measures is cached in the copy,
+    never in the checkout."""
+    copy = tmp_path / "tolerance"
+    shutil.copytree(CHECKOUT_TOLERANCE, copy, ignore=shutil.ignore_patterns("geometry"))
+    monkeypatch.setenv("WSB_TOLERANCE_DIR", str(copy))
+    return copy

@@ -5,7 +5,6 @@ formats (safetensors, the HF index, vLLM's per-rank file names), not the harness
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -154,14 +153,10 @@ def test_emit_refuses_a_directory_with_files_and_verify_a_directory_that_is_not_
     assert "hf: model.embed_tokens.weight needs t == 1" in capsys.readouterr().err
 
 
-def test_a_real_geometry_is_emitted_and_verified_reduced(tmp_path, capsys, monkeypatch):
+def test_a_real_geometry_is_emitted_and_verified_reduced(tmp_path, capsys, tolerance):
     """``--hf-config PATH --layers N --vocab V`` for emit and verify: the config.json emitted
     states the reduced geometry; verify refuses it until its floor is measured (naming the
     command), ``--measure-floor`` measures and caches it, and the next verify reads the cache."""
-    tolerance = tmp_path / "tolerance"
-    shutil.copytree(Path(__file__).resolve().parents[2] / "tolerance", tolerance,
-                    ignore=shutil.ignore_patterns("geometry"))
-    monkeypatch.setenv("WSB_TOLERANCE_DIR", str(tolerance))
     config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
               "intermediate_size": 96, "num_attention_heads": 8, "num_key_value_heads": 2,
               "num_hidden_layers": 28, "vocab_size": 152064, "rope_theta": 1e6,

@@ -5,26 +5,13 @@ a user's converter between frameworks from the command line, under the exit-code
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from weight_sync_bench.cli.main import main
 
 MODULE = "wsb_cli_converters"
-CHECKOUT = Path(__file__).resolve().parents[2] / "tolerance"
-
-
-@pytest.fixture
-def tolerance(tmp_path, monkeypatch):
-    """The committed floors, copied under ``tmp_path`` without the per-geometry cache: a
-    floor measured here is cached there, never in the checkout."""
-    copy = tmp_path / "tolerance"
-    shutil.copytree(CHECKOUT, copy, ignore=shutil.ignore_patterns("geometry"))
-    monkeypatch.setenv("WSB_TOLERANCE_DIR", str(copy))
-    return copy
 
 
 @pytest.fixture

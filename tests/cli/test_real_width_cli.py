@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import importlib
 import json
-import shutil
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -20,16 +18,7 @@ from weight_sync_bench.check import checker as checker_module
 from weight_sync_bench.cli.main import main
 
 main_module = importlib.import_module("weight_sync_bench.cli.main")
-CHECKOUT = Path(__file__).resolve().parents[2] / "tolerance"
 MODULE = "wsb_real_width_fns"
-
-
-@pytest.fixture
-def tolerance(tmp_path, monkeypatch):
-    copy = tmp_path / "tolerance"
-    shutil.copytree(CHECKOUT, copy, ignore=shutil.ignore_patterns("geometry"))
-    monkeypatch.setenv("WSB_TOLERANCE_DIR", str(copy))
-    return copy
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ checkout), so the second check of it measures nothing."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -40,14 +39,6 @@ from weight_sync_bench.tolerance.rules import (
 CHECKOUT = Path(__file__).resolve().parents[2] / "tolerance"
 # A reduced shipped geometry (head_dim 8 != 320 / 32, GQA 32:8): small enough to measure
 SMALL = shipped_hf_config("mistral_nemo", shrink=16, n_layers=1, vocab=512)
-
-
-@pytest.fixture
-def tolerance(tmp_path, monkeypatch):
-    copy = tmp_path / "tolerance"
-    shutil.copytree(CHECKOUT, copy, ignore=shutil.ignore_patterns("geometry"))
-    monkeypatch.setenv("WSB_TOLERANCE_DIR", str(copy))
-    return copy
 
 
 def declared(config):

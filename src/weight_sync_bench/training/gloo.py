@@ -43,6 +43,7 @@ from weight_sync_bench.training.mutations import (
     TRAINING_MUTATIONS,
     MatrixRow,
     TrainingMutation,
+    mutation_matrix,
 )
 from weight_sync_bench.training.optimizer import AdamW, hyperparameters, moments
 from weight_sync_bench.training.step import (
@@ -241,14 +242,5 @@ def gloo_mutation_matrix(cases: list[TrainingCase], thresholds: dict[str, float]
                          ) -> list[MatrixRow]:
     """``mutations.mutation_matrix`` with the sharded side trained over gloo on ``pool``:
     every mutation on every case where it is not the identity (one reference per case)."""
-    rows = []
-    for case in cases:
-        label = f"{case.config.name} {case.mesh}{' packed' if case.spec.packed else ''}"
-        reference = case.reference()
-        for m in mutations:
-            reason = m.identity_reason(case)
-            report = None if reason else case.check(
-                thresholds, reference=reference, mutation=m.name,
-                trained=train_gloo(case, pool, m.recipe))
-            rows.append(MatrixRow(m.name, label, reason, report))
-    return rows
+    return mutation_matrix(cases, thresholds, mutations,
+                           train=lambda case, recipe: train_gloo(case, pool, recipe))

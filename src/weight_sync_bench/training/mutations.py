@@ -414,15 +414,24 @@ class MatrixRow:
 
 
 def mutation_matrix(cases: list[TrainingCase], thresholds: dict[str, float],
-                    mutations: tuple[TrainingMutation, ...] = TRAINING_MUTATIONS
+                    mutations: tuple[TrainingMutation, ...] = TRAINING_MUTATIONS, *,
+                    train: Callable[[TrainingCase, Recipe], object] | None = None
                     ) -> list[MatrixRow]:
-    """Every mutation on every case where it is not the identity (one reference per case)."""
+    """Every mutation on every case where it is not the identity (one reference per case).
+    ``train(case, recipe)`` trains the sharded side elsewhere (``training.gloo``: over a rank
+    pool) and returns what ``TrainingCase.check`` takes as ``trained``; default in process."""
     rows = []
     for case in cases:
         label = f"{case.config.name} {case.mesh}{' packed' if case.spec.packed else ''}"
         reference = case.reference()
         for m in mutations:
             reason = m.identity_reason(case)
-            report = None if reason else m.check(case, thresholds, reference=reference)
+            if reason:
+                report = None
+            elif train is None:
+                report = m.check(case, thresholds, reference=reference)
+            else:
+                report = case.check(thresholds, reference=reference, mutation=m.name,
+                                    trained=train(case, m.recipe))
             rows.append(MatrixRow(m.name, label, reason, report))
     return rows
