@@ -53,7 +53,8 @@ def test_a_smaller_sample_needs_force_and_the_figures_are_printed_side_by_side(t
             "would have 2: pass --force") in capsys.readouterr().err
     assert _stamp(target) == before
     # the twin: with --force it is replaced, and says what it replaced
-    assert main(["floor", "--random", "2", "--write", "--force", "--seed", "1", "-q"]) == 0
+    assert main(["floor", "--random", "2", "--write", "--force", "--seed", "1", "-q",
+                 "--kernel-sets", "current"]) == 0
     out = capsys.readouterr().out
     header, geometries, samples, rule = out.split("\n\n")[1].splitlines()[:4]
     assert header.split() == ["replaced", "(random_floor_1a.json)", "new"]

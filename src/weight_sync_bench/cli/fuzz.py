@@ -5,7 +5,9 @@
              [--kv-heads LO-HI] [--no-gqa | --gqa-only] [--vocab-multiple K] [--domain F=LO-HI]
     wsb fuzz --converter MOD:FN --from CONVENTION[:T] --to CONVENTION[:T] [domain options]
     wsb mutants [--examples N] [--profile P]
-    wsb floor --random N [--search M --keep K] [--seed S] (--out PATH | --write [--force])
+    wsb floor --random N [--search M --keep K] [--seed S] [--kernel-sets all|current]
+              (--out PATH | --write [--force])
+    wsb floor --kernel-sets all [--from PATH] [--phase P] (--out PATH | --write)
     wsb replay [PATH ...] [--max-gib G] [--max-gflop F]
 
 ``register(subparsers)`` adds them to ``wsb``'s parser; each handler returns its exit status
@@ -278,16 +280,15 @@ def _floor_figures(artifact: dict[str, Any]) -> list[str]:
 
 
 def cmd_floor(args: argparse.Namespace) -> int:
-    from weight_sync_bench.fuzz.floor import (
-        SampleProgress,
-        format_rules,
-        measure_random,
-        plot,
-        plot_path,
-    )
+    from weight_sync_bench.fuzz.floor import SampleProgress, measure_random, plot_path
     from weight_sync_bench.fuzz.runner import draw_floor_cases, search_worst_floors
 
     out = Output(args)
+    if args.random is None:
+        return _floor_kernel_sets(args, out)
+    if args.source is not None:
+        raise WsbError("--from re-measures an existing artifact's samples: it takes "
+                       "--kernel-sets all, not --random")
     if args.random < 2:
         raise WsbError(f"--random needs at least 2 geometries, got {args.random}")
     if args.search and args.keep > args.search:
@@ -320,13 +321,70 @@ def cmd_floor(args: argparse.Namespace) -> int:
                           f"layers={item.config.n_layers} kv_heads={item.config.n_kv_heads}")
             else:
                 artifact = item
+        if args.kernel_sets == "all":
+            assert artifact is not None
+            line.show("re-measuring the floors under every kernel set ...")
+            artifact = _across_kernel_sets(artifact)
     finally:
         line.close()
     assert artifact is not None
+    return _write_floor(artifact, path, old, png=path.with_suffix(".png") if args.out
+                        else plot_path(args.phase))
+
+
+def _across_kernel_sets(artifact: dict[str, Any]) -> dict[str, Any]:
+    """A fresh measurement merged with its floors under every kernel set (through a file:
+    each kernel set's process reads the samples from it)."""
+    import tempfile
+
+    from weight_sync_bench.fuzz.floor import measure_kernel_sets
+
+    with tempfile.TemporaryDirectory(prefix="wsb-floor-") as scratch:
+        fresh = Path(scratch) / "fresh.json"
+        write_artifact(artifact, fresh)
+        return measure_kernel_sets(fresh)
+
+
+def _floor_kernel_sets(args: argparse.Namespace, out: Output) -> int:
+    """``wsb floor --kernel-sets all [--from PATH]``: an artifact's samples re-measured under
+    every kernel set this machine runs, the worst kept per sample, the rule re-derived."""
+    from weight_sync_bench.fuzz.floor import load_random_floor, plot_path
+    from weight_sync_bench.fuzz.floor import measure_kernel_sets
+
+    if args.kernel_sets != "all":
+        raise WsbError("wsb floor: pass --random N to measure new samples, or --kernel-sets "
+                       "all to re-measure an artifact's samples under every kernel set")
+    for flag, value in (("--search", args.search), ("--seed", args.seed)):
+        if value is not None:
+            raise WsbError(f"{flag} applies to --random N, not to a re-measurement")
+    source = args.source or artifact_path(args.phase, kind="random_floor")
+    load_random_floor(args.phase, source)  # a typed error for a missing or foreign file
+    path = args.out or artifact_path(args.phase, kind="random_floor")
+    old = guard_target(path, named=args.out is not None, write=args.write,
+                       command="re-measuring the floors")
+    apply_deadline(args.deadline, args.phase == "1b")
+    line = out.progress()
+    try:
+        line.show(f"re-measuring the floors of {source} under every kernel set ...")
+        artifact = measure_kernel_sets(source)
+    finally:
+        line.close()
+    return _write_floor(artifact, path, old, png=path.with_suffix(".png") if args.out
+                        else plot_path(args.phase))
+
+
+def _write_floor(artifact: dict[str, Any], path: Path, old: dict[str, Any] | None, *,
+                 png: Path) -> int:
+    from weight_sync_bench.fuzz.floor import format_rules, kernel_set_figures, plot
+
     write_artifact(artifact, path)
-    png = path.with_suffix(".png") if args.out else plot_path(args.phase)
     plot(artifact, png)
     print(format_rules(artifact))
+    if "kernel_sets" in artifact:
+        rows = kernel_set_figures(artifact)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        print("\n" + "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                                for r in rows))
     if old is not None:
         try:
             before = _floor_figures(old)
@@ -492,8 +550,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     mutants.set_defaults(func=cmd_mutants)
 
     floor = subparsers.add_parser("floor", help="floor samples on random geometries")
-    floor.add_argument("--random", type=count, required=True, metavar="N",
+    floor.add_argument("--random", type=count, default=None, metavar="N",
                        help="number of geometries to sample (>= 2)")
+    floor.add_argument("--kernel-sets", choices=("all", "current"), default="all",
+                       help="all (default): re-measure every sample's floor under each CPU "
+                            "kernel set torch can use here (ATEN_CPU_CAPABILITY), each in a "
+                            "process of its own, and keep the worst; current: only the "
+                            "kernels this process runs. Without --random: re-measure the "
+                            "samples of --from PATH (default: the committed artifact)")
+    floor.add_argument("--from", dest="source", type=Path, default=None, metavar="PATH",
+                       help="the artifact whose samples --kernel-sets all re-measures")
     floor.add_argument("--search", type=count, default=None, metavar="M",
                        help="also search M examples (Hypothesis target phase) for the largest "
                             "floor / max|logit|, and sample the worst --keep of them")

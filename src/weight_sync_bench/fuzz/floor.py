@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from weight_sync_bench.tolerance.artifacts import (
     artifact_path,
     environment,
     read_artifact,
+    read_json,
 )
 from weight_sync_bench.tolerance.rules import SAFETY, derive_threshold, threshold_for
 
@@ -231,6 +232,130 @@ def measure_random(cases: Iterable[tuple[ModelConfig, int]], *, phase: str = "1a
            "environment": environment()}
 
 
+def remeasure_floors(artifact: dict[str, Any], *, forward: Forward = inprocess_forward
+                     ) -> list[float]:
+    """Each sample's floor measured again in this process, under the kernels it runs: the
+    same geometry, seed, tokens and degree, so only the kernels (``ATEN_CPU_CAPABILITY``)
+    can make it differ. The mutation deviations are not re-measured: they are O(1) against
+    a floor of O(1e-6), and no kernel set moves them by a figure a kill ratio shows."""
+    phase = artifact["phase"]
+    floors: list[float] = []
+    key, checker = None, None
+    for i, s in enumerate(artifact["samples"]):
+        here = (tuple(sorted(s["geometry"].items())), s["seed"])
+        if here != key:  # a geometry's degrees are adjacent: keep one checker alive
+            config = ModelConfig(name=f"floor-sample-{i}", **s["geometry"])
+            checker = Checker(config, seed=s["seed"], threshold=math.inf, phase=phase,
+                              forward=forward, params=fuzz_params(config, s["seed"]),
+                              tokens=fuzz_tokens(config, s["seed"]))
+            key = here
+        assert checker is not None
+        floors.append(checker.declared_error(s["degree"]))
+    return floors
+
+
+def merge_kernel_sets(artifact: dict[str, Any], floors: dict[str, list[float]],
+                      environment_now: dict[str, Any]) -> dict[str, Any]:
+    """``artifact`` with every sample's floor re-measured under each kernel set of
+    ``floors`` (kernel set -> one floor per sample, ``remeasure_floors``): each sample
+    records ``by_kernel_set``, its first measured floor (``floor_as_measured``) and, as
+    ``floor``, the worst of them all, with the kernel set that gave it; ``kernel_sets``
+    lists the sets, and the rule is re-derived from the merged samples. A floor is never
+    lowered by a re-measurement. Pure."""
+    samples = artifact["samples"]
+    for kernel_set, values in floors.items():
+        if len(values) != len(samples):
+            raise ToleranceMismatch(f"{len(values)} floors re-measured under {kernel_set} for "
+                                    f"{len(samples)} samples")
+    if not floors:
+        raise ToleranceMismatch("no kernel set to merge")
+    merged = []
+    for i, s in enumerate(samples):
+        first = s.get("floor_as_measured", s["floor"])
+        by_set = {k: v[i] for k, v in floors.items()}
+        worst_set = max(by_set, key=lambda k: by_set[k])
+        worst = max(first, by_set[worst_set])
+        merged.append({**s, "floor": worst, "floor_as_measured": first, "by_kernel_set": by_set,
+                       "kernel_set": worst_set if by_set[worst_set] >= first else "as measured"})
+    out = {**artifact, "samples": merged, "kernel_sets": list(floors),
+           "kernel_sets_measured": {
+               "environment": environment_now,
+               "what": "each sample's floor re-measured under each kernel set, each in a "
+                       "process of its own (ATEN_CPU_CAPABILITY); the mutation deviations "
+                       "are the first measurement's"}}
+    return rederive(out)
+
+
+def kernel_set_figures(artifact: dict[str, Any]) -> list[list[str]]:
+    """Per kernel set of a merged artifact: the worst floor, the worst floor / max|logit|,
+    in how many samples it alone gives the largest floor (ties count for none), and the rule
+    that kernel set's floors alone would choose. A table's rows, header first."""
+    samples = artifact["samples"]
+    rows = [["kernel set", "worst floor", "worst floor/max|logit|", "alone worst in",
+             "rule from it alone"]]
+    for kernel_set in artifact.get("kernel_sets", []):
+        alone = [{**s, "floor": s["by_kernel_set"][kernel_set]} for s in samples]
+        try:
+            rule = str(choose_rule(alone)[0]).split(": ", 1)[1]
+        except ToleranceMismatch as exc:
+            rule = f"none ({exc})"
+        rows.append([kernel_set, f"{max(s['floor'] for s in alone):.3g}",
+                     f"{max(s['floor'] / s['scale'] for s in alone):.3g}",
+                     str(sum(1 for s in samples if all(
+                         s["by_kernel_set"][kernel_set] > v
+                         for k, v in s["by_kernel_set"].items() if k != kernel_set))), rule])
+    rows.append(["merged", f"{max(s['floor'] for s in samples):.3g}",
+                 f"{max(s['floor'] / s['scale'] for s in samples):.3g}", str(len(samples)),
+                 str(rule_from(artifact)).split(": ", 1)[1]])
+    return rows
+
+
+def measure_kernel_sets(path: Path, kernel_sets: Sequence[str] | None = None
+                        ) -> dict[str, Any]:
+    """The artifact at ``path`` merged with its floors re-measured under every kernel set
+    this machine runs (``tolerance.kernels.available``), each in a process of its own."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from weight_sync_bench.tolerance import kernels
+
+    artifact = read_json(path)
+    floors: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
+        for kernel_set in kernel_sets or kernels.available():
+            out = Path(scratch) / f"{kernel_set}.json"
+            run = subprocess.run([sys.executable, "-m", "weight_sync_bench.fuzz.floor",
+                                  str(path), str(out)], check=False, capture_output=True, text=True,
+                                 env={**os.environ, "ATEN_CPU_CAPABILITY": kernel_set})
+            if run.returncode != 0:
+                raise ToleranceMismatch(f"re-measuring the floors under ATEN_CPU_CAPABILITY="
+                                        f"{kernel_set} failed (exit {run.returncode}):\n"
+                                        f"{run.stderr[-2000:]}")
+            measured = json.loads(out.read_text())
+            floors[measured["cpu_capability"]] = measured["floors"]
+    return merge_kernel_sets(artifact, floors, environment())
+
+
+def _remeasure_main(argv: list[str]) -> int:
+    """``python -m weight_sync_bench.fuzz.floor ARTIFACT OUT``: this process's floors of
+    ARTIFACT's samples, with the kernel set they ran under, written to OUT (JSON)."""
+    import json
+
+    torch.set_num_threads(1)
+    source, out = Path(argv[0]), Path(argv[1])
+    artifact = read_json(source)
+    forward = inprocess_forward
+    if artifact["phase"] == "1b":
+        from weight_sync_bench.check.forwards import gloo_forward
+        forward = gloo_forward()
+    floors = remeasure_floors(artifact, forward=forward)
+    out.write_text(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                               "floors": floors}))
+    return 0
+
+
 def load_random_floor(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:
     return read_artifact(path or artifact_path(phase, kind="random_floor"), phase=phase, schema=SCHEMA,
                          fields=("domain", "samples", "chosen"),
@@ -334,3 +459,9 @@ def plot(artifact: dict[str, Any], path: Path) -> None:
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
     tmp.replace(path)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_remeasure_main(sys.argv[1:]))
