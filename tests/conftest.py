@@ -24,20 +24,31 @@ from weight_sync_bench.paths import corpus_dir
 torch.set_num_threads(1)
 settings.load_profile(profile_name())
 
-_SCRATCH = Path(tempfile.mkdtemp(prefix="wsb-test-"))
 CHECKOUT_TOLERANCE = Path(__file__).resolve().parents[1] / "tolerance"
+_SET: dict[str, str] = {}  # what this session put into os.environ, to take out at its end
 
 
 def pytest_configure(config):
+    # Made per session, not per import: mutmut runs several pytest sessions in one process,
+    # and each must get a live scratch directory and its own copy of the corpus.
+    scratch = Path(tempfile.mkdtemp(prefix="wsb-test-"))
+    _SET["scratch"] = str(scratch)
     if "WSB_CORPUS_DIR" not in os.environ:
-        copy = _SCRATCH / "corpus"
+        copy = scratch / "corpus"
         shutil.copytree(corpus_dir(), copy)
-        os.environ["WSB_CORPUS_DIR"] = str(copy)
-    os.environ.setdefault("WSB_FUZZ_DIR", str(_SCRATCH / "fuzz"))
+        os.environ["WSB_CORPUS_DIR"] = _SET["WSB_CORPUS_DIR"] = str(copy)
+    if "WSB_FUZZ_DIR" not in os.environ:
+        os.environ["WSB_FUZZ_DIR"] = _SET["WSB_FUZZ_DIR"] = str(scratch / "fuzz")
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(_SCRATCH, ignore_errors=True)
+    for name in ("WSB_CORPUS_DIR", "WSB_FUZZ_DIR"):
+        value = _SET.pop(name, None)
+        if value is not None and os.environ.get(name) == value:
+            del os.environ[name]
+    scratch = _SET.pop("scratch", None)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 @pytest.fixture

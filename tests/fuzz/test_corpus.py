@@ -23,16 +23,18 @@ from weight_sync_bench.fuzz.corpus import (
 from weight_sync_bench.fuzz.domain import DOMAIN
 from weight_sync_bench.fuzz.runner import corpus_examples, run_property
 
-COMMITTED = entry_paths()
+# Names, not paths: the session's corpus copy is made per pytest session (conftest), and a
+# module imported once may serve several sessions (mutmut runs them in one process).
+COMMITTED = [p.name for p in entry_paths()]
 
 
 def test_the_committed_corpus_is_not_empty():
     assert len(COMMITTED) >= 4
 
 
-@pytest.mark.parametrize("path", COMMITTED, ids=[p.stem for p in COMMITTED])
-def test_committed_entry_replays_with_the_projects_claim_holding(path):
-    (result,) = replay([load_entry(path)])
+@pytest.mark.parametrize("name", COMMITTED, ids=[n.removesuffix(".json") for n in COMMITTED])
+def test_committed_entry_replays_with_the_projects_claim_holding(name):
+    (result,) = replay([load_entry(corpus_dir() / name)])
     assert result.claim_holds, result.outcome.describe()
     if result.entry.case.mutation is not None and result.entry.prop == "invariant":
         # a mutation's entry is born failing: "fixed" would mean a detection was lost (an
@@ -152,11 +154,10 @@ def test_corrupt_entry_is_an_error_naming_the_file_and_the_field(tmp_path, edit,
 
 
 def test_a_copied_corpus_directory_is_read_through_the_environment(tmp_path, monkeypatch):
-    for path in COMMITTED[:2]:
-        shutil.copy(path, tmp_path)
+    for name in COMMITTED[:2]:
+        shutil.copy(corpus_dir() / name, tmp_path)
     monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path))
-    assert corpus_dir() == tmp_path and [e.path.name for e in load_corpus()] == [
-        p.name for p in COMMITTED[:2]]
+    assert corpus_dir() == tmp_path and [e.path.name for e in load_corpus()] == COMMITTED[:2]
 
 
 def test_an_unreadable_path_is_an_error_naming_it_and_a_directory_means_its_entries(tmp_path):
