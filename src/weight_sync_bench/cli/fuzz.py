@@ -57,9 +57,13 @@ def _forward(phase: str) -> Forward:
 
 
 def _run_fuzz(args: argparse.Namespace, out: Output, **kwargs: object):  # -> FuzzReport
+    from weight_sync_bench.fuzz.floor import environment_notes
     from weight_sync_bench.fuzz.runner import FuzzReport, Progress, fuzz
 
     apply_deadline(args.deadline, args.phase == "1b")
+    for note in environment_notes(args.phase):  # --strict-env: refused here instead
+        out.text(f"note: {note}")
+        out.record("note", text=note)
     line = out.progress()
     events = fuzz(phase=args.phase, profile=args.profile, master_seed=args.seed,
                   forward=_forward(args.phase), **kwargs)  # type: ignore[arg-type]

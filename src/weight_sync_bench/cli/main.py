@@ -496,7 +496,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     args = build_parser().parse_args(argv)
-    return run(args.func, args, f"wsb {args.command}")
+    if not getattr(args, "strict_env", False):
+        return run(args.func, args, f"wsb {args.command}")
+    # --strict-env: through the environment, so rank processes and torchrun jobs inherit it;
+    # put back afterwards, for a caller (a test) that runs several commands in one process
+    before = os.environ.get("WSB_STRICT_ENV")
+    os.environ["WSB_STRICT_ENV"] = "1"
+    try:
+        return run(args.func, args, f"wsb {args.command}")
+    finally:
+        if before is None:
+            os.environ.pop("WSB_STRICT_ENV", None)
+        else:
+            os.environ["WSB_STRICT_ENV"] = before
 
 
 if __name__ == "__main__":

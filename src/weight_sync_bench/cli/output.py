@@ -145,6 +145,10 @@ def add_output_options(parser: argparse.ArgumentParser, *, json_records: bool = 
                             help="one JSON object per line on stdout, one per check, then a "
                                  "summary (see the README's 'Exit codes and machine-readable "
                                  "output')")
+        parser.add_argument("--strict-env", action="store_true",
+                            help="refuse a floor measured under another torch, numpy, Python, "
+                                 "machine class or CPU kernel set than this one (exit 2), "
+                                 "rather than note it (the same as WSB_STRICT_ENV=1)")
 
 
 def add_deadline_option(parser: argparse.ArgumentParser) -> None:

@@ -35,6 +35,7 @@ from weight_sync_bench.cli.output import (
 )
 from weight_sync_bench.errors import InvalidConfig, InvalidMesh
 from weight_sync_bench.model.config import CONFIGS, ModelConfig
+from weight_sync_bench.tolerance.rules import check_environment
 from weight_sync_bench.training.batches import default_spec
 from weight_sync_bench.training.compare import Trace, TrainingReport
 from weight_sync_bench.training.floor import (
@@ -164,6 +165,11 @@ def cmd_train_check(args: argparse.Namespace) -> int:
     apply_deadline(args.deadline, args.gloo)
     artifact = load(phase=phase)
     sequence_artifact = load_sequence(phase=phase) if _sequence(args) else None
+    for what, read in (("training", artifact), ("sequence", sequence_artifact)):
+        if read is not None:  # --strict-env: a foreign floor is refused here instead
+            for note in check_environment(read, f"the phase {phase} {what} floor"):
+                out.text(f"note: {note}")
+                out.record("note", text=note)
 
     def thresholds(case: TrainingCase) -> dict[str, float]:
         if case.mesh.sp or case.mesh.cp > 1:  # the SP / CP floor, measured on its own

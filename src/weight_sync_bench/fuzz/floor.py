@@ -54,7 +54,13 @@ from weight_sync_bench.tolerance.artifacts import (
     read_artifact,
     read_json,
 )
-from weight_sync_bench.tolerance.rules import SAFETY, derive_threshold, threshold_for
+from weight_sync_bench.tolerance.rules import (
+    SAFETY,
+    check_environment,
+    derive_threshold,
+    strict_environment,
+    threshold_for,
+)
 
 RULES = ("absolute_pow10", "relative_pow10", "relative")
 
@@ -374,6 +380,8 @@ def fuzz_threshold_rule(phase: str = "1a", path: Path | None = None
     the chosen sampled rule for geometries inside the sampled domain, an error elsewhere."""
     path = path or artifact_path(phase, kind="random_floor")
     rule, domain = _rule_and_domain(phase, path, _mtime(path))
+    if strict_environment():  # WSB_STRICT_ENV / --strict-env: a foreign floor is refused
+        environment_notes(phase, path)
 
     def threshold(config: ModelConfig, reference: torch.Tensor) -> float:
         if is_builtin(config):
@@ -386,6 +394,14 @@ def fuzz_threshold_rule(phase: str = "1a", path: Path | None = None
         return rule(config, reference)
 
     return threshold
+
+
+def environment_notes(phase: str = "1a", path: Path | None = None) -> tuple[str, ...]:
+    """How the running process differs from the one the random-geometry floor was measured
+    in (``tolerance.rules.check_environment``: a floor re-measured under several kernel sets
+    covers each); under ``WSB_STRICT_ENV`` a ``ToleranceMismatch`` instead."""
+    return check_environment(load_random_floor(phase, path),
+                             f"the phase {phase} random-geometry floor")
 
 
 def _mtime(path: Path) -> int | None:
