@@ -31,6 +31,7 @@ def test_the_fuzz_notes_a_foreign_random_floor_and_strict_env_refuses_it(toleran
                  "--strict-env"]) == 2
     err = capsys.readouterr().err
     assert "measured in another environment (WSB_STRICT_ENV is set): torch recorded 1.0.0" in err
+    assert "Re-measure it here with wsb floor --random N --phase 1a --write" in err
     assert "WSB_STRICT_ENV" not in os.environ  # put back after the command
 
 
@@ -56,4 +57,6 @@ def test_train_check_notes_a_foreign_training_floor_and_strict_env_refuses_it(to
     assert ("note: the phase 1a training floor measured elsewhere: python recorded 2.7.18"
             in capsys.readouterr().out)
     assert main([*argv, "--strict-env"]) == 2
-    assert "python recorded 2.7.18" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "python recorded 2.7.18" in err
+    assert "Re-measure it here with python -m weight_sync_bench.tolerance training --phase 1a" in err

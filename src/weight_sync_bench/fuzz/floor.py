@@ -401,7 +401,8 @@ def environment_notes(phase: str = "1a", path: Path | None = None) -> tuple[str,
     in (``tolerance.rules.check_environment``: a floor re-measured under several kernel sets
     covers each); under ``WSB_STRICT_ENV`` a ``ToleranceMismatch`` instead."""
     return check_environment(load_random_floor(phase, path),
-                             f"the phase {phase} random-geometry floor")
+                             f"the phase {phase} random-geometry floor",
+                             remedy=f"wsb floor --random N --phase {phase} --write")
 
 
 def _mtime(path: Path) -> int | None:

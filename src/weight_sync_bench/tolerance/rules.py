@@ -108,7 +108,8 @@ def strict_environment() -> bool:
     return os.environ.get("WSB_STRICT_ENV", "") not in ("", "0")
 
 
-def check_environment(artifact: dict[str, Any], what: str) -> tuple[str, ...]:
+def check_environment(artifact: dict[str, Any], what: str,
+                      remedy: str = "python -m weight_sync_bench.tolerance") -> tuple[str, ...]:
     """The drift notes of ``artifact``'s environment; under ``strict_environment()`` a
     ``ToleranceMismatch`` naming every difference instead."""
     recorded = dict(artifact.get("environment", {}))
@@ -117,8 +118,7 @@ def check_environment(artifact: dict[str, Any], what: str) -> tuple[str, ...]:
     notes = environment_drift(recorded)
     if notes and strict_environment():
         raise ToleranceMismatch(f"{what}: measured in another environment (WSB_STRICT_ENV is "
-                                "set): " + "; ".join(notes) + ". Re-measure it here with "
-                                "python -m weight_sync_bench.tolerance")
+                                "set): " + "; ".join(notes) + f". Re-measure it here with {remedy}")
     return tuple(f"{what} measured elsewhere: {n}" for n in notes)
 
 
