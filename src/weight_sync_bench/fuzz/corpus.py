@@ -58,6 +58,7 @@ from weight_sync_bench.errors import (
 from weight_sync_bench.fuzz.case import (
     CONVERSION_PROPERTIES,
     PROPERTIES,
+    TENSOR_BYTES,
     Case,
     ConversionCase,
     Outcome,
@@ -213,7 +214,8 @@ def _check_footprint(config: ModelConfig, path: Path, limits: ReplayLimits) -> N
     raise CorpusEntryTooLarge(
         f"{path}: field '{field}' is {what}: replaying this entry "
         f"would need {' and '.join(over)}, refused before allocating anything (estimate: "
-        f"4 B x (4 x {cost.params:.3g} parameters + {cost.activations:.3g} activations), "
+        f"4 B x (4 x {cost.params:.3g} parameters + {cost.activations:.3g} activations) + "
+        f"4 x {cost.tensors:.3g} tensors x {TENSOR_BYTES} B, "
         f"{cost.flops:.3g} flops; see fuzz.case.footprint)",
         path=str(path), field=field, estimate=cost.bytes, flops=cost.flops)
 
@@ -296,7 +298,7 @@ def _conversion_case_from(entry: Any, config: ModelConfig, conventions: dict[str
     ends = {}
     for end in ("src", "dst"):
         name = conventions.get(end)
-        if name not in CONVENTIONS:
+        if not isinstance(name, str) or name not in CONVENTIONS:
             raise CorruptCorpusEntry(f"{path}: field 'case.conventions.{end}' is {name!r}, "
                                      f"expected one of {', '.join(CONVENTIONS)}", path=str(path),
                                      field=f"case.conventions.{end}")
