@@ -7,12 +7,19 @@ import torch
 
 from weight_sync_bench import InvalidShards
 from weight_sync_bench.errors import WrongShardShape
-from weight_sync_bench.layout.placements import Replicate, Shard
+from weight_sync_bench.layout.placements import (
+    FusedPaired,
+    HeadPartitioned,
+    Replicate,
+    Shard,
+)
 from weight_sync_bench.layout.reshard import (
     gather,
     gather_tensor,
     reshard,
+    reshard_pieces,
     reshard_tensor,
+    shard_of,
     split,
     split_tensor,
     validate_shards,
@@ -154,3 +161,66 @@ def test_resharded_split_shards_are_contiguous_even_from_non_contiguous_sources(
             assert x.is_contiguous(), (src, dst, rank)
             assert x.equal(expected[rank]["a.weight"]), (src, dst, rank)
 
+
+
+# -- the views a streamed check compares against (check.stream): shard_of, reshard_pieces
+
+FP = ShardSpec("gate_up.weight", (8, 3), FusedPaired(first=4, second=4))  # 2 ranges per rank
+HP = ShardSpec("qkv.weight", (16, 3), HeadPartitioned(n_heads=4, n_kv_heads=2, head_dim=2))
+
+
+def _arange(spec):
+    return torch.arange(torch.Size(spec.shape).numel(), dtype=torch.float32).reshape(spec.shape)
+
+
+def _shares_memory(a, b):
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("spec, degrees", [(A, (1, 2, 3, 6)), (B, (1, 2)), (C, (1, 2, 3)),
+                                           (FP, (1, 2, 4)), (HP, (1, 2))],
+                         ids=["S(1)", "R", "S(0)", "FP", "HP"])
+def test_shard_of_is_split_s_shard_and_a_view_of_the_full_tensor_where_one_range_holds_it(
+        spec, degrees):
+    full = _arange(spec)
+    for t in degrees:
+        for rank, expected in enumerate(split_tensor(full, spec, t)):
+            got = shard_of(full, spec, t, rank)
+            assert got.equal(expected), (t, rank)
+            one_range = len(spec.ranges(t, rank)[1]) == 1
+            assert _shares_memory(got, full) == one_range, (t, rank)  # no copy, else cat's
+
+
+def test_reshard_pieces_of_a_replicated_parameter_is_rank_0s_copy_whole_at_offset_0():
+    shards = [torch.zeros(4), torch.ones(4), torch.full((4,), 2.0)]  # replicas that disagree
+    for rank in range(2):
+        ((at, piece),) = reshard_pieces(shards, B, 2, rank)
+        assert at == 0 and piece is shards[0]
+
+
+@pytest.mark.parametrize("src, dst, expected", [
+    # S(1) of width 6: each destination rank's columns, as (offset, width) of each piece
+    (6, 2, [[(0, 1), (1, 1), (2, 1)], [(0, 1), (1, 1), (2, 1)]]),
+    (3, 2, [[(0, 2), (2, 1)], [(0, 1), (1, 2)]]),
+    (2, 3, [[(0, 2)], [(0, 1), (1, 1)], [(0, 2)]]),
+    (2, 6, [[(0, 1)]] * 6),
+    (1, 1, [[(0, 6)]]),
+])
+def test_reshard_pieces_are_the_overlapping_source_views_in_order_with_their_offsets(
+        src, dst, expected):
+    """One piece per source segment that overlaps the destination range, none for a segment
+    that only touches it, each at the offset where it lands in the destination shard."""
+    shards = split_tensor(_arange(A), A, src)
+    for rank in range(dst):
+        pieces = reshard_pieces(shards, A, dst, rank)
+        assert [(at, piece.shape[1]) for at, piece in pieces] == expected[rank], rank
+        assert all(any(_shares_memory(piece, s) for s in shards) for _, piece in pieces)
+        assert torch.cat([piece for _, piece in pieces], dim=1).equal(
+            split_tensor(_arange(A), A, dst)[rank]), rank
+
+
+def test_reshard_pieces_of_a_fused_placement_cover_each_block_in_order():
+    shards = split_tensor(_arange(FP), FP, 4)  # rank r: gate row r, then up row r
+    pieces = reshard_pieces(shards, FP, 2, 1)  # gate rows 2-3, then up rows 6-7
+    assert [(at, piece.shape[0]) for at, piece in pieces] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert torch.cat([p for _, p in pieces]).equal(split_tensor(_arange(FP), FP, 2)[1])

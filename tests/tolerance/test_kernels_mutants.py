@@ -3,8 +3,10 @@ directly (mutation/report.md): before this file no test of the mutation selectio
 ``merge`` is pure; the three functions that start a process are checked with the process
 replaced by a recorder."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +140,17 @@ def test_a_failed_measurement_names_the_kernel_set_exit_code_and_stderr_tail(mon
         kernels.measure_under("avx2", [], tmp_path / "m.json")
     assert str(raised.value) == ("measuring under ATEN_CPU_CAPABILITY=avx2 failed (exit 3):\n"
                                  + ("x" * 2500 + "boom")[-2000:])
+
+
+@pytest.mark.parametrize("name", ["training.json", "training_1b.json"])
+def test_a_merged_training_quantity_lists_its_fields_as_the_committed_floor_does(name):
+    """The kernel set, then the re-derived threshold, last: re-merging a training floor
+    changes only its figures in the committed JSON, never the order of its fields."""
+    committed = json.loads((Path(__file__).resolve().parents[2] / "tolerance" / name).read_text())
+    assert committed["kernel_sets"]  # a merged floor
+    for quantities in committed["regimes"].values():
+        for fields in quantities.values():
+            assert list(fields)[-2:] == ["kernel_set", "threshold"]
+    out = merge([_training("AVX2", 2e-7, 2e-6), _training("AVX512", 5e-7, 1e-8)])
+    for fields in out["regimes"]["plain"].values():
+        assert list(fields) == ["worst", "case", "kernel_set", "threshold"]

@@ -192,3 +192,12 @@ def test_a_numerics_change_is_refused_naming_only_the_fields_that_differ():
         check_geometry(artifact, TOY)
     assert str(raised.value).endswith(f"rope_theta recorded 500000.0 running {TOY.rope_theta}, "
                                       f"norm_eps recorded 1.0 running {TOY.norm_eps}")
+
+
+@pytest.mark.parametrize("worst, threshold", [(1e4, 1e6), (3.5e6, 1e9), (1e100, 1e102)])
+def test_the_threshold_of_a_large_worst_is_found_from_its_exponent_not_counted_up_to(worst,
+                                                                                    threshold):
+    """A worst far above 1 gets the rule's power of ten from its exponent: a search that
+    walked the exponent up to ``target / 10`` and back returns the same value but never
+    returns for 1e100 (mutant ``10 * exponent``: killed as a timeout, mutation/report.md)."""
+    assert derive_threshold(worst) == threshold

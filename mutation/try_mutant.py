@@ -1,0 +1,116 @@
+"""Run tests against chosen mutmut mutants, without touching mutmut's own state.
+
+    python mutation/try_mutant.py [--snapshot DIR] MUTANT [MUTANT ...] -- PYTEST_ARGS ...
+
+MUTANT is a name as ``mutmut results`` prints it (``weight_sync_bench.fuzz.corpus.
+x_case_from__mutmut_12``), or a prefix ending in ``*`` for every surviving mutant it starts
+(read from ``mutants/``). The mutated sources are copied once from ``mutants/`` into the
+snapshot directory (default ``/tmp/wsb-mutsnap``; ``--fresh`` re-copies), with the floors and
+corpus beside them, so ``paths.checkout()`` resolves there, as under mutmut. The parent
+imports torch and the snapshot's package once, then forks per mutant: the child sets
+``MUTANT_UNDER_TEST`` (mutmut's trampolines read it at every call) and runs ``pytest.main``
+with PYTEST_ARGS. First the unmutated code is run (it must pass), then each mutant; one line
+each: ``killed`` (a test failed), ``timeout`` (not done in ``--timeout`` seconds, default
+120: killed, as mutmut's CPU limit would) or ``SURVIVED``. Exit 0 when every mutant is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANTS = ROOT / "mutants"
+
+
+def snapshot(target: Path, fresh: bool) -> None:
+    if target.exists() and not fresh:
+        return
+    if not (MUTANTS / "src").is_dir():
+        sys.exit(f"{MUTANTS}/src is missing: run `make mutation` (mutmut run) first")
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    for name in ("src", "tolerance", "corpus"):
+        shutil.copytree(MUTANTS / name, target / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.meta", "*.spans"))
+    shutil.copy(MUTANTS / "pyproject.toml", target / "pyproject.toml")
+
+
+def survivors(prefix: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-m", "mutmut", "results"], cwd=ROOT,
+                         capture_output=True, text=True, check=False).stdout
+    names = [line.split(":")[0].strip() for line in out.splitlines()
+             if line.strip().endswith("survived")]
+    return [n for n in names if n.startswith(prefix)]
+
+
+TIMEOUT = -1  # run_one's code for a mutant that did not finish in --timeout seconds
+
+
+def run_one(mutant: str, pytest_args: list[str], timeout: float = 120.0) -> int:
+    """The child's exit code, or ``TIMEOUT`` after killing it (a mutant that loops forever
+    is a timeout, as under mutmut's CPU limit)."""
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:
+        os.environ["MUTANT_UNDER_TEST"] = mutant
+        import pytest
+        code = pytest.main(["-q", "-x", "-n", "0", "-p", "no:cacheprovider", "--no-header",
+                            *pytest_args])
+        os._exit(int(code))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return TIMEOUT
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    if "--" not in argv:
+        sys.exit(__doc__)
+    split = argv.index("--")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--snapshot", type=Path, default=Path("/tmp/wsb-mutsnap"))
+    parser.add_argument("--fresh", action="store_true")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="seconds per mutant before it counts as a timeout (killed)")
+    parser.add_argument("mutants", nargs="+")
+    args = parser.parse_args(argv[:split])
+    pytest_args = argv[split + 1:]
+    snapshot(args.snapshot, args.fresh)
+    names = [n for m in args.mutants for n in (survivors(m[:-1]) if m.endswith("*") else [m])]
+    sys.path.insert(0, str(args.snapshot / "src"))
+    os.environ["PYTHONPATH"] = str(args.snapshot / "src")  # for any subprocess a test starts
+    import torch
+    torch.set_num_threads(1)
+    import weight_sync_bench
+    if not Path(weight_sync_bench.__file__).is_relative_to(args.snapshot):
+        sys.exit(f"weight_sync_bench imported from {weight_sync_bench.__file__}, not the snapshot")
+    os.chdir(ROOT)
+    if run_one("", pytest_args) != 0:
+        print("the unmutated code fails these tests: fix them first")
+        return 2
+    alive = []
+    for name in names:
+        code = run_one(name, pytest_args, args.timeout)
+        verdict = "timeout" if code == TIMEOUT else "killed" if code != 0 else "SURVIVED"
+        print(f"{verdict}  {name}", flush=True)
+        if code == 0:
+            alive.append(name)
+    print(f"{len(names) - len(alive)} of {len(names)} killed")
+    return 1 if alive else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
