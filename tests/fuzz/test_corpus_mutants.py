@@ -65,7 +65,15 @@ from weight_sync_bench.model.config import ModelConfig
 # the smallest geometry with two kv heads: layout degrees 1 and 2; cost 60160 B, 1813536 flops
 G = {"vocab": 16, "d_model": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "head_dim": 2,
      "ffn": 4, "batch": 1, "seq_len": 4}
-DROP = object()
+class _Drop:
+    """The field is removed, not set (a stable repr: test ids must be the same in every
+    xdist worker)."""
+
+    def __repr__(self) -> str:
+        return "DROP"
+
+
+DROP = _Drop()
 
 
 def _layout_entry() -> dict:
