@@ -167,8 +167,8 @@ def format_table(artifact: dict[str, Any]) -> str:
 def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp32",
                      repetitions: int = GEOMETRY_REPETITIONS,
                      forward: Forward | None = None,
-                     progress: Callable[[str], None] | None = None
-                     ) -> tuple[dict[str, Any], Path]:
+                     progress: Callable[[str], None] | None = None,
+                     out: Path | None = None) -> tuple[dict[str, Any], Path]:
     """Measure one geometry's floor, as the committed phase floors are measured (model
     seeds ``0..repetitions-1``, every supported degree, the running kernel set; phase 1a
     streamed, so a real width fits: ``check.stream``, bit for bit the same logits), and cache
@@ -200,6 +200,6 @@ def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp
     artifact["kind"] = "geometry"
     artifact["key"] = geometry_key(config, phase, dtype)
     artifact["record"] = geometry_record(config, phase, dtype)
-    path = cached_floor_path(config, phase, dtype)
+    path = out or cached_floor_path(config, phase, dtype)
     write_artifact(artifact, path)
     return artifact, path

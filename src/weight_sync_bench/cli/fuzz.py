@@ -62,8 +62,7 @@ def _run_fuzz(args: argparse.Namespace, out: Output, **kwargs: object):  # -> Fu
 
     apply_deadline(args.deadline, args.phase == "1b")
     for note in environment_notes(args.phase):  # --strict-env: refused here instead
-        out.text(f"note: {note}")
-        out.record("note", text=note)
+        out.note(note)
     line = out.progress()
     events = fuzz(phase=args.phase, profile=args.profile, master_seed=args.seed,
                   forward=_forward(args.phase), **kwargs)  # type: ignore[arg-type]
@@ -379,16 +378,13 @@ def _floor_kernel_sets(args: argparse.Namespace, out: Output) -> int:
 
 def _write_floor(artifact: dict[str, Any], path: Path, old: dict[str, Any] | None, *,
                  png: Path) -> int:
-    from weight_sync_bench.fuzz.floor import format_rules, kernel_set_figures, plot
+    from weight_sync_bench.fuzz.floor import format_kernel_sets, format_rules, plot
 
     write_artifact(artifact, path)
     plot(artifact, png)
     print(format_rules(artifact))
     if "kernel_sets" in artifact:
-        rows = kernel_set_figures(artifact)
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        print("\n" + "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
-                                for r in rows))
+        print("\n" + format_kernel_sets(artifact))
     if old is not None:
         try:
             before = _floor_figures(old)

@@ -33,13 +33,12 @@ from weight_sync_bench.cli.output import (
     refuse_smaller,
     side_by_side,
 )
-from weight_sync_bench.errors import FloorNotMeasured, InvalidConfig, ToleranceMismatch
+from weight_sync_bench.errors import FloorNotMeasured, InvalidConfig
 from weight_sync_bench.model.config import CONFIGS, DTYPES, ModelConfig, config_by_name
 from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.artifacts import (
     PHASES,
     artifact_path,
-    read_json,
     write_artifact,
 )
 from weight_sync_bench.tolerance.rules import derive_threshold, floor_for
@@ -158,7 +157,8 @@ def measure_one_geometry(args: argparse.Namespace) -> int:
     try:
         artifact, path = phase_floor.measure_geometry(config, phase=args.phase,
                                                       dtype=args.dtype, repetitions=repetitions,
-                                                      forward=forward, progress=line.show)
+                                                      forward=forward, progress=line.show,
+                                                      out=args.out)
     finally:
         line.close()
     print(phase_floor.format_table(artifact))
@@ -166,7 +166,13 @@ def measure_one_geometry(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _geometry_argv(args: argparse.Namespace, repetitions: int) -> list[str]:
+def _geometry_across_kernel_sets(args: argparse.Namespace, config: ModelConfig,
+                                 repetitions: int) -> int:
+    """One geometry's floor under every available kernel set (``kernels.measure_under``, a
+    process each), merged (``tolerance.kernels.merge``: each cell keeps its worst) and
+    written to ``--out`` or where ``floor_for`` reads it."""
+    from weight_sync_bench.tolerance.rules import cached_floor_path
+
     argv = ["geometry", "--phase", args.phase, "--dtype", args.dtype,
             "--repetitions", str(repetitions), "--force"]
     for flag, value in (("--hf-config", args.hf_config), ("--config", args.config),
@@ -174,41 +180,15 @@ def _geometry_argv(args: argparse.Namespace, repetitions: int) -> list[str]:
                         ("--batch", args.batch), ("--seq-len", args.seq_len)):
         if value is not None:
             argv += [flag, str(value)]
-    return argv
-
-
-def _geometry_across_kernel_sets(args: argparse.Namespace, config: ModelConfig,
-                                 repetitions: int) -> int:
-    """One geometry's floor under every available kernel set, each measured in a process of
-    its own into a scratch tolerance directory, merged (``tolerance.kernels.merge``: each
-    cell keeps its worst) and cached where ``floor_for`` reads it."""
-    import os
-    import subprocess
-    import sys
-
-    from weight_sync_bench.tolerance.rules import cached_floor_path
-
-    path = cached_floor_path(config, args.phase, args.dtype)
     measured = []
     with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
         for kernel_set in kernels.available():
             print(f"measuring {config.name} under ATEN_CPU_CAPABILITY={kernel_set} ...",
                   flush=True)
-            env = {**os.environ, "ATEN_CPU_CAPABILITY": kernel_set,
-                   "WSB_TOLERANCE_DIR": str(Path(scratch) / kernel_set)}
-            run = subprocess.run([sys.executable, "-m", "weight_sync_bench.tolerance",
-                                  *_geometry_argv(args, repetitions), "--kernel-sets", "current"],
-                                 check=False, capture_output=True, text=True, env=env)
-            if run.returncode != 0:
-                raise ToleranceMismatch(f"measuring {config.name} under ATEN_CPU_CAPABILITY="
-                                        f"{kernel_set} failed (exit {run.returncode}):\n"
-                                        f"{run.stderr[-2000:]}")
-            (written,) = (Path(scratch) / kernel_set / "geometry").glob("*.json")
-            if written.name != path.name:
-                raise ToleranceMismatch(f"the measurement under {kernel_set} wrote {written.name}"
-                                        f", not {path.name}: the geometry key differs")
-            measured.append(read_json(written))
+            measured.append(kernels.measure_under(kernel_set, argv,
+                                                  Path(scratch) / f"{kernel_set}.json"))
     artifact = kernels.merge(measured)
+    path = args.out or cached_floor_path(config, args.phase, args.dtype)
     write_artifact(artifact, path)
     print(phase_floor.format_table(artifact))
     print(f"kernel sets {', '.join(artifact['kernel_sets'])}; wrote {path}")

@@ -201,6 +201,11 @@ class Output:
         if self.json:
             print(json.dumps(_plain({"kind": kind, **fields}), allow_nan=False), flush=True)
 
+    def note(self, text: str) -> None:
+        """A note on how a result was judged (``note: ...`` in text, a ``note`` record in JSON)."""
+        self.text(f"note: {text}")
+        self.record("note", text=text)
+
     def summary(self, exit_code: int, **fields: Any) -> None:
         self.record("summary", command=self.command, exit_code=exit_code, **fields)
 

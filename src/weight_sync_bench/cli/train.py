@@ -170,8 +170,7 @@ def cmd_train_check(args: argparse.Namespace) -> int:
             remedy = (f"python -m weight_sync_bench.tolerance {what} --phase {phase} "
                       "--write")
             for note in check_environment(read, f"the phase {phase} {what} floor", remedy):
-                out.text(f"note: {note}")
-                out.record("note", text=note)
+                out.note(note)
 
     def thresholds(case: TrainingCase) -> dict[str, float]:
         if case.mesh.sp or case.mesh.cp > 1:  # the SP / CP floor, measured on its own

@@ -316,6 +316,16 @@ def kernel_set_figures(artifact: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def format_kernel_sets(artifact: dict[str, Any]) -> str:
+    """``kernel_set_figures`` as an aligned table."""
+    return "\n".join(_aligned(kernel_set_figures(artifact)))
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
 def measure_kernel_sets(path: Path, kernel_sets: Sequence[str] | None = None
                         ) -> dict[str, Any]:
     """The artifact at ``path`` merged with its floors re-measured under every kernel set
@@ -433,8 +443,7 @@ def format_rules(artifact: dict[str, Any]) -> str:
                      f"{h['false_positives']}/{h['samples']}" if h else "-",
                      f"{h['min_headroom']:.0f}x" if h else "-",
                      "chosen" if f["rule"] == artifact["chosen"] else ""])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = _aligned(rows)
     geometries = {tuple(sorted(s["geometry"].items())) for s in artifact["samples"]}
     lines.append(f"{len(artifact['samples'])} floor samples over {len(geometries)} geometries "
                  f"(phase {artifact['phase']})")
