@@ -130,7 +130,10 @@ def test_the_geometry_command_measures_once_and_reports_the_cache_the_second_tim
               num_key_value_heads=2, vocab_size=256)
     source = tmp_path / "tiny_qwen.json"
     source.write_text(json.dumps(hf))
-    argv = ["geometry", "--hf-config", str(source), "--layers", "1", "--repetitions", "2"]
+    # the running kernel set only: the measurement under every set is
+    # test_geometry_kernel_sets.py's (a process per set, 10 s more here)
+    argv = ["geometry", "--hf-config", str(source), "--layers", "1", "--repetitions", "2",
+            "--kernel-sets", "current"]
     assert measure_main(argv) == 0
     config = ModelConfig.from_hf_config(source, n_layers=1)
     assert f"wrote {cached_floor_path(config)}" in capsys.readouterr().out
