@@ -4,13 +4,12 @@ behavioural tests judge a whole run within its thresholds; these say what the re
 hooks receive, which batch each step draws, what the case validates and what a step keeps.
 All on SMALL (d_model 32, 2 layers): well under a second each."""
 
-from typing import ClassVar
-
 import pytest
 import torch
 
 from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.errors import InvalidMesh, UnevenSequence
+from weight_sync_bench.layout.placements import Replicate
 from weight_sync_bench.layout.reshard import split
 from weight_sync_bench.model.config import init_params
 from weight_sync_bench.model.plan import layout_for
@@ -49,23 +48,27 @@ def test_step_k_of_seed_s_draws_batch_1000_plus_100s_plus_k_in_the_first_steps_l
     assert torch.equal(batches[0].targets == -100, batches[2].targets == -100)
 
 
-class Tagged(InProcessCollective):
-    """The in-process collective, recording (degree, tag) of each all-reduce."""
+def recorded():
+    """A collective factory keeping every collective it makes, so a test can read what each
+    was asked for (``InProcessCollective.calls``), and those calls as (degree, op, tag)."""
+    made = []
 
-    calls: ClassVar[list] = []
+    def factory(degree):
+        made.append(InProcessCollective(degree))
+        return made[-1]
 
-    def all_reduce(self, tensors, tag=""):
-        Tagged.calls.append((len(tensors), tag))
-        return super().all_reduce(tensors, tag=tag)
+    return factory, lambda: [(c.degree, op, tag) for c in made for op, tag in c.calls]
+
+
+REPLICATED = [s.name for s in layout_for(SMALL) if isinstance(s.placement, Replicate)]
 
 
 def test_the_tp_reduction_passes_the_parameter_name_as_its_tag():
-    Tagged.calls = []
-    coll = Tagged(2)
+    coll = InProcessCollective(2)
     grads = [torch.ones(3), 2 * torch.ones(3)]
     out = sum_over_group(grads, coll, "layers.0.attn_norm.weight")
     assert all(torch.equal(o, 3 * torch.ones(3)) for o in out)
-    assert Tagged.calls == [(2, "layers.0.attn_norm.weight")]
+    assert coll.calls == [("all_reduce", "layers.0.attn_norm.weight")]
 
 
 def test_every_hook_of_the_recipe_receives_the_mesh_and_the_global_count():
@@ -201,14 +204,13 @@ def test_the_input_gradient_is_assembled_at_its_positions_in_its_dtype_with_zero
 
 def test_the_tp_and_dp_reductions_tag_each_gradient_with_its_parameter_name():
     layout = layout_for(SMALL)
-    replicated = [s.name for s in layout if type(s.placement).__name__ == "Replicate"]
-    Tagged.calls = []
-    TrainingCase(SMALL, Mesh(1, 2), steps=1).sharded(collective=Tagged)
-    tp_tags = [tag for n, tag in Tagged.calls if n == 2]
-    assert replicated and set(replicated) <= set(tp_tags) and None not in tp_tags
-    Tagged.calls = []
-    TrainingCase(SMALL, Mesh(2, 1), steps=1).sharded(collective=Tagged)
-    dp_tags = [tag for n, tag in Tagged.calls if n == 2]  # tp = 1: only the DP reduction
+    factory, calls = recorded()
+    TrainingCase(SMALL, Mesh(1, 2), steps=1).sharded(collective=factory)
+    tp_tags = [tag for n, op, tag in calls() if (n, op) == (2, "all_reduce")]
+    assert REPLICATED and set(REPLICATED) <= set(tp_tags) and None not in tp_tags
+    factory, calls = recorded()
+    TrainingCase(SMALL, Mesh(2, 1), steps=1).sharded(collective=factory)
+    dp_tags = [tag for n, op, tag in calls() if (n, op) == (2, "all_reduce")]  # tp = 1: DP only
     assert dp_tags == layout.names
 
 
@@ -237,9 +239,9 @@ def test_a_check_compares_the_traces_it_is_given_and_reports_its_case():
     judged = case.check(thresholds, reference=reference, trained=moved)
     assert judged.losses == (moved.losses[0], reference.losses[0])
     assert {c.quantity: c.deviation for c in judged.comparisons}["loss"] > 0.01
-    Tagged.calls = []
-    case.check(thresholds, reference=trained, collective=Tagged)
-    assert Tagged.calls  # the sharded side ran over the collective it was given
+    factory, calls = recorded()
+    case.check(thresholds, reference=trained, collective=factory)
+    assert calls()  # the sharded side ran over the collective it was given
 
 
 def test_with_spec_replaces_the_batch_and_keeps_the_rest():
@@ -253,7 +255,6 @@ def test_with_spec_replaces_the_batch_and_keeps_the_rest():
 
 def test_the_cp_and_tp_reductions_get_every_ranks_gradient_and_the_parameter_name():
     layout = layout_for(SMALL)
-    replicated = [s.name for s in layout if type(s.placement).__name__ == "Replicate"]
     seen = {"tp": [], "cp": []}
 
     def spy(kind):
@@ -265,4 +266,4 @@ def test_the_cp_and_tp_reductions_get_every_ranks_gradient_and_the_parameter_nam
     mesh = Mesh(1, 2, sp=True, cp=2)
     TrainingCase(SMALL, mesh, steps=1).sharded(Recipe(tp_reduce=spy("tp"), cp_reduce=spy("cp")))
     assert seen["cp"] == [(4, name) for name in layout.names]  # every parameter, all 4 ranks
-    assert seen["tp"] == [(4, name) for name in replicated]
+    assert seen["tp"] == [(4, name) for name in REPLICATED]
