@@ -3,17 +3,20 @@ parameter, -1 a zero slice; gathering back is its exact inverse."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from weight_sync_bench import TOY_KV4
+from weight_sync_bench import TOY, TOY_KV4
+from weight_sync_bench.check.diagnosis import _bit_equal
 from weight_sync_bench.conventions import (
     CONVENTIONS,
     gather_canonical,
     materialize,
     shards_for,
 )
-from weight_sync_bench.conventions.maps import Piece, padded, rows
+from weight_sync_bench.conventions.maps import Piece, Run, padded, rows, runs, translate
 from weight_sync_bench.model.config import init_params
 
 
@@ -57,3 +60,45 @@ def test_shards_for_materializes_the_declared_maps_from_init_params():
     expected = materialize(pieces, params)
     got = shards_for(TOY_KV4, "megatron", 4, seed=5)
     assert all(torch.equal(a[n], b[n]) for a, b in zip(got, expected) for n in a)
+
+
+def _endpoints(config):
+    return [(name, t) for name, conv in CONVENTIONS.items()
+            for t in conv.supported_degrees(config, 8)]
+
+
+def test_translate_is_gather_then_materialize_bit_for_bit_between_every_pair():
+    """The streamed check's converter and comparison read source views run by run; every
+    ordered pair of endpoints (padding, replicated KV heads, Meta's hidden-split embedding
+    through its fallback) gives the canonical route's bytes. A small vocabulary (1000 rows,
+    padded by Megatron and vLLM) keeps the 196 pairs fast; the maps depend on the heads."""
+    config = TOY.replace(name="toy_v1000", vocab=1000)  # KV heads replicated at vllm:4, 8
+    params, shapes = init_params(config, 3), config.param_shapes()
+    for (a, ta), (b, tb) in itertools.product(_endpoints(config), repeat=2):
+        src, dst = CONVENTIONS[a].pieces(config, ta), CONVENTIONS[b].pieces(config, tb)
+        shards = materialize(src, params)
+        want = materialize(dst, gather_canonical(shards, src, shapes))
+        got = translate(shards, src, dst, shapes)
+        assert [sorted(r) for r in got] == [sorted(r) for r in want], (a, ta, b, tb)
+        assert all(_bit_equal(g[n], w[n]) for g, w in zip(got, want) for n in w), (a, ta, b, tb)
+        held = {x.data_ptr() for r in shards for x in r.values()}
+        assert not any(g[n].data_ptr() in held for g in got for n in g)  # fresh tensors
+
+
+def test_runs_read_a_replica_from_the_lowest_rank_and_unheld_indices_as_zeros():
+    src = [{"a": Piece("w", 0, torch.tensor([2, 3]))},
+           {"b": Piece("w", 0, torch.tensor([0, 1, 2, 3]))}]  # 2 and 3 on both ranks
+    found = runs(src, Piece("w", 0, torch.tensor([0, 1, 2, 3, -1, 5])), 6)
+    assert found == [Run(0, 2, 1, "b", 0), Run(2, 2, 0, "a", 0), Run(4, 2)]  # 4 is padding,
+    # 5 no source holds (gather_canonical leaves it zero)
+    shards = [{"a": torch.tensor([20.0, 30.0])}, {"b": torch.tensor([0.5, 1.5, 99.0, 99.0])}]
+    got = translate(shards, src, [{"x": Piece("w", 0, torch.tensor([3, 0, 1, 2, -1, 5]))}],
+                    {"w": (6,)})
+    assert got[0]["x"].tolist() == [30.0, 0.5, 1.5, 20.0, 0.0, 0.0]
+    assert runs(src, Piece("w", 1, rows(0, 2)), 2) is None  # another dim: no runs of one dim
+
+
+def test_a_run_breaks_where_the_source_index_jumps_even_on_one_rank():
+    src = [{"a": Piece("w", 0, torch.tensor([0, 1, 2, 3]))}]
+    assert runs(src, Piece("w", 0, torch.tensor([0, 1, 3, 2])), 4) == [
+        Run(0, 2, 0, "a", 0), Run(2, 1, 0, "a", 3), Run(3, 1, 0, "a", 2)]

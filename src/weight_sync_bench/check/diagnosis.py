@@ -30,12 +30,28 @@ def mismatching(shards: list[Params], declared: list[Params], names: Iterable[st
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bytes (so NaN == NaN and -0.0 != 0.0, unlike ``torch.equal`` on floats)."""
+    """Equal bytes (so NaN == NaN and -0.0 != 0.0, unlike ``torch.equal`` on floats).
+
+    Compared ``_CHUNK`` elements at a time along dim 0, so the temporaries (the comparison's
+    boolean array, the contiguous copy of a strided view such as a column slice) stay a few
+    MiB at any width instead of a fraction of the largest parameter."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if a.dim() == 0 or a.numel() <= _CHUNK:
+        return _equal_bytes(a, b)
+    step = max(1, _CHUNK // (a.numel() // a.shape[0]))  # rows per comparison
+    return all(_equal_bytes(a.narrow(0, i, min(step, a.shape[0] - i)),
+                            b.narrow(0, i, min(step, a.shape[0] - i)))
+               for i in range(0, a.shape[0], step))
+
+
+def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     as_int = _SAME_WIDTH_INT[a.element_size()]  # any dtype, bf16 too, seen as raw integers
     x, y = (t.detach().contiguous().view(as_int).numpy() for t in (a, b))
     return bool(np.array_equal(x, y))  # a third faster than torch.equal here
+
+
+_CHUNK = 1 << 22  # elements per comparison: a 4 Mi-element (16 MiB fp32) slab
 
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -167,3 +167,121 @@ def gather_canonical(shards: Sequence[Mapping[str, torch.Tensor]], pieces: Piece
                 keep = (piece.idx >= 0).nonzero().flatten()
                 target.index_copy_(piece.dim, piece.idx[keep], x.index_select(piece.dim, keep))
     return full
+
+
+# Between two conventions without the canonical tensor: what a streamed check holds.
+
+@dataclass(frozen=True)
+class Run:
+    """``length`` consecutive indices along a stored tensor's dim, from ``at``, that are
+    ``length`` consecutive indices of one source stored tensor (``rank``'s ``name``, from
+    ``start``), or zeros (``rank`` None: vocabulary padding, or canonical indices no source
+    holds, which ``gather_canonical`` leaves zero)."""
+
+    at: int
+    length: int
+    rank: int | None = None
+    name: str | None = None
+    start: int = 0
+
+
+def runs(src: Pieces, piece: Piece, size: int,
+         owners: dict[tuple[str, int], Owners | None] | None = None) -> list[Run] | None:
+    """Where each index of the stored tensor ``piece`` lives among the source convention's
+    stored tensors ``src``, as maximal runs (a few per head: a head's rows are contiguous in
+    every convention), so a copy or a comparison reads views and never the canonical tensor.
+    ``size``: the canonical parameter's length along ``piece.dim``. An index stored on several
+    source ranks is read from the lowest, as ``gather_canonical`` takes it; ``None`` where a
+    source piece of the same parameter cuts another dim (Meta's hidden-split embedding from
+    a vocab-split one): no run of one dim describes it. ``owners`` caches each parameter's
+    ``Owners`` (per dim) across calls on the same ``src``."""
+    if owners is None:
+        owners = {}
+    key = (piece.source, piece.dim)
+    if key not in owners:
+        owners[key] = Owners.of(src, piece.source, piece.dim, size)
+    found = owners[key]
+    return None if found is None else found.runs(piece)
+
+
+@dataclass(frozen=True)
+class Owners:
+    """For each canonical index of one parameter along one dim: which source stored tensor
+    holds it (``who``, an index into ``tensors``, -1 none) and where (``pos``)."""
+
+    who: torch.Tensor
+    pos: torch.Tensor
+    tensors: tuple[tuple[int, str], ...]  # (rank, stored name)
+
+    @classmethod
+    def of(cls, src: Pieces, source: str, dim: int, size: int) -> Owners | None:
+        who = torch.full((size,), -1, dtype=torch.int64)
+        pos = torch.zeros(size, dtype=torch.int64)
+        tensors: list[tuple[int, str]] = []
+        for rank in reversed(range(len(src))):  # rank 0 writes last: its copy wins
+            for name, p in src[rank].items():
+                if p.source != source:
+                    continue
+                if p.dim != dim:
+                    return None
+                keep = (p.idx >= 0).nonzero().flatten()
+                who[p.idx[keep]] = len(tensors)
+                pos[p.idx[keep]] = keep
+                tensors.append((rank, name))
+        return cls(who, pos, tuple(tensors))
+
+    def runs(self, piece: Piece) -> list[Run]:
+        idx = piece.idx
+        n = idx.numel()
+        if n == 0:
+            return []
+        o = torch.where(idx >= 0, self.who[idx.clamp(min=0)], -1)
+        q = torch.where(o >= 0, self.pos[idx.clamp(min=0)], 0)
+        starts = torch.ones(n, dtype=torch.bool)
+        starts[1:] = (o[1:] != o[:-1]) | ((o[1:] >= 0) & (q[1:] != q[:-1] + 1))
+        at_t = starts.nonzero().flatten()
+        at, owner, first = at_t.tolist(), o[at_t].tolist(), q[at_t].tolist()
+        out = []
+        for a, b, k, start in zip(at, [*at[1:], n], owner, first):
+            if k < 0:
+                out.append(Run(a, b - a))
+            else:
+                rank, name = self.tensors[k]
+                out.append(Run(a, b - a, rank, name, start))
+        return out
+
+
+def translate(shards: Sequence[Mapping[str, torch.Tensor]], src: Pieces, dst: Pieces,
+              shapes: Mapping[str, Shape], names: Iterable[str] | None = None
+              ) -> list[Params]:
+    """The destination convention's stored tensors (or only ``names``) straight from the
+    source's: ``materialize(dst, gather_canonical(shards, src, shapes))`` bit for bit, each
+    destination tensor written run by run from views of the source tensors, so no canonical
+    tensor is made (the extra memory is the output; a parameter ``runs`` cannot describe, cut
+    along another dim, goes through its canonical tensor)."""
+    wanted = None if names is None else set(names)
+    dtype = next(iter(shards[0].values())).dtype if shards and shards[0] else torch.float32
+    out: list[Params] = [{} for _ in dst]
+    fallback: dict[str, torch.Tensor] = {}
+    owners: dict[tuple[str, int], Owners | None] = {}
+    for rank, pieces in enumerate(dst):
+        for name, piece in pieces.items():
+            if wanted is not None and name not in wanted:
+                continue
+            found = runs(src, piece, shapes[piece.source][piece.dim], owners)
+            if found is None:
+                if piece.source not in fallback:
+                    fallback.update(gather_canonical(shards, src, shapes, [piece.source]))
+                out[rank][name] = piece.take(fallback[piece.source])
+                continue
+            x = torch.empty(piece.local_shape(shapes[piece.source]), dtype=dtype)
+            for run in found:
+                part = x.narrow(piece.dim, run.at, run.length)
+                if run.rank is None:
+                    part.zero_()
+                else:
+                    assert run.name is not None
+                    part.copy_(shards[run.rank][run.name].narrow(piece.dim, run.start,
+                                                                 run.length))
+            out[rank][name] = x
+    return out
