@@ -3,6 +3,7 @@ its wall time against the bare forwards it runs. Prints; asserts nothing.
 
     python bench/bench_width.py            # both, as make bench runs it (about 10 minutes)
     python bench/bench_width.py memory [--layers 2] [--dtype fp32] [--only NAME ...]
+    python bench/bench_width.py memory --backend gloo [--layers 1] [--only NAME ...]
     python bench/bench_width.py overhead [--layers 2] [--degree 8] [--tokens 128]
 
 ``memory``: for each shipped geometry at full width (Llama-3-8B, Qwen2.5-7B, Mistral-7B,
@@ -12,7 +13,10 @@ Mistral-Nemo (head_dim 128 != 5120 / 32), and Llama-3-70B's width, d_model 8192,
 reshard from that degree to its half, each in a fresh process of its own: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (the process's
 RSS high-water mark) after the check, less the RSS after the imports, against the largest
 parameter's bytes and the whole model's. The claim is peak - baseline <= 3 x the largest
-parameter + activations (``check.stream``).
+parameter + activations (``check.stream``). ``--backend gloo``: the same checks with one
+process per rank (``stream_run``, the declared split or reshard on rank 0: a user's function
+must be importable by the rank processes, and a closure is not), each rank's high-water mark
+since its task began (``VmHWM``, reset at the start) against the same bound.
 
 The threshold: at these widths no floor is committed, and a per-geometry one
 (``python -m weight_sync_bench.tolerance geometry --hf-config PATH --layers N``) costs four
@@ -48,7 +52,9 @@ from weight_sync_bench.check.stream import (
     stage_reshard,
     stage_split,
     stream_check,
+    stream_run,
 )
+from weight_sync_bench.collectives.gloo.pool import RankPool
 from weight_sync_bench.model import config as config_module
 from weight_sync_bench.model.config import ModelConfig, hf_config_path, parse_dtype
 from weight_sync_bench.model.plan import layout_for
@@ -90,9 +96,16 @@ def one(args: argparse.Namespace) -> int:
 
     baseline = current_rss()
     started = time.perf_counter()
-    verdict = stream_check(config, args.dst, src=args.src, dtype=args.dtype,
-                           fn=split_fn if args.src is None else reshard_fn, per="parameter",
-                           threshold=math.inf)
+    ranks: tuple[tuple[int, int], ...] = ()
+    if args.backend == "gloo":  # the declared split on rank 0 (a closure cannot reach it)
+        with RankPool(args.dst) as pool:
+            verdict, ranks = stream_run(config, args.dst, src=args.src, dtype=args.dtype,
+                                        per="parameter", threshold=math.inf,
+                                        backend="gloo", pool=pool)
+    else:
+        verdict = stream_check(config, args.dst, src=args.src, dtype=args.dtype,
+                               fn=split_fn if args.src is None else reshard_fn,
+                               per="parameter", threshold=math.inf)
     wall = time.perf_counter() - started
     print(json.dumps({
         "geometry": config.name, "layers": config.n_layers, "dtype": args.dtype,
@@ -100,7 +113,8 @@ def one(args: argparse.Namespace) -> int:
         "baseline": baseline, "largest": largest_param_bytes(config, args.dtype),
         "model": model_bytes(config, args.dtype), "n_params": config.n_params,
         "max_abs_error": verdict.max_abs_error, "bytes_equal": verdict.first_mismatch is None,
-        "activations": activation_bytes(config, args.dst)}))
+        "activations": activation_bytes(config, args.dst), "backend": args.backend,
+        "ranks": [list(r) for r in ranks]}))
     return 0
 
 
@@ -119,7 +133,8 @@ def memory(args: argparse.Namespace) -> int:
         t = largest_degree(config)
         for src, dst in ((None, t), (t, max(1, t // 2))):
             argv = [sys.executable, __file__, "one", "--geometry", name, "--layers",
-                    str(layers), "--dst", str(dst), "--dtype", args.dtype]
+                    str(layers), "--dst", str(dst), "--dtype", args.dtype,
+                    "--backend", args.backend]
             if src is not None:
                 argv += ["--src", str(src)]
             print(f"{name} {'split' if src is None else src} -> {dst} ...", flush=True)
@@ -130,7 +145,29 @@ def memory(args: argparse.Namespace) -> int:
                 return 1
             rows.append(json.loads(run.stdout.strip().splitlines()[-1]))
     print(format_memory(rows))
+    if args.backend == "gloo":
+        print()
+        print(format_ranks(rows))
     return 0
+
+
+def format_ranks(rows: list[dict]) -> str:
+    """Under gloo: each rank's peak less its RSS when the task began, against the bound."""
+    gib = 2.0 ** 30
+    table = [["geometry", "route", "rank 0 GiB", "x largest", "other ranks GiB (max)",
+              "x largest", "bound 3x+act", "caller peak - base GiB"]]
+    for r in rows:
+        used = [peak - began for began, peak in r["ranks"]]
+        bound = 3 * r["largest"] + r["activations"]
+        others = max(used[1:], default=0)
+        table.append([r["geometry"], f"{'split' if r['src'] is None else r['src']} -> {r['dst']}",
+                      f"{used[0] / gib:.2f}", f"{used[0] / r['largest']:.2f}",
+                      f"{others / gib:.2f}", f"{others / r['largest']:.2f}",
+                      "within" if max(used) <= bound else "OVER",
+                      f"{(r['peak'] - r['baseline']) / gib:.2f}"])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in table)
 
 
 def format_memory(rows: list[dict]) -> str:
@@ -213,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--layers", type=int, default=2)
     m.add_argument("--dtype", default="fp32")
     m.add_argument("--only", action="append", choices=GEOMETRIES)
+    m.add_argument("--backend", choices=["inprocess", "gloo"], default="inprocess",
+                   help="gloo: one process per rank; each rank's peak is reported")
     o = sub.add_parser("overhead")
     o.add_argument("--layers", type=int, default=2)
     o.add_argument("--degree", type=int, default=8)
@@ -224,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--src", type=int, default=None)
     x.add_argument("--dst", type=int, required=True)
     x.add_argument("--dtype", default="fp32")
+    x.add_argument("--backend", choices=["inprocess", "gloo"], default="inprocess")
     args = parser.parse_args(argv)
     if args.command is None:  # make bench: both, with their defaults
         return memory(parser.parse_args(["memory"])) or overhead(parser.parse_args(["overhead"]))

@@ -265,7 +265,7 @@ def test_a_streamed_split_passes_every_argument_to_the_stream(monkeypatch):
                        stream="parameter", progress=progress) == "streamed"
     assert calls == [(TOY, 2, {"fn": fn, "src": None, "per": "parameter", "seed": 3,
                                "dtype": "bf16", "threshold": 0.5, "measure_floor": True,
-                               "progress": progress})]
+                               "progress": progress, "backend": "inprocess"})]
 
 
 def test_a_streamed_reshard_passes_every_argument_to_the_stream(monkeypatch):
@@ -282,19 +282,19 @@ def test_a_streamed_reshard_passes_every_argument_to_the_stream(monkeypatch):
                          stream="parameter", progress=progress) == "streamed"
     assert calls == [
         (TOY, 2, {"fn": fn, "src": 1, "per": "layer", "seed": 4, "dtype": torch.float32,
-                  "threshold": None, "measure_floor": False, "progress": None}),
+                  "threshold": None, "measure_floor": False, "progress": None,
+                  "backend": "inprocess"}),
         (TOY, 1, {"fn": fn, "src": 2, "per": "parameter", "seed": 0, "dtype": "fp16",
-                  "threshold": 0.25, "measure_floor": True, "progress": progress})]
+                  "threshold": 0.25, "measure_floor": True, "progress": progress,
+                  "backend": "inprocess"})]
 
 
 @pytest.mark.parametrize("check, args", [(check_split, (2,)), (check_reshard, (1, 2))])
-def test_a_streamed_check_over_gloo_is_refused_before_anything_runs(monkeypatch, check, args):
+def test_a_streamed_check_over_gloo_passes_the_backend_to_the_stream(monkeypatch, check, args):
     calls = recording(monkeypatch)
-    with pytest.raises(ValueError) as err:
-        check(lambda *a: None, TOY, *args, backend="gloo", stream="layer")
-    assert str(err.value) == ("stream='layer' runs in process (phase 1a); backend 'gloo' holds "
-                              "the whole model on rank 0")
-    assert calls == []
+    assert check(fn := lambda *a: None, TOY, *args, backend="gloo", stream="layer") == "streamed"
+    assert [(c[0], c[1], c[2]["fn"], c[2]["backend"]) for c in calls] == [
+        (TOY, args[-1], fn, "gloo")]
 
 
 @pytest.mark.parametrize("check, args, bad", [

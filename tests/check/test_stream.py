@@ -120,9 +120,9 @@ def test_a_stage_returned_in_the_wrong_dtype_names_rank_parameter_and_dtypes():
         str(caught.value)
 
 
-def test_streaming_is_in_process_only_and_says_so():
-    with pytest.raises(ValueError, match="stream='layer' runs in process"):
-        check_split(per_stage_split(TOY), TOY, 2, stream="layer", backend="gloo")
+def test_a_streamed_check_refuses_an_unknown_way_to_stream():
+    with pytest.raises(ValueError, match="backend='threads': a streamed check runs"):
+        check_split(per_stage_split(TOY), TOY, 2, stream="layer", backend="threads")
     with pytest.raises(ValueError, match="calls fn per layer or per parameter"):
         stream_check(TOY, 2, per="model")
 

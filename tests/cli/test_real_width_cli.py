@@ -150,7 +150,7 @@ def test_bf16_weights_from_the_command_line_and_a_shard_handed_back_in_fp32(
     assert main([*convert, f"{MODULE}:wrong"]) == 1
 
 
-def test_the_stage_progress_shows_on_a_terminal_only_and_stream_needs_phase_1a(
+def test_the_stage_progress_shows_on_a_terminal_only_and_streams_over_gloo_too(
         model, tolerance, monkeypatch, capsys):
     argv = ["check", *model, "--stream", "layer", "--measure-floor", "--dst", "2",
             "--splitter", f"{MODULE}:split"]
@@ -160,5 +160,10 @@ def test_the_stage_progress_shows_on_a_terminal_only_and_stream_needs_phase_1a(
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "check 1/1: small split -> 2 (inprocess): stage 3/3 head" in err
-    assert main([*argv, "--backend", "gloo"]) == 2
-    assert "--stream layer runs every rank in this process" in capsys.readouterr().err
+    assert main([*argv, "--backend", "gloo"]) == 0  # the phase 1b floor measured and cached
+    err = capsys.readouterr().err
+    assert "check 1/1: small split -> 2 (gloo)" in err and "stage " not in err  # ranks' own
+    assert main(["check", *model, "--stream", "layer", "--backend", "gloo", "--from", "hf",
+                 "--to", "vllm:2", "--converter", f"{MODULE}:split"]) == 2
+    assert "a streamed --converter check over --backend gloo is not built" in \
+        capsys.readouterr().err

@@ -38,8 +38,12 @@ def test_the_committed_phase1a_artifact_matches_the_running_configs():
     for config in (TOY, TOY_KV4):
         check_geometry(artifact, config)
     assert artifact["repetitions"] == 20
-    cells = {(c["config"], c["degree"]) for c in artifact["cells"]}
-    assert cells == {("toy", 1), ("toy", 2), ("toy_kv4", 1), ("toy_kv4", 2), ("toy_kv4", 4)}
+    cells = {(c["config"], c["degree"], c.get("forward", "plain")) for c in artifact["cells"]}
+    assert cells == {("toy", 1, "plain"), ("toy", 2, "plain"), ("toy_kv4", 1, "plain"),
+                     ("toy_kv4", 2, "plain"), ("toy_kv4", 4, "plain"),
+                     # vLLM past n_kv_heads (check.floor.REPLICATED_KV)
+                     ("toy", 4, "vllm-replicated-kv"), ("toy", 8, "vllm-replicated-kv"),
+                     ("toy_kv4", 8, "vllm-replicated-kv")}
     for field in ("torch", "numpy", "python", "platform", "dtype", "commit"):
         assert field in artifact["environment"]
 

@@ -387,13 +387,11 @@ def _streamed(fn: Callable[..., list[dict[str, torch.Tensor]]], config: ModelCon
               src: int | None, *, seed: int, threshold: float | None, backend: str,
               dtype: torch.dtype | str, measure_floor: bool, per: str,
               progress: Callable[..., None] | None) -> Verdict:
-    if backend != "inprocess":
-        raise ValueError(f"stream={per!r} runs in process (phase 1a); backend {backend!r} "
-                         "holds the whole model on rank 0")
     from weight_sync_bench.check.stream import stream_check  # it builds on this module
 
     return stream_check(config, dst, fn=fn, src=src, per=per, seed=seed, dtype=dtype,
-                        threshold=threshold, measure_floor=measure_floor, progress=progress)
+                        threshold=threshold, measure_floor=measure_floor, progress=progress,
+                        backend=backend)
 
 
 def _dtypes(checker: Checker) -> dict[str, torch.dtype]:

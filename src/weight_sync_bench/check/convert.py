@@ -27,7 +27,11 @@ a layout adds; the two departures add none (Meta's hidden-split embedding is an 
 a concatenation; vLLM's replicated KV heads are copies, each Q head's attention computed on
 one rank as under the plain layout). The one degree the plain floor cannot have measured is
 vLLM's t > n_kv_heads (``HeadPartitioned`` rejects it): its o_proj sums t partials where the
-floor's largest degree summed fewer, and the verdict says so in a note (``degree_notes``).
+floor's largest degree summed fewer. So a floor measures that forward too, in cells of its own
+(``check.floor``: ``"forward": "vllm-replicated-kv"``), and a conversion whose destination
+forward has no cell at its degree in the floor that judges it is refused before the
+converter runs (``require_cell``: ``FloorNotMeasured`` naming the geometry, the degree, the
+convention and the command that measures it), never judged by the plain cells' threshold.
 
 ``dtype`` (``"bf16"``, ``"fp16"``): the synced weights' dtype, as for ``check_split``: the
 source shards are in it, the output is compared bit for bit in it (an fp32 tensor where
@@ -63,7 +67,13 @@ from weight_sync_bench.check.diagnosis import (
     mismatching,
     slice_index,
 )
-from weight_sync_bench.check.floor import computing
+from weight_sync_bench.check.floor import (
+    PLAIN_FORWARD,
+    REPLICATED_MAX_DEGREE,
+    computing,
+    forward_of,
+    measured_degrees,
+)
 from weight_sync_bench.check.user_code import check_signature, frame_error
 from weight_sync_bench.check.user_code import describe as describe_fn
 from weight_sync_bench.collectives.inprocess import InProcessCollective
@@ -73,10 +83,18 @@ from weight_sync_bench.conventions import (
     materialize,
     reading_plan,
 )
-from weight_sync_bench.conventions.maps import gather_canonical
+from weight_sync_bench.conventions.maps import (
+    Owners,
+    Piece,
+    Pieces,
+    gather_canonical,
+    runs,
+    translate,
+)
 from weight_sync_bench.conventions.meta import permute_index
 from weight_sync_bench.errors import (
     CheckpointError,
+    FloorNotMeasured,
     InvalidNumber,
     InvalidShards,
     UserCodeError,
@@ -89,9 +107,15 @@ from weight_sync_bench.model.config import (
     make_tokens,
     parse_dtype,
 )
+from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
-from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, derive_threshold
+from weight_sync_bench.tolerance.rules import (
+    TOKEN_SEED_OFFSET,
+    derive_threshold,
+    measure_command,
+    weights_dtype,
+)
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.stream import Progress
@@ -156,6 +180,11 @@ class ConversionChecker:
             logits = gloo_logits(forward, inputs, tokens)
         return self.checker.deviation(logits)
 
+    def require(self, where: str | Endpoint) -> None:
+        """``require_cell`` of the floor this checker's threshold came from (none where the
+        threshold was given: the caller's choice)."""
+        require_cell(self.checker.floor, self.config, endpoint(where))
+
     def slice_index(self, source: str, dim: int) -> dict[bytes, int]:
         """``diagnosis.slice_index`` of a canonical parameter (cached: a diagnosis matches
         every shard's slices against it)."""
@@ -174,6 +203,7 @@ class ConversionChecker:
         """Validate, compare bytes with the declared destination, run a forward only if
         they differ (with a diagnosis of the first parameter that does)."""
         source, target = endpoint(src), endpoint(dst)
+        self.require(target)  # a destination forward its floor never measured: refused
         validate_convention_shards(shards, target, self.config,
                                    {n: x.dtype for n, x in self.checker.full.items()})
         assert isinstance(shards, Sequence)
@@ -186,8 +216,7 @@ class ConversionChecker:
             "config": self.config.name, "src": source.degree, "dst": target.degree,
             "threshold": self.checker.threshold, "phase": self.checker.phase,
             "mutation": mutation, "conventions": (source.name, target.name),
-            "notes": self.checker.notes + degree_notes(self.checker.floor, self.config,
-                                                       target.degree),
+            "notes": self.checker.notes,
             "dtype": self.checker.dtype_name}
         if not differ:
             return Verdict(max_abs_error=self.declared_error(target), first_mismatch=None,
@@ -212,7 +241,9 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
 
     The threshold is the one ``check_split`` uses for ``config`` (the floor that covers its
     geometry, ``tolerance.rules.floor_for``; ``FloorNotMeasured`` naming the command where
-    none does, unless ``measure_floor`` measures and caches it), or ``threshold`` when given.
+    none does, unless ``measure_floor`` measures and caches it), or ``threshold`` when given;
+    a floor without a cell of the destination's forward at its degree (vLLM past
+    ``n_kv_heads``) refuses the check before ``fn`` runs (``require_cell``).
     ``dtype``, ``stream`` and ``progress``: see the module docstring. ``backend="gloo"``
     runs the destination forward one process per rank (phase 1b), its forward inputs
     scattered by ``GlooTransport`` under the destination's forward layout (Meta's
@@ -230,6 +261,7 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
                               progress=progress)
     checker = ConversionChecker(config, seed=seed, backend=backend, threshold=threshold,
                                 dtype=dtype, measure_floor=measure_floor)
+    checker.require(target)  # refused before the user's code runs
     args = (checker.source(source), target.degree)
     check_signature(fn, args, role="converter", call="fn(shards, degree)")
     try:
@@ -240,37 +272,97 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     return checker.verdict(out, src=source, dst=target)
 
 
-def degree_notes(floor: Floor | None, config: ModelConfig, degree: int) -> tuple[str, ...]:
-    """A note where the floor judging a conversion measured no cell at its destination
-    degree (vLLM's replicated KV heads at t > n_kv_heads; see the module docstring)."""
+def require_cell(floor: Floor | None, config: ModelConfig, target: Endpoint) -> None:
+    """Raise ``FloorNotMeasured`` unless ``floor`` (the one judging a conversion to
+    ``target``; None for a threshold given explicitly) measured the destination's forward
+    (``check.floor.forward_of``: vLLM's replicated KV heads at t > n_kv_heads, else the plain
+    layout's) at its degree. The error names the geometry, the degree, the convention, what
+    the floor measured and the command that measures the missing cell."""
     if floor is None:
-        return ()
-    measured = sorted({int(c["degree"]) for c in floor.artifact.get("cells", ())
-                       if c.get("config") == config.name})
-    if not measured or degree in measured:
-        return ()
-    note = (f"the floor of {config.name} ({floor.path.name}) measured degrees "
-            f"{', '.join(map(str, measured))}; this forward runs at t={degree} (a layout the "
-            "harness's own cannot store), judged by the same threshold")
-    return (note,)
+        return
+    degree = target.degree
+    forward = forward_of(target.convention, config, degree)
+    measured = measured_degrees(floor.artifact, config.name, forward)
+    if degree in measured:
+        return
+    phase, dtype = str(floor.artifact.get("phase", "1a")), weights_dtype(floor.artifact)
+    plain = measured_degrees(floor.artifact, config.name, PLAIN_FORWARD)
+    had = (f"measured it at t={', '.join(map(str, measured))}" if measured
+           else "never measured it")
+    why = (f"{config.name}: no measured floor covers the forward of {target} (phase {phase}, "
+           f"{dtype} weights, d_model {config.d_model}, n_heads {config.n_heads}, n_kv_heads "
+           f"{config.n_kv_heads}): {target.convention.name} at t={degree} runs the {forward} "
+           f"forward, and {floor.path.name} {had} (its plain cells: t="
+           f"{', '.join(map(str, plain)) or 'none'}); a threshold measured on another forward "
+           "or degree does not judge it")
+    if forward == PLAIN_FORWARD and not layout_for(config).supports(degree):
+        raise FloorNotMeasured(  # the plain layout cannot store t: no floor measurement can
+            f"{why}. The plain layout cannot store t={degree}, so no floor measurement has "
+            "this cell; pass threshold= explicitly (e.g. check.convert.measure_threshold)")
+    command = _cell_command(floor, config, phase, dtype, degree)
+    raise FloorNotMeasured(f"{why}. Measure it with `{command}`", command=command)
+
+
+def _cell_command(floor: Floor, config: ModelConfig, phase: str, dtype: str,
+                  degree: int) -> str:
+    """What measures ``floor`` again with the cell at ``degree``: the committed floor's
+    measuring command, or the per-geometry floor's (``--force``: it is cached already); a
+    Python call where the degree is past ``REPLICATED_MAX_DEGREE`` (the command's bound)."""
+    tail = (f" --phase {phase}" if phase != "1a" else "") + (
+        f" --dtype {dtype}" if dtype != "fp32" else "")
+    if degree > REPLICATED_MAX_DEGREE:
+        what = "measure" if floor.source == "committed" else "measure_geometry"
+        configs = f"configs=[{config.name}], replicated=True, " if what == "measure" else (
+            "config, ")
+        return (f"weight_sync_bench.check.floor.{what}({configs}phase={phase!r}, "
+                f"dtype={dtype!r}, max_degree={degree})")
+    if floor.source == "committed":
+        return f"python -m weight_sync_bench.tolerance{tail} --write"
+    command = measure_command(config, phase, dtype)
+    return f"{command} --force" if command.startswith("python -m") else command
 
 
 def stage_convert(src: str | Endpoint, dst: str | Endpoint, config: ModelConfig) -> ConvertFn:
     """The harness's own converter (``conventions.convert``) written per stage, the shape of
     a streamed ``fn``: it works on any subset of the source's stored tensors holding whole
     canonical parameters (one parameter, one layer, or all), and returns the destination's
-    stored tensors of those parameters."""
+    stored tensors of those parameters, written straight from views of the source tensors
+    (``maps.translate``, bit for bit gather-then-cut without the canonical tensor)."""
     source, target = endpoint(src), endpoint(dst)
 
     def fn(shards: list[Params], degree: int) -> list[Params]:
         names = set(shards[0])
         sub = [{n: p for n, p in rank.items() if n in names} for rank in source.pieces(config)]
         sources = {p.source for rank in sub for p in rank.values()}
-        canonical = gather_canonical(shards, sub, config.param_shapes(), sources)
         want = [{n: p for n, p in rank.items() if p.source in sources}
                 for rank in type(target)(target.convention, degree).pieces(config)]
-        return materialize(want, canonical)
+        return translate(shards, sub, want, config.param_shapes())  # no canonical tensor
     return fn
+
+
+def _matches(mine: torch.Tensor, piece: Piece, given: Sequence[Mapping[str, torch.Tensor]],
+             src: Pieces, shapes: Mapping[str, tuple[int, ...]],
+             owners: dict[tuple[str, int], Owners | None]) -> bool:
+    """Whether ``mine`` is, bit for bit, the stored tensor ``piece`` of the canonical
+    parameters the source tensors ``given`` (stored as ``src``) hold: compared run by run
+    against views of them (``maps.runs``, ``owners`` its cache), so no canonical tensor is
+    made; a piece cut along another dim than its source's is compared through the canonical
+    tensor."""
+    found = runs(src, piece, shapes[piece.source][piece.dim], owners)
+    if found is None:
+        canon = gather_canonical(given, src, shapes, [piece.source])
+        return _bit_equal(mine, piece.take(canon[piece.source]))
+    for run in found:
+        part = mine.narrow(piece.dim, run.at, run.length)
+        if run.rank is None:
+            if not _bit_equal(part, torch.zeros_like(part)):
+                return False
+        else:
+            assert run.name is not None
+            held = given[run.rank][run.name].narrow(piece.dim, run.start, run.length)
+            if not _bit_equal(part, held):
+                return False
+    return True
 
 
 def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
@@ -288,12 +380,16 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
     (the same draws, steps and comparison); ``first_mismatch`` is the first in stage order.
 
     Memory: once the reference has stepped, a parameter's canonical tensor is dropped as its
-    source slices are cut (they hold every row; the comparison rebuilds it from them after
-    ``fn`` returns, so ``fn`` must not write into them: ``UserCodeError``). While ``fn`` runs
-    the harness holds the source slices, the stage's parameters not yet converted and the
-    forward inputs converted so far; ``fn`` adds its own copies (``stage_convert`` gathers a
-    canonical tensor, then cuts the destination's)."""
-    from weight_sync_bench.check.stream import PER, _draw, stages
+    source slices are cut (they hold every row: the comparison reads them after ``fn``
+    returns, so ``fn`` must not write into them: ``UserCodeError``). While ``fn`` runs the
+    harness holds the source slices, the stage's parameters not yet converted and the forward
+    inputs converted so far; ``fn`` adds its own (``stage_convert``: the destination tensors
+    only, written from views of the source's, ``maps.translate``). The comparison reads each
+    destination tensor run by run against views of the source slices (``maps.runs``), never
+    a canonical tensor, except to diagnose the first mismatch. So a parameter costs its
+    source slices plus ``fn``'s output: about 2x its bytes, and 3x where ``fn`` gathers a
+    canonical tensor first."""
+    from weight_sync_bench.check.stream import PER, _draw, _Reference, _Sharded, stages
     from weight_sync_bench.check.stream import Progress as Step
 
     InvalidNumber.seed("seed", seed)
@@ -307,39 +403,26 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
     if threshold is None:  # refused before anything is drawn
         floor = resolve_floor(config, "1a", name, measure=measure_floor)
         threshold = floor.threshold
-        notes = environment_notes(floor, config, "1a", name) + degree_notes(
-            floor, config, target.degree)
+        notes = environment_notes(floor, config, "1a", name)
+        require_cell(floor, config, target)  # a forward its floor never measured: refused
     t = target.degree
+    shapes = config.param_shapes()
     plan = reading_plan(target.convention, config, t)
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
-    reference = ReferenceModel(config, {})
-    sharded = ShardedModel(plan.forward.config, [{} for _ in range(t)],
-                           InProcessCollective(t), embedding=plan.forward.embedding)
+    reference = _Reference(config, tokens)
+    sharded = _Sharded(ShardedModel(plan.forward.config, [{} for _ in range(t)],
+                                    InProcessCollective(t), embedding=plan.forward.embedding),
+                       tokens)
     draws = iter_params(config, seed, dtype=weights)
     differ: list[str] = []
     diagnosis: list[str] = []
-    tied_ref: torch.Tensor | None = None
-    tied_inputs: list[torch.Tensor] | None = None
     signed = False
     started, steps = time.perf_counter(), stages(config)
     with torch.no_grad():
         for k, (label, names) in enumerate(steps):
             full = _draw(draws, names)
             size = sum(x.numel() * x.element_size() for x in full.values())
-            compute = computing(full)
-            if label == "head" and tied_ref is not None:
-                compute["tok_embeddings.weight"] = tied_ref
-            reference.params = compute
-            if label == "embedding":
-                ref_state = reference.begin(tokens)
-                if config.tie_embeddings:
-                    tied_ref = compute["tok_embeddings.weight"]
-            elif label == "head":
-                expected = reference.end(ref_state)
-            else:
-                reference.block(ref_state, k - 1)
-            reference.params = {}
-            del compute
+            reference.step(k, label, full)
             inputs: list[Params] = [{} for _ in range(t)]
             for group in ([names] if per == "layer" else [[n] for n in names]):
                 sources = set(group)
@@ -372,40 +455,30 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
                                            {n: weights for n in config.param_shapes()},
                                            pieces=want)
                 assert isinstance(out, Sequence)
-                # the canonical tensors again, exactly, from the harness's own source slices
-                canon = gather_canonical(given, mine_src, config.param_shapes(), sources)
-                del given
+                # each destination tensor against views of the harness's own source slices
+                owners: dict[tuple[str, int], Owners | None] = {}  # per group: its sources
                 for stored in want[0]:
-                    mine = [r[stored] for r in out]
-                    if not all(_bit_equal(m, w[stored].take(canon[w[stored].source]))
-                               for m, w in zip(mine, want)):
+                    if not all(_matches(r[stored], w[stored], given, mine_src, shapes, owners)
+                               for r, w in zip(out, want)):
                         differ.append(stored)
-                        if len(differ) == 1:
+                        if len(differ) == 1:  # the canonical tensor, for the diagnosis only
+                            canon = gather_canonical(given, mine_src, shapes, sources)
                             diagnosis.extend(diagnose_piece(canon, config, stored,
-                                                            [w[stored] for w in want], mine))
-                del canon
+                                                            [w[stored] for w in want],
+                                                            [r[stored] for r in out]))
+                            del canon
+                del given, args  # args holds given too
                 for rank, selections in enumerate(plan.ranks):
                     for canonical in group:
                         inputs[rank][canonical] = computing(
                             {canonical: selections[canonical].apply(out[rank])})[canonical]
                 del out
-            sharded.shards = inputs
-            if label == "embedding":
-                sharded_state = sharded.begin(tokens)
-                if config.tie_embeddings:
-                    tied_inputs = [x["tok_embeddings.weight"] for x in inputs]
-            elif label == "head":
-                if tied_inputs is not None:
-                    for x, table in zip(inputs, tied_inputs):
-                        x["tok_embeddings.weight"] = table
-                logits = sharded.end(sharded_state)[0]
-            else:
-                sharded.block(sharded_state, k - 1)
-            sharded.shards = [{} for _ in range(t)]
+            sharded.step(k, label, inputs)
             del inputs
             if progress is not None:
                 progress(Step(k + 1, len(steps), label, size, time.perf_counter() - started))
-    error = float((logits - expected).abs().max())
+    assert sharded.logits is not None and reference.expected is not None
+    error = float((sharded.logits - reference.expected).abs().max())
     return Verdict(config=config.name, src=source.degree, dst=t, max_abs_error=error,
                    threshold=threshold, first_mismatch=differ[0] if differ else None,
                    mismatches=tuple(differ), diagnosis=tuple(diagnosis),

@@ -4,6 +4,17 @@
 per destination cell (config, t), over ``repetitions`` model and token seeds, the deviation
 of the sharded logits from the reference in units of 2^-23. ``tolerance.rules`` derives the
 threshold from it.
+
+Two forwards have cells. The plain layout's (``layout_for``) at every degree it supports,
+and vLLM's at every degree past ``n_kv_heads`` it stores, up to ``REPLICATED_MAX_DEGREE``:
+there each KV head is replicated over ``t / n_kv_heads`` ranks (``HeadReplicated``), a
+layout the plain one cannot store, whose o_proj sums ``t`` partials where the plain floor's
+largest degree summed fewer. Such a cell is measured as ``check_convert`` runs that forward
+(the declared vLLM shards, read through ``conventions.reading_plan``, ``ShardedModel`` over
+the plan's forward layout) and records ``"forward": REPLICATED_KV``; a plain cell has no
+``forward`` field (every artifact measured before the field existed holds plain cells only).
+A conversion whose destination forward has no cell at its degree is refused
+(``check.convert.require_cell``), never judged by a threshold borrowed from the other forward.
 """
 
 from __future__ import annotations
@@ -17,7 +28,15 @@ import torch
 
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.conventions import (
+    CONVENTIONS,
+    endpoint,
+    forward_inputs,
+    materialize,
+    reading_plan,
+)
 from weight_sync_bench.errors import ToleranceMismatch
+from weight_sync_bench.layout.placements import HeadReplicated
 from weight_sync_bench.layout.reshard import split
 from weight_sync_bench.model.config import (
     TOY,
@@ -25,6 +44,7 @@ from weight_sync_bench.model.config import (
     ModelConfig,
     dtype_name,
     init_params,
+    iter_params,
     make_tokens,
     parse_dtype,
 )
@@ -51,11 +71,19 @@ from weight_sync_bench.tolerance.rules import (
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.checker import Forward
+    from weight_sync_bench.check.stream import Progress
+    from weight_sync_bench.conventions import Convention
 
 REPETITIONS = 20
 # A per-geometry floor (a real width, measured on first use) takes fewer: one repetition of
 # Llama-3-8B's width at 2 layers draws 1.5e9 weights and runs five forwards.
 GEOMETRY_REPETITIONS = 4
+
+PLAIN_FORWARD = "plain"  # the plain layout's sharded forward (a cell without a forward field)
+REPLICATED_KV = "vllm-replicated-kv"  # vLLM's forward at t > n_kv_heads (HeadReplicated KV)
+# The largest degree whose replicated-KV cells a floor measurement adds: the largest the
+# harness checks (issue 13's full-width checks go up to 8; TOY's 8 heads stop there too).
+REPLICATED_MAX_DEGREE = 8
 
 
 # (config, degree, param seed, token seed) -> rank 0's sharded logits under the declared split
@@ -77,9 +105,106 @@ def computing(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: x if x.dtype == torch.float32 else x.float() for n, x in params.items()}
 
 
+def forward_of(convention: Convention | str, config: ModelConfig, degree: int) -> str:
+    """Which forward a destination runs, as a floor's cells name it: ``REPLICATED_KV`` where
+    the convention's forward layout replicates KV heads (``HeadReplicated``: vLLM at
+    ``t > n_kv_heads``), else ``PLAIN_FORWARD`` (once each rank's stored rows are read in
+    forward order, the plain layout's sharded forward; see ``check.convert``)."""
+    conv = CONVENTIONS[convention] if isinstance(convention, str) else convention
+    layout = conv.forward_layout(config, degree).layout
+    if any(isinstance(spec.placement, HeadReplicated) for spec in layout):
+        if conv.name != "vllm":  # only vLLM's forward was measured replicated
+            return f"{conv.name}-replicated-kv"
+        return REPLICATED_KV
+    return PLAIN_FORWARD
+
+
+def cell_forward(cell: Mapping[str, Any]) -> str:
+    """The forward a floor cell was measured on (``PLAIN_FORWARD`` where it names none)."""
+    return str(cell.get("forward", PLAIN_FORWARD))
+
+
+def measured_degrees(artifact: Mapping[str, Any], name: str, forward: str) -> list[int]:
+    """The degrees at which ``artifact`` measured config ``name``'s ``forward``."""
+    return sorted({int(c["degree"]) for c in artifact.get("cells", ())
+                   if c.get("config") == name and cell_forward(c) == forward})
+
+
+def replicated_degrees(config: ModelConfig, max_degree: int = REPLICATED_MAX_DEGREE
+                       ) -> list[int]:
+    """Every degree ``t > n_kv_heads`` up to ``max_degree`` at which vLLM stores ``config``
+    (``QKVParallelLinear``'s KV replication: the degrees a replicated-KV cell is measured at)."""
+    return [t for t in CONVENTIONS["vllm"].supported_degrees(config, max_degree)
+            if t > config.n_kv_heads]
+
+
+def replicated_logits(config: ModelConfig, params: Mapping[str, torch.Tensor], degree: int,
+                      tokens: torch.Tensor, phase: str = "1a") -> torch.Tensor:
+    """Rank 0's logits of vLLM's forward at ``degree`` reading the declared vLLM shards of
+    ``params`` (in their synced dtype; the forward computes in fp32 from them), as
+    ``check_convert`` runs it (``ConversionChecker.error``): in process (phase 1a) or one
+    process per rank over gloo (phase 1b, ``check.convert.gloo_logits``)."""
+    target = endpoint(f"vllm:{degree}")
+    plan = reading_plan(target.convention, config, degree)
+    shards = materialize(target.pieces(config), params)
+    inputs = [computing(x) for x in forward_inputs(shards, target.convention, config, degree)]
+    del shards
+    if phase == "1a":
+        return ShardedModel(plan.forward.config, inputs, InProcessCollective(degree),
+                            embedding=plan.forward.embedding)(tokens)[0]
+    from weight_sync_bench.check.convert import gloo_logits  # builds on check.checker
+    return gloo_logits(plan.forward, inputs, tokens)
+
+
+def stream_replicated_deviation(config: ModelConfig, degree: int, *, seed: int = 0,
+                                dtype: torch.dtype | str = torch.float32,
+                                progress: Callable[[Progress], None] | None = None
+                                ) -> torch.Tensor:
+    """|vLLM's forward at ``degree`` - reference logits|, streamed, flattened: one
+    repetition of a replicated-KV cell at a width too large to hold whole. Per stage
+    (``check.stream.stages``) the canonical parameters are drawn, the reference steps, the
+    stage's declared vLLM tensors are cut, read through the reading plan and upcast, and the
+    vLLM forward steps; the same draws and steps as ``check.convert.stream_convert``, so the
+    same logits as ``replicated_logits`` bit for bit."""
+    import time
+
+    from weight_sync_bench.check.stream import Progress as Step
+    from weight_sync_bench.check.stream import _draw, _Reference, _Sharded, stages
+
+    target = endpoint(f"vllm:{degree}")
+    pieces = target.pieces(config)
+    plan = reading_plan(target.convention, config, degree)
+    tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+    reference = _Reference(config, tokens)
+    sharded = _Sharded(ShardedModel(plan.forward.config, [{} for _ in range(degree)],
+                                    InProcessCollective(degree),
+                                    embedding=plan.forward.embedding), tokens)
+    draws = iter_params(config, seed, dtype=parse_dtype(dtype))
+    started, steps = time.perf_counter(), stages(config)
+    with torch.no_grad():
+        for k, (label, names) in enumerate(steps):
+            full = _draw(draws, names)
+            size = sum(x.numel() * x.element_size() for x in full.values())
+            reference.step(k, label, full)
+            sources = set(names)
+            stored = materialize([{n: p for n, p in rank.items() if p.source in sources}
+                                  for rank in pieces], full)
+            del full
+            inputs = [{c: computing({c: selections[c].apply(stored[rank])})[c] for c in names}
+                      for rank, selections in enumerate(plan.ranks)]
+            del stored
+            sharded.step(k, label, inputs)
+            if progress is not None:
+                progress(Step(k + 1, len(steps), label, size, time.perf_counter() - started))
+    assert sharded.logits is not None and reference.expected is not None
+    return (sharded.logits - reference.expected).abs().flatten()
+
+
 def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4),
             repetitions: int = REPETITIONS, runner: ShardedRunner | None = None,
-            dtype: str = "fp32", forward: Forward | None = None) -> dict[str, Any]:
+            dtype: str = "fp32", forward: Forward | None = None,
+            replicated: bool | None = None,
+            max_degree: int = REPLICATED_MAX_DEGREE) -> dict[str, Any]:
     """Measure the floor per destination cell and return the artifact (not yet written).
 
     ``runner`` computes the sharded logits; phase 1a defaults to the in-process forward.
@@ -88,6 +213,14 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
     values by both the reference and the sharded forward, which then gets the declared
     shards through ``forward`` (a ``check.Forward``; phase 1a defaults to the in-process
     one). The artifact records ``weights_dtype``; an fp32 one is exactly what it always was.
+
+    ``replicated``: also measure each config's replicated-KV cells (``replicated_degrees``
+    up to ``max_degree``, ``"forward": REPLICATED_KV``; the same seeds, tokens and dtype,
+    vLLM's forward in this process for phase 1a, over gloo for 1b), listed after its plain
+    cells. Default: for the
+    committed floors' configs (TOY and TOY_KV4, the default ``configs``: the measurement
+    ``python -m weight_sync_bench.tolerance`` writes); a measurement of other ``configs``
+    measures their plain cells unless asked.
     """
     if phase not in PHASES:
         raise ToleranceMismatch(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
@@ -101,10 +234,14 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
             raise ToleranceMismatch(f"phase {phase} needs its own runner (the gloo launcher)")
         runner = inprocess_runner
     configs = list(configs)
+    if replicated is None:
+        replicated = configs == [TOY, TOY_KV4]  # the committed floors' configs
     cells: list[dict[str, Any]] = []
     for config in configs:
         degrees = layout_for(config).supported_degrees()
         deviations: dict[int, list[np.ndarray]] = {t: [] for t in degrees}
+        wide = replicated_degrees(config, max_degree) if replicated else []
+        copies: dict[int, list[np.ndarray]] = {t: [] for t in wide}
         layout = layout_for(config)
         for rep in range(repetitions):
             params = init_params(config, rep, dtype=weights)
@@ -120,15 +257,23 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
                     logits = runner(config, t, rep, TOKEN_SEED_OFFSET + rep)
                 deviations[t].append((logits - reference).abs().flatten().numpy())
                 del logits
+            for t in wide:  # vLLM's forward past n_kv_heads: each KV head on t / n_kv ranks
+                logits = replicated_logits(config, params, t, tokens, phase)
+                copies[t].append((logits - reference).abs().flatten().numpy())
+                del logits
             del params, reference
         cells += [_cell(config.name, t, deviations[t]) for t in degrees]
+        cells += [_cell(config.name, t, copies[t], forward=REPLICATED_KV) for t in wide]
     return _artifact(phase, configs, cells, repetitions, weights)
 
 
-def _cell(name: str, degree: int, deviations: list[np.ndarray]) -> dict[str, Any]:
-    """One destination cell's figures over its pooled per-logit deviations."""
+def _cell(name: str, degree: int, deviations: list[np.ndarray],
+          forward: str = PLAIN_FORWARD) -> dict[str, Any]:
+    """One destination cell's figures over its pooled per-logit deviations; a cell of
+    another forward than the plain layout's names it (``forward``)."""
     pooled = np.concatenate(deviations).astype(np.float64)
-    return {"config": name, "degree": degree, "max_ulp": float(pooled.max() / ULP),
+    which = {} if forward == PLAIN_FORWARD else {"forward": forward}
+    return {"config": name, "degree": degree, **which, "max_ulp": float(pooled.max() / ULP),
             "median_ulp": float(np.median(pooled) / ULP), "mean_ulp": float(pooled.mean() / ULP),
             "worst_abs": float(pooled.max()), "elements": int(pooled.size)}
 
@@ -153,7 +298,8 @@ def _artifact(phase: str, configs: list[ModelConfig], cells: list[dict[str, Any]
 def format_table(artifact: dict[str, Any]) -> str:
     rows = [["cell", "max ULP", "median ULP", "mean ULP", "worst abs", "kernel set"]]
     for cell in artifact["cells"]:
-        rows.append([f"{cell['config']}, t={cell['degree']}", f"{cell['max_ulp']:.2f}",
+        which = "" if cell_forward(cell) == PLAIN_FORWARD else f" ({cell_forward(cell)})"
+        rows.append([f"{cell['config']}, t={cell['degree']}{which}", f"{cell['max_ulp']:.2f}",
                      f"{cell['median_ulp']:.3f}", f"{cell['mean_ulp']:.3f}",
                      f"{cell['worst_abs']:.4g}",
                      cell.get("kernel_set", artifact["environment"].get("cpu_capability", "?"))])
@@ -168,9 +314,11 @@ def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp
                      repetitions: int = GEOMETRY_REPETITIONS,
                      forward: Forward | None = None,
                      progress: Callable[[str], None] | None = None,
-                     out: Path | None = None) -> tuple[dict[str, Any], Path]:
+                     out: Path | None = None,
+                     max_degree: int = REPLICATED_MAX_DEGREE) -> tuple[dict[str, Any], Path]:
     """Measure one geometry's floor, as the committed phase floors are measured (model
-    seeds ``0..repetitions-1``, every supported degree, the running kernel set; phase 1a
+    seeds ``0..repetitions-1``, every supported degree, and vLLM's replicated-KV forward at
+    every degree past ``n_kv_heads`` up to ``max_degree``, the running kernel set; phase 1a
     streamed, so a real width fits: ``check.stream``, bit for bit the same logits), and cache
     it under ``tolerance_dir()/geometry/`` with its provenance and key
     (``tolerance.rules.floor_for`` reads it back): ``(artifact, path)``. Phase 1b needs
@@ -178,24 +326,30 @@ def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp
     after each streamed stage (seed, degree, ``stream.Progress``)."""
     if phase != "1a" and forward is None:
         raise ToleranceMismatch(f"phase {phase} needs its own forward (the gloo one)")
+    wide = replicated_degrees(config, max_degree)
     if phase == "1a":  # streamed: a real width is never held whole (check.stream)
         from weight_sync_bench.check.stream import (
             stream_deviation,  # builds on check.checker
         )
 
-        def report(rep: int, t: int) -> Callable[[Any], None] | None:
+        def report(rep: int, t: int, what: str = "") -> Callable[[Any], None] | None:
             if progress is None:
                 return None
-            return lambda p: progress(f"seed {rep + 1}/{repetitions}, t={t}: {p}")
+            return lambda p: progress(f"seed {rep + 1}/{repetitions}, t={t}{what}: {p}")
 
         cells = [_cell(config.name, t, [stream_deviation(config, t, seed=rep, dtype=dtype,
                                                          progress=report(rep, t)).numpy()
                                         for rep in range(repetitions)])
                  for t in layout_for(config).supported_degrees()]
+        cells += [_cell(config.name, t, [stream_replicated_deviation(
+                      config, t, seed=rep, dtype=dtype,
+                      progress=report(rep, t, f" ({REPLICATED_KV})")).numpy()
+                      for rep in range(repetitions)], forward=REPLICATED_KV)
+                  for t in wide]
         artifact = _artifact(phase, [config], cells, repetitions, parse_dtype(dtype))
     else:
         artifact = measure(phase, configs=[config], repetitions=repetitions, dtype=dtype,
-                           forward=forward)
+                           forward=forward, replicated=True, max_degree=max_degree)
     artifact.setdefault("weights_dtype", dtype)
     artifact["kind"] = "geometry"
     artifact["key"] = geometry_key(config, phase, dtype)

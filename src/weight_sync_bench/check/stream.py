@@ -21,36 +21,52 @@ layer, the final norm and head: ``ReferenceModel.begin / block / end``, the same
 4. the sharded forward takes its step on the user's shards, and everything is dropped.
 
 The peak is about two copies of the largest parameter (its full tensor, or source shards,
-and the user's shards; a declared slice is copied only where it is not one range) plus
-activations, never all the model's; ``per="layer"`` holds a whole layer twice, and a bf16
-stage is upcast for the forwards (two more bytes per weight). With tied embeddings the
+and the user's shards; a declared slice is compared range by range against views, and the
+byte comparison works in slabs of a few MiB, ``diagnosis._bit_equal``) plus activations,
+never all the model's. While a layer's parameters are sharded one by one, the rest of its
+full tensors wait: ``per="parameter"`` holds the layer plus one parameter's shards (the
+peak where a layer outweighs the largest parameter, as Mistral-7B's does),
+``per="layer"`` holds a whole layer twice, and a bf16 stage is upcast for the forwards (two more bytes per weight). With tied embeddings the
 embedding (and its shards) stay until the head. The verdict is the whole-model check's bit
 for bit: the same draws, the same forward steps in the same order, the same byte comparison.
-Phase 1a only (every rank in this process).
+
+Phase 1a runs every rank in this process. ``backend="gloo"`` runs one process per rank
+(``stream_task``): rank 0 does steps 1-3 (the draws, the reference, ``fn`` and the byte
+comparison) and ``GlooTransport`` scatters each stage's shards, so every other rank holds
+only its own shards of one stage at a time and rank 0 what the in-process check holds; each
+rank's RSS high-water mark comes back with the verdict (``stream_run``). ``progress`` is not
+called under gloo (the stages run in the rank processes).
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from weight_sync_bench.check.checker import Verdict, environment_notes, resolve_floor
 from weight_sync_bench.check.diagnosis import _bit_equal, diagnose
 from weight_sync_bench.check.floor import computing
+from weight_sync_bench.check.forwards import gloo_forward
 from weight_sync_bench.check.user_code import call_user, describe
+from weight_sync_bench.collectives.gloo.collective import GlooCollective
+from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
+from weight_sync_bench.collectives.gloo.transport import GlooTransport, ParamSink
 from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.errors import InvalidNumber, UserCodeError
 from weight_sync_bench.layout.reshard import (
     gather_tensor,
     reshard_pieces,
     reshard_tensor,
-    shard_of,
     split_tensor,
 )
-from weight_sync_bench.layout.table import LayoutTable
+from weight_sync_bench.layout.table import LayoutTable, ShardSpec
 from weight_sync_bench.model.config import (
     ModelConfig,
     dtype_name,
@@ -63,7 +79,11 @@ from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
 
+if TYPE_CHECKING:
+    from weight_sync_bench.collectives.gloo.rank import RankContext
+
 PER = ("layer", "parameter")
+BACKENDS = ("inprocess", "gloo")
 Params = dict[str, torch.Tensor]
 # (a stage's full parameters, degree) -> per rank, that stage's shards; or
 # (per rank, a stage's shards at src, dst) -> per rank, its shards at dst
@@ -145,11 +165,31 @@ def stream_check(config: ModelConfig, dst: int, *, fn: StageFn | None = None,
                  src: int | None = None, per: str = "layer", seed: int = 0,
                  dtype: torch.dtype | str = torch.float32, threshold: float | None = None,
                  measure_floor: bool = False,
-                 progress: Callable[[Progress], None] | None = None) -> Verdict:
+                 progress: Callable[[Progress], None] | None = None,
+                 backend: str = "inprocess", pool: RankPool | None = None) -> Verdict:
     """The streamed check of a split to ``dst`` (``src`` None) or of a reshard ``src -> dst``
     from the declared split at ``src``; ``fn`` None checks the declared split or reshard
     itself (the bare cost of a streamed check). See the module docstring; ``progress`` is
-    called after each stage."""
+    called after each stage (in process only). ``backend="gloo"``: one process per rank
+    (``stream_task`` on ``pool``, else the shared pool), judged by the phase 1b floor."""
+    return stream_run(config, dst, fn=fn, src=src, per=per, seed=seed, dtype=dtype,
+                      threshold=threshold, measure_floor=measure_floor, progress=progress,
+                      backend=backend, pool=pool)[0]
+
+
+def stream_run(config: ModelConfig, dst: int, *, fn: StageFn | None = None,
+               src: int | None = None, per: str = "layer", seed: int = 0,
+               dtype: torch.dtype | str = torch.float32, threshold: float | None = None,
+               measure_floor: bool = False,
+               progress: Callable[[Progress], None] | None = None,
+               backend: str = "inprocess", pool: RankPool | None = None
+               ) -> tuple[Verdict, tuple[tuple[int, int], ...]]:
+    """``stream_check``'s verdict and, under gloo, each rank's (RSS when its task began, its
+    high-water mark after) in bytes (empty in process): what ``bench/bench_width.py``
+    reports per rank."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: a streamed check runs "
+                         f"{' or '.join(map(repr, BACKENDS))}")
     InvalidNumber.seed("seed", seed)
     if per not in PER:
         raise ValueError(f"per={per!r}: a streamed check calls fn per "
@@ -161,15 +201,21 @@ def stream_check(config: ModelConfig, dst: int, *, fn: StageFn | None = None,
         layout.validate(src)
     name = dtype_name(weights)
     notes: tuple[str, ...] = ()
+    phase = "1b" if backend == "gloo" else "1a"
     if threshold is None:  # refused before anything is drawn
-        floor = resolve_floor(config, "1a", name, measure=measure_floor)
-        threshold, notes = floor.threshold, environment_notes(floor, config, "1a", name)
-    run = _run(config, layout, dst, fn, src, per, seed, weights, progress)
+        floor = resolve_floor(config, phase, name, measure=measure_floor,
+                              **({"forward": gloo_forward(pool)} if phase == "1b" else {}))
+        threshold, notes = floor.threshold, environment_notes(floor, config, phase, name)
+    if backend == "gloo":
+        run = _run_gloo(config, dst, fn, src, per, seed, weights, pool)
+    else:
+        run = _run(config, layout, dst, fn, src, per, seed, weights, progress)
     error = float((run.logits - run.expected).abs().max())
-    return Verdict(config=config.name, src=src, dst=dst, max_abs_error=error,
-                   threshold=threshold, first_mismatch=run.differ[0] if run.differ else None,
-                   mismatches=tuple(run.differ), diagnosis=tuple(run.diagnosis),
-                   own_forward=bool(run.differ), notes=notes, dtype=name)
+    verdict = Verdict(config=config.name, src=src, dst=dst, max_abs_error=error,
+                      threshold=threshold, first_mismatch=run.differ[0] if run.differ else None,
+                      mismatches=tuple(run.differ), diagnosis=tuple(run.diagnosis),
+                      own_forward=bool(run.differ), notes=notes, dtype=name)
+    return verdict, run.rank_rss
 
 
 def stream_deviation(config: ModelConfig, dst: int, *, seed: int = 0,
@@ -189,6 +235,70 @@ class _Run:
     diagnosis: list[str]
     logits: torch.Tensor  # rank 0's sharded logits
     expected: torch.Tensor  # the reference's
+    # per rank under gloo: (RSS when its task began, its high-water mark after), bytes
+    rank_rss: tuple[tuple[int, int], ...] = ()
+
+
+class _Reference:
+    """The reference's stages, each from that stage's full parameters (upcast to fp32); a
+    tied head reads the embedding kept from the first stage."""
+
+    def __init__(self, config: ModelConfig, tokens: torch.Tensor) -> None:
+        self.config, self.tokens = config, tokens
+        self.model = ReferenceModel(config, {})
+        self.tied: torch.Tensor | None = None
+        self.expected: torch.Tensor | None = None
+
+    def step(self, k: int, label: str, full: Params) -> None:
+        compute = computing(full)
+        if label == "head" and self.tied is not None:
+            compute["tok_embeddings.weight"] = self.tied
+        self.model.params = compute
+        if label == "embedding":
+            self.state = self.model.begin(self.tokens)
+            if self.config.tie_embeddings:
+                self.tied = compute["tok_embeddings.weight"]
+        elif label == "head":
+            self.expected = self.model.end(self.state)
+        else:
+            self.model.block(self.state, k - 1)
+        self.model.params = {}
+
+
+class _Sharded:
+    """The sharded forward's stages (``model``: over ``InProcessCollective``, every rank's
+    shards here; over ``GlooCollective``, this rank's), each from its local ranks' shards of
+    that stage; a tied head reads the embedding shards kept from the first stage. A
+    conversion's forward is the destination's (``reading_plan``'s config and embedding)."""
+
+    def __init__(self, model: ShardedModel, tokens: torch.Tensor) -> None:
+        self.config, self.tokens, self.model = model.config, tokens, model
+        self.local = len(model.shards)
+        self.tied: list[torch.Tensor] | None = None
+        self.logits: torch.Tensor | None = None
+
+    @classmethod
+    def over(cls, config: ModelConfig, collective: InProcessCollective | GlooCollective,
+             tokens: torch.Tensor) -> _Sharded:
+        return cls(ShardedModel(config, [{} for _ in collective.ranks], collective), tokens)
+
+    def step(self, k: int, label: str, shards: list[Params]) -> None:
+        """One stage; ``shards`` is emptied first (a bf16 stage's own bytes are dropped once
+        upcast, before the step)."""
+        self.model.shards = [computing(o) for o in shards]
+        shards.clear()
+        if label == "embedding":
+            self.state = self.model.begin(self.tokens)
+            if self.config.tie_embeddings:
+                self.tied = [s["tok_embeddings.weight"] for s in self.model.shards]
+        elif label == "head":
+            if self.tied is not None:
+                for s, table in zip(self.model.shards, self.tied):
+                    s["tok_embeddings.weight"] = table
+            self.logits = self.model.end(self.state)[0]
+        else:
+            self.model.block(self.state, k - 1)
+        self.model.shards = [{} for _ in range(self.local)]
 
 
 def _run(config: ModelConfig, layout: LayoutTable, dst: int, fn: StageFn | None,
@@ -196,10 +306,9 @@ def _run(config: ModelConfig, layout: LayoutTable, dst: int, fn: StageFn | None,
          progress: Callable[[Progress], None] | None) -> _Run:
     """The streamed forwards and byte comparison (the module docstring's steps 1-4)."""
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
-    reference = ReferenceModel(config, {})
-    sharded = ShardedModel(config, [{} for _ in range(dst)], InProcessCollective(dst))
+    reference = _Reference(config, tokens)
+    sharded = _Sharded.over(config, InProcessCollective(dst), tokens)
     draws = iter_params(config, seed, dtype=weights)
-    tied: tuple[torch.Tensor, list[torch.Tensor]] | None = None  # (full upcast, user shards)
     differ: list[str] = []
     diagnosis: list[str] = []
     started, plan = time.perf_counter(), stages(config)
@@ -207,41 +316,109 @@ def _run(config: ModelConfig, layout: LayoutTable, dst: int, fn: StageFn | None,
         for k, (label, names) in enumerate(plan):
             full = _draw(draws, names)
             size = sum(x.numel() * x.element_size() for x in full.values())
-            compute = computing(full)
-            if label == "head" and tied is not None:
-                compute["tok_embeddings.weight"] = tied[0]
-            reference.params = compute
-            if label == "embedding":
-                ref_state = reference.begin(tokens)
-            elif label == "head":
-                expected = reference.end(ref_state)
-            else:
-                reference.block(ref_state, k - 1)
-            if config.tie_embeddings and label == "embedding":
-                tied_full = compute["tok_embeddings.weight"]
-            del compute
-            reference.params = {}
+            reference.step(k, label, full)
             out = _stage_shards(fn, config, layout, full, names, dst, src, per, weights,
                                 differ, diagnosis)  # drops each full tensor once compared
             del full
-            sharded.shards = [computing(o) for o in out]
+            sharded.step(k, label, out)
             del out
-            if label == "embedding":
-                sharded_state = sharded.begin(tokens)
-                if config.tie_embeddings:
-                    tied = (tied_full, [s["tok_embeddings.weight"] for s in sharded.shards])
-            elif label == "head":
-                if tied is not None:
-                    for s, table in zip(sharded.shards, tied[1]):
-                        s["tok_embeddings.weight"] = table
-                logits = sharded.end(sharded_state)[0]
-            else:
-                sharded.block(sharded_state, k - 1)
-            sharded.shards = [{} for _ in range(dst)]
             if progress is not None:
                 progress(Progress(k + 1, len(plan), label, size,
                                   time.perf_counter() - started))
-    return _Run(differ, diagnosis, logits, expected)
+    assert sharded.logits is not None and reference.expected is not None
+    return _Run(differ, diagnosis, sharded.logits, reference.expected)
+
+
+def _run_gloo(config: ModelConfig, dst: int, fn: StageFn | None, src: int | None, per: str,
+              seed: int, weights: torch.dtype, pool: RankPool | None) -> _Run:
+    """The streamed check with one process per rank (phase 1b): ``stream_task`` on ranks
+    0..dst-1 of ``pool`` (else the process's shared pool)."""
+    if fn is not None:
+        try:
+            pickle.dumps(fn)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise TypeError(f"a streamed check over gloo runs fn {fn!r} on rank 0, so it must "
+                            f"be picklable by reference (a module-level function): {exc}"
+                            ) from exc
+    kwargs = {"config": config, "fn": fn, "src": src, "per": per, "seed": seed,
+              "dtype": dtype_name(weights)}
+    outcomes = (pool or shared_pool(max(4, dst))).run(stream_task, dst, kwargs=kwargs)
+    first = outcomes[0]
+    return _Run(first["differ"], first["diagnosis"], first["logits"], first["expected"],
+                tuple(o["rss"] for o in outcomes))
+
+
+def stream_task(ctx: RankContext, *, config: ModelConfig, fn: StageFn | None,
+                src: int | None, per: str, seed: int, dtype: str) -> dict[str, object]:
+    """The rank side of a streamed check over gloo. Rank 0 does what ``_run`` does in one
+    process (draws each stage, steps the reference, calls ``fn`` and compares its bytes),
+    then ``GlooTransport`` scatters the stage's shards, and every rank steps the sharded
+    forward over ``GlooCollective`` on its own shards of that stage only and drops them. A
+    refusal on rank 0 (``fn`` raising, a wrong shape) is broadcast before any shard moves,
+    so every rank stops at the same stage and the caller gets rank 0's error. Each rank
+    reports its RSS when the task began and its high-water mark since (``_Peak``)."""
+    peak = _Peak()
+    weights = parse_dtype(dtype)
+    layout, dst = layout_for(config), ctx.degree
+    tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+    sharded = _Sharded.over(config, GlooCollective(ctx), tokens)
+    reference = _Reference(config, tokens) if ctx.rank == 0 else None
+    draws = iter_params(config, seed, dtype=weights) if ctx.rank == 0 else None
+    differ: list[str] = []
+    diagnosis: list[str] = []
+    with torch.no_grad():
+        for k, (label, names) in enumerate(stages(config)):
+            ctx.tracer.mark(f"stream {label}")
+            sink = ParamSink()
+            transport = GlooTransport(ctx, LayoutTable(tuple(layout[n] for n in names)),
+                                      dtype=weights)
+            if reference is not None and draws is not None:
+                full = _draw(draws, names)
+                reference.step(k, label, full)
+                transport.sync(lambda full=full, names=names: _stage_shards(
+                    fn, config, layout, full, names, dst, src, per, weights, differ,
+                    diagnosis), sink)  # called now, inside sync: a refusal is broadcast
+                del full
+            else:
+                transport.sync(None, sink)
+            local = [dict(sink)]
+            del sink
+            sharded.step(k, label, local)
+    rss = (peak.began, peak.high())
+    if ctx.rank != 0:
+        return {"rss": rss}
+    return {"differ": differ, "diagnosis": diagnosis, "logits": sharded.logits,
+            "expected": reference.expected if reference is not None else None, "rss": rss}
+
+
+class _Peak:
+    """This process's RSS high-water mark from now on: Linux resets ``VmHWM`` on writing 5
+    to ``/proc/self/clear_refs``, so a pool rank that ran larger tasks before reports this
+    one's peak. Where the reset is refused, the process's lifetime peak (``ru_maxrss``),
+    which can only overstate it."""
+
+    def __init__(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.reset = True
+        except OSError:
+            self.reset = False
+        self.began = self.now()
+
+    @staticmethod
+    def now() -> int:
+        """The resident set now, in bytes."""
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def high(self) -> int:
+        if self.reset:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _draw(draws: Iterator[tuple[str, torch.Tensor]], names: list[str]) -> Params:
@@ -251,6 +428,22 @@ def _draw(draws: Iterator[tuple[str, torch.Tensor]], names: list[str]) -> Params
         assert got == want, f"drawn {got}, the stage reads {want}"
         full[got] = x
     return full
+
+
+def _declared(mine: torch.Tensor, full: torch.Tensor, spec: ShardSpec, degree: int,
+              rank: int) -> bool:
+    """Whether ``mine`` is rank ``rank``'s declared shard of ``full``, byte for byte
+    (``shard_of``'s), compared range by range against views of ``full``: a fused tensor's
+    slice (``[Q_r | K_r | V_r]``, ``[gate_r | up_r]``) is never copied whole to compare it."""
+    dim, ranges = spec.ranges(degree, rank)
+    if mine.dim() <= dim or mine.shape[dim] != sum(b - a for a, b in ranges):
+        return False  # not the declared shape (a validated fn cannot get here)
+    at = 0
+    for start, stop in ranges:
+        if not _bit_equal(mine.narrow(dim, at, stop - start), full.narrow(dim, start, stop - start)):
+            return False
+        at += stop - start
+    return True
 
 
 def _stage_shards(fn: StageFn | None, config: ModelConfig, layout: LayoutTable, full: Params,
@@ -290,7 +483,9 @@ def _stage_shards(fn: StageFn | None, config: ModelConfig, layout: LayoutTable, 
                                call="fn(full, degree)" if src is None else "fn(shards, dst)",
                                during=f"while {what} {config.name} ({', '.join(group)})",
                                layout=sub, degree=dst, dtypes=weights)
-            if [x._version for x in inputs] != versions:  # compared with them next: refuse
+            changed = [x._version for x in inputs] != versions
+            del inputs  # it holds the full tensors (or source shards) too
+            if changed:  # they are compared with the output next: refuse
                 raise UserCodeError(f"your {role} `{describe(fn)}` wrote into the tensors it "
                                     f"was given ({', '.join(group)}) while {what} "
                                     f"{config.name}: a streamed check hands fn its own "
@@ -299,9 +494,8 @@ def _stage_shards(fn: StageFn | None, config: ModelConfig, layout: LayoutTable, 
         for n in group:
             mine = [r[n] for r in result]
             spec = layout[n]
-            if src is None:  # each rank against a view of its declared slice of the full
-                same = all(_bit_equal(m, shard_of(full[n], spec, dst, rank))
-                           for rank, m in enumerate(mine))
+            if src is None:  # each rank range by range against views of the full tensor
+                same = all(_declared(m, full[n], spec, dst, rank) for rank, m in enumerate(mine))
             else:  # against views of the source shards that hold its declared slice
                 held = [g[n] for g in given]  # type: ignore[index]
                 dim = spec.ranges(dst, 0)[0]
@@ -316,6 +510,7 @@ def _stage_shards(fn: StageFn | None, config: ModelConfig, layout: LayoutTable, 
             if src is None:
                 del full[n]
             else:
+                del held
                 for g in given:  # type: ignore[union-attr]
                     del g[n]
         for rank in range(dst):

@@ -280,7 +280,8 @@ def _plan(args: argparse.Namespace, line: ProgressLine | None = None
             jobs += [(f"{name} {s} -> {d}",  # resharded per parameter, each pair a pass
                       lambda progress, c=config, s=s, d=d: stream_check(
                           c, d, src=s, per=args.stream, seed=args.seed, dtype=args.dtype,
-                          measure_floor=args.measure_floor, progress=progress))
+                          measure_floor=args.measure_floor, progress=progress,
+                          backend=args.backend))
                      for s, d in pairs]
         else:
             pairs = _pairs(args, degrees) if (args.src or args.dst) else degree_pairs(layout)
@@ -343,9 +344,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.splitter and args.src is not None:
         raise WsbError("--src has no meaning with --splitter (a split starts from the full "
                        "model); give --dst")
-    if args.stream is not None and args.backend == "gloo":
-        raise WsbError(f"--stream {args.stream} runs every rank in this process (phase 1a); "
-                       "--backend gloo holds the whole model on rank 0: drop one of them")
+    if args.stream is not None and args.backend == "gloo" and args.converter:
+        raise WsbError(f"--stream {args.stream} streams a conversion in this process only "
+                       "(phase 1a): a streamed --converter check over --backend gloo is not "
+                       "built; drop one of them")
     apply_deadline(args.deadline, args.backend == "gloo")
     line = out.progress()
     try:

@@ -268,10 +268,18 @@ def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None 
     """Convert the source convention's declared shards with the harness's converter
     (``conventions.convert``), apply the conversion mutation, and judge the result as
     ``check_convert`` does: bytes against the destination's declared shards, then the
-    destination's forward against the reference."""
+    destination's forward against the reference. A destination whose forward replicates
+    KV heads (vLLM at t > n_kv_heads) is judged by the default rule only where a measurement
+    of that forward validates it (``fuzz.floor.require_replicated_kv``: ``FloorNotMeasured``
+    otherwise, naming the command); a ``threshold_rule`` given is the caller's."""
+    from weight_sync_bench.check.floor import REPLICATED_KV, forward_of
     from weight_sync_bench.conventions import convert
     from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
 
+    if threshold_rule is None and forward_of(case.dst_convention, case.config,
+                                             case.dst) == REPLICATED_KV:
+        from weight_sync_bench.fuzz.floor import require_replicated_kv
+        require_replicated_kv(case.config, case.dst, case.phase)  # refused before any draw
     drawn = case
     mutation = conversion_mutation(case.mutation) if case.mutation is not None else None
     config = case.config

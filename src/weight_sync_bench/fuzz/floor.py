@@ -21,6 +21,15 @@ whose smallest kill ratio (deviation / threshold over every mutation and sample)
 positives on the other half: the figure that says the margin generalises.
 Everything is a pure function of the artifact, so the choice can be re-derived and tested.
 TOY and TOY_KV4 keep the seed's rule and ``tolerance/phase1a.json``.
+
+The samples are the plain layout's forward. A fuzzed conversion to vLLM at t > n_kv_heads
+runs another one (each KV head replicated over t / n_kv_heads ranks, ``HeadReplicated``),
+so the rule judges it only where ``random_floor_<phase>_replicated_kv.json`` validates it
+there (``measure_replicated_kv``: random geometries of the fuzz domain at every such degree,
+vLLM's forward of the declared shards, and the conversion mutations live there), with zero
+false positives and ``SAFETY`` x headroom under the rule in force, and at the drawn degree
+(``require_replicated_kv``, which ``fuzz.case.run_conversion_case`` calls); a missing or
+failing validation refuses the case, naming the command that measures it.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,15 +48,16 @@ import torch
 from weight_sync_bench.check.checker import Checker, Forward
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
-from weight_sync_bench.errors import ToleranceMismatch
+from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
 from weight_sync_bench.fuzz.domain import (
     DOMAIN,
     FuzzDomain,
+    IntRange,
     fuzz_params,
     fuzz_tokens,
     is_builtin,
 )
-from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
 from weight_sync_bench.tolerance.artifacts import (
     SCHEMA,
     artifact_path,
@@ -58,6 +69,7 @@ from weight_sync_bench.tolerance.rules import (
     SAFETY,
     check_environment,
     derive_threshold,
+    floor_for,
     strict_environment,
     threshold_for,
 )
@@ -487,7 +499,322 @@ def plot(artifact: dict[str, Any], path: Path) -> None:
     tmp.replace(path)
 
 
+# -- the rule validated on vLLM's replicated-KV forward (t > n_kv_heads)
+
+REPLICATION = (2, 4)  # KV-head replication factors t / n_kv_heads the conversion fuzz draws
+REPLICATED_GEOMETRIES = 300  # the validation's default sample
+REPLICATED_SEED = 20261201  # its default draw seed
+
+
+def replicated_kv_path(phase: str = "1a") -> Path:
+    """``random_floor_<phase>_replicated_kv.json`` beside the random-geometry floor."""
+    return artifact_path(phase, kind="random_floor").with_name(
+        f"random_floor_{phase}_replicated_kv.json")
+
+
+def replicated_kv_command(phase: str = "1a") -> str:
+    """The command that measures the validation (every kernel set) into the committed file."""
+    return ("python -m weight_sync_bench.fuzz.floor replicated-kv --write"
+            + (f" --phase {phase}" if phase != "1a" else ""))
+
+
+def max_replicated_degree(domain: FuzzDomain = DOMAIN) -> int:
+    """The largest degree vLLM stores a geometry of ``domain`` at: ``n_heads`` at most."""
+    return domain.n_kv_heads.top * domain.group.top
+
+
+def draw_replicated_geometries(n: int, seed: int, domain: FuzzDomain = DOMAIN
+                               ) -> list[tuple[ModelConfig, int]]:
+    """``n`` (geometry, model seed) cases of ``domain`` that vLLM stores at some t >
+    n_kv_heads, drawn uniformly from ``random.Random(seed)`` as the conversion fuzz draws
+    them (``strategies.conventions.conversion_geometries``: the replication factor k first,
+    the query group and the ffn per KV head as multiples of k, then the rest, then the
+    variants Qwen2 and Llama store: a qkv bias, attention_bias, tied embeddings). The first
+    two are the smallest and the largest such geometry."""
+    rng = random.Random(seed)
+
+    def members(r: IntRange, multiple: int = 1) -> list[int]:
+        return [v for v in range(r.lo, r.top + 1, r.step) if v % multiple == 0]
+
+    def pick(r: IntRange, multiple: int = 1) -> int:
+        return rng.choice(members(r, multiple))
+
+    ks = [k for k in REPLICATION if members(domain.group, k) and members(domain.ffn_per_kv_head, k)]
+    small = domain.config(n_kv_heads=domain.n_kv_heads.lo, group=members(domain.group, ks[0])[0],
+                          head_dim=domain.head_dim.lo, d_model=domain.d_model.lo,
+                          ffn_per_kv_head=members(domain.ffn_per_kv_head, ks[0])[0],
+                          vocab_per_kv_head=domain.vocab_per_kv_head.lo,
+                          n_layers=domain.n_layers.lo, batch=domain.batch.lo,
+                          seq_len=domain.seq_len.lo)
+    large = domain.config(n_kv_heads=domain.n_kv_heads.top,
+                          group=members(domain.group, ks[-1])[-1], head_dim=domain.head_dim.top,
+                          d_model=domain.d_model.top,
+                          ffn_per_kv_head=members(domain.ffn_per_kv_head, ks[-1])[-1],
+                          vocab_per_kv_head=domain.vocab_per_kv_head.top,
+                          n_layers=domain.n_layers.top, batch=domain.batch.top,
+                          seq_len=domain.seq_len.top)
+    drawn = [(small, 0), (large, 0)]
+    while len(drawn) < n:
+        k = rng.choice(ks)
+        config = domain.config(
+            n_kv_heads=pick(domain.n_kv_heads), group=pick(domain.group, k),
+            head_dim=pick(domain.head_dim), d_model=pick(domain.d_model),
+            ffn_per_kv_head=pick(domain.ffn_per_kv_head, k),
+            vocab_per_kv_head=pick(domain.vocab_per_kv_head), n_layers=pick(domain.n_layers),
+            batch=pick(domain.batch), seq_len=pick(domain.seq_len))
+        bias = rng.choice(["none", "qkv", "attention"])
+        config = config.replace(qkv_bias=bias != "none", o_bias=bias == "attention",
+                                tie_embeddings=rng.random() < 0.5)
+        drawn.append((config, rng.randint(domain.seed.lo, domain.seed.top)))
+    return drawn[:n]
+
+
+def sample_replicated_kv(config: ModelConfig, seed: int) -> list[dict[str, Any]]:
+    """One geometry's floor at each degree t > n_kv_heads vLLM stores it at: vLLM's forward
+    of the declared shards against the reference (as ``fuzz.case.run_conversion_case``
+    judges it), with each conversion mutation's deviation there, the mutation applied to the
+    harness's conversion from the first source endpoint where it applies and is live (a
+    RoPE mutation only where the geometry's tokens reach its ``min_seq_len``). One record
+    per degree."""
+    from weight_sync_bench.check.floor import REPLICATED_KV, forward_of, replicated_degrees
+    from weight_sync_bench.conventions import CONVENTIONS, convert, endpoint
+    from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
+    from weight_sync_bench.conventions.mutations import Conversion
+    from weight_sync_bench.fuzz.case import FuzzConversionChecker
+
+    checker = FuzzConversionChecker(config, seed=seed, threshold_rule=lambda c, r: math.inf)
+    assert checker.checker.reference is not None
+    scale = float(checker.checker.reference.abs().max())
+    sources = [endpoint(f"{n}:{t}") for n, c in CONVENTIONS.items()
+               for t in c.supported_degrees(config, max_replicated_degree())]
+    records = []
+    for t in replicated_degrees(config, max_replicated_degree()):
+        dst = endpoint(f"vllm:{t}")
+        assert forward_of(dst.convention, config, t) == REPLICATED_KV
+        kills: dict[str, float] = {}
+        for m in CONVERSION_MUTATIONS.values():
+            if config.seq_len < m.min_seq_len:
+                continue
+            for src in sources:
+                conversion = Conversion(config, src, dst)
+                if m.not_applicable(conversion) is None and m.identity_reason(conversion) is None:
+                    out = m.apply(convert(checker.source(src), src, dst, config), conversion)
+                    kills[m.name] = checker.error(dst, out)
+                    break
+        records.append({"geometry": config.geometry(), "seed": seed, "degree": t,
+                        "forward": REPLICATED_KV, "scale": scale,
+                        "floor": checker.declared_error(dst), "kills": kills})
+    return records
+
+
+def measure_replicated_kv(cases: Iterable[tuple[ModelConfig, int]], *, phase: str = "1a",
+                          domain: FuzzDomain = DOMAIN, seed: int | None = None
+                          ) -> dict[str, Any]:
+    """The validation artifact (not yet written): every case's ``sample_replicated_kv``
+    records, the domain, and the figures of the rule in force (``replicated_kv_figures``;
+    provenance: a check re-derives them from the samples)."""
+    if phase != "1a":
+        raise ToleranceMismatch(f"conversions are fuzzed in process (phase 1a), got {phase!r}")
+    cases = list(cases)
+    samples: list[dict[str, Any]] = []
+    for i, (config, model_seed) in enumerate(cases):
+        outside = domain.violations(config)
+        if outside:
+            raise ToleranceMismatch(f"replicated-KV sample {i} lies outside the fuzz domain: "
+                                    + "; ".join(outside))
+        samples += sample_replicated_kv(config, model_seed)
+    if not samples:
+        raise ToleranceMismatch("no replicated-KV sample: no case is stored by vLLM past "
+                                "n_kv_heads")
+    from weight_sync_bench.check.floor import REPLICATED_KV
+
+    artifact = {"schema": SCHEMA, "phase": phase, "kind": "replicated_kv_validation",
+                "forward": REPLICATED_KV, "safety": SAFETY, "domain": domain.to_json(),
+                "init": "std d_model^-1/2, norm 1 + N(0, 0.1) (domain.fuzz_init)",
+                "geometries": len(cases), "draw_seed": seed,
+                "max_degree": max_replicated_degree(domain), "samples": samples,
+                "environment": environment()}
+    rule = rule_from(load_random_floor(phase))
+    artifact["validated"] = {"rule": {"name": rule.name, "kind": rule.kind, "value": rule.value},
+                             **replicated_kv_figures(artifact, rule)}
+    return artifact
+
+
+def replicated_kv_figures(artifact: dict[str, Any], rule: ThresholdRule) -> dict[str, Any]:
+    """What ``rule`` delivers on the validation's samples (pure): false positives, the
+    smallest headroom (threshold / floor), the smallest kill ratio per conversion mutation
+    with where it was seen, and the degrees covered."""
+    samples = artifact["samples"]
+    figures = evaluate_rule(rule, samples)
+    return {"samples": len(samples), "false_positives": figures["false_positives"],
+            "min_headroom": figures["min_headroom"],
+            "min_kill_ratio": figures["min_kill_ratio"], "kills": figures["kills"],
+            "degrees": sorted({s["degree"] for s in samples}),
+            "worst_floor": max(s["floor"] for s in samples),
+            "worst_relative_floor": max(s["floor"] / s["scale"] for s in samples)}
+
+
+def merge_replicated_kv(artifact: dict[str, Any], floors: dict[str, list[float]],
+                        environment_now: dict[str, Any]) -> dict[str, Any]:
+    """``merge_kernel_sets`` for the validation: every sample's floor the worst of its first
+    measurement and each kernel set's; the rule's figures derived again. Pure."""
+    samples = artifact["samples"]
+    if not floors or any(len(v) != len(samples) for v in floors.values()):
+        raise ToleranceMismatch("re-measured replicated-KV floors do not match the samples")
+    merged = []
+    for i, s in enumerate(samples):
+        by_set = {k: v[i] for k, v in floors.items()}
+        first = s.get("floor_as_measured", s["floor"])
+        merged.append({**s, "floor": max(first, *by_set.values()), "floor_as_measured": first,
+                       "by_kernel_set": by_set})
+    out = {**artifact, "samples": merged, "kernel_sets": list(floors),
+           "kernel_sets_measured": {"environment": environment_now,
+                                    "what": "each sample's floor re-measured under each kernel "
+                                            "set, each in a process of its own; the mutation "
+                                            "deviations are the first measurement's"}}
+    rule = ThresholdRule(**artifact["validated"]["rule"])
+    out["validated"] = {"rule": artifact["validated"]["rule"], **replicated_kv_figures(out, rule)}
+    return out
+
+
+def remeasure_replicated_floors(artifact: dict[str, Any]) -> list[float]:
+    """Each validation sample's floor measured again in this process (its kernels)."""
+    from weight_sync_bench.conventions import endpoint
+    from weight_sync_bench.fuzz.case import FuzzConversionChecker
+
+    floors, key, checker = [], None, None
+    for i, s in enumerate(artifact["samples"]):
+        here = (tuple(sorted(s["geometry"].items())), s["seed"])
+        if here != key:  # a geometry's degrees are adjacent
+            config = config_of(s["geometry"], f"replicated-sample-{i}")
+            checker = FuzzConversionChecker(config, seed=s["seed"],
+                                            threshold_rule=lambda c, r: math.inf)
+            key = here
+        assert checker is not None
+        floors.append(checker.declared_error(endpoint(f"vllm:{s['degree']}")))
+    return floors
+
+
+def config_of(geometry: dict[str, int], name: str) -> ModelConfig:
+    """The config a sample's recorded geometry names (``ModelConfig.geometry`` writes a
+    variant's bool as 0/1, as a corpus entry does)."""
+    fields = {k: bool(v) if k in VARIANT_FIELDS and k != "vocab_multiple" else v
+              for k, v in geometry.items()}
+    return ModelConfig(name=name, **fields)
+
+
+def load_replicated_kv(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:
+    return read_artifact(path or replicated_kv_path(phase), phase=phase, schema=SCHEMA,
+                         fields=("domain", "samples", "forward", "max_degree"),
+                         remedy=replicated_kv_command(phase))
+
+
+def require_replicated_kv(config: ModelConfig, degree: int, phase: str = "1a",
+                          path: Path | None = None) -> None:
+    """Raise ``FloorNotMeasured`` unless the threshold of a fuzzed conversion to vLLM at
+    ``degree`` (> n_kv_heads: the replicated-KV forward) comes from a measurement of that
+    forward: for TOY and TOY_KV4 the committed phase floor's cell at ``degree``
+    (``check.convert.require_cell``); for a fuzzed geometry the validation artifact, which
+    must exist, record the random-geometry floor's domain, reach ``degree``, and show the
+    rule in force (re-derived from both artifacts) with zero false positives and
+    ``SAFETY`` x headroom over its samples."""
+    from weight_sync_bench.check.convert import require_cell
+    from weight_sync_bench.conventions import endpoint
+
+    if is_builtin(config):
+        require_cell(floor_for(config, phase), config, endpoint(f"vllm:{degree}"))
+        return
+    path = path or replicated_kv_path(phase)
+    command = replicated_kv_command(phase)
+    what = (f"{config.name}: the random-geometry rule judges vLLM at t={degree} > n_kv_heads="
+            f"{config.n_kv_heads} (the replicated-KV forward) only where {path.name} "
+            "validates it")
+    try:
+        figures, degrees, same_domain = _replicated_figures(phase, path, _mtime(path),
+                                                            _mtime(artifact_path(
+                                                                phase, kind="random_floor")))
+    except ToleranceMismatch as exc:
+        raise FloorNotMeasured(f"{what}: {exc}", command=command) from None
+    why = None
+    if not same_domain:
+        why = "it was measured over another fuzz domain than the random-geometry floor's"
+    elif degree not in degrees:
+        why = f"it measured t={', '.join(map(str, degrees))}, not t={degree}"
+    elif figures["false_positives"] or figures["min_headroom"] < SAFETY:
+        why = (f"the rule in force has {figures['false_positives']} false positives and "
+               f"{figures['min_headroom']:.3g}x headroom over its samples (needs 0 and "
+               f"{SAFETY}x)")
+    if why is not None:
+        raise FloorNotMeasured(f"{what}: {why}. Measure it with `{command}`", command=command)
+
+
+@functools.lru_cache(maxsize=8)
+def _replicated_figures(phase: str, path: Path, mtime: int | None, floor_mtime: int | None
+                        ) -> tuple[dict[str, Any], list[int], bool]:
+    """The rule in force's figures over the validation, read once per version of both files."""
+    artifact = load_replicated_kv(phase, path)
+    random_floor = load_random_floor(phase)
+    figures = replicated_kv_figures(artifact, rule_from(random_floor))
+    return figures, figures["degrees"], artifact["domain"] == random_floor["domain"]
+
+
+def _replicated_main(argv: list[str]) -> int:
+    """``python -m weight_sync_bench.fuzz.floor replicated-kv (--write | --out PATH)
+    [--geometries N] [--seed S] [--kernel-sets all|current]``: measure the validation and
+    write it (atomically; nothing printed: the CLI layer prints). ``all`` (the default)
+    re-measures every sample's floor under each kernel set, a process each."""
+    import argparse
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    from weight_sync_bench.tolerance import kernels
+    from weight_sync_bench.tolerance.artifacts import write_artifact
+
+    parser = argparse.ArgumentParser(prog="python -m weight_sync_bench.fuzz.floor replicated-kv")
+    parser.add_argument("--phase", default="1a", choices=["1a"])
+    parser.add_argument("--geometries", type=int, default=REPLICATED_GEOMETRIES)
+    parser.add_argument("--seed", type=int, default=REPLICATED_SEED)
+    parser.add_argument("--kernel-sets", choices=("all", "current"), default="all")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", type=Path)
+    where.add_argument("--write", action="store_true")
+    parser.add_argument("--remeasure", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    out = args.out or replicated_kv_path(args.phase)
+    if args.remeasure is not None:  # one kernel set's floors of an artifact's samples
+        floors = remeasure_replicated_floors(read_json(args.remeasure))
+        out.write_text(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                                   "floors": floors}))
+        return 0
+    artifact = measure_replicated_kv(draw_replicated_geometries(args.geometries, args.seed),
+                                     phase=args.phase, seed=args.seed)
+    if args.kernel_sets == "all":
+        floors: dict[str, list[float]] = {}
+        with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
+            first = Path(scratch) / "artifact.json"
+            first.write_text(json.dumps(artifact))
+            for kernel_set in kernels.available():
+                got = Path(scratch) / f"{kernel_set}.json"
+                run = subprocess.run([sys.executable, "-m", "weight_sync_bench.fuzz.floor",
+                                      "replicated-kv", "--remeasure", str(first), "--out",
+                                      str(got)], check=False, capture_output=True, text=True,
+                                     env={**os.environ, "ATEN_CPU_CAPABILITY": kernel_set})
+                if run.returncode != 0:
+                    raise ToleranceMismatch(f"re-measuring under ATEN_CPU_CAPABILITY="
+                                            f"{kernel_set} failed:\n{run.stderr[-2000:]}")
+                measured = json.loads(got.read_text())
+                floors[measured["cpu_capability"]] = measured["floors"]
+        artifact = merge_replicated_kv(artifact, floors, environment())
+    write_artifact(artifact, out)
+    return 0
+
+
 if __name__ == "__main__":
     import sys
 
+    if sys.argv[1:2] == ["replicated-kv"]:
+        sys.exit(_replicated_main(sys.argv[2:]))
     sys.exit(_remeasure_main(sys.argv[1:]))

@@ -296,6 +296,15 @@ def _checker(function: UserFunction, case: Case, forward: Forward,
     if _is_real(case.config):
         return Checker(case.config, seed=case.seed, phase=case.phase, forward=forward,
                        threshold=_real_threshold(case.config, _endpoints(function, case)))
+    if function.role == "converter" and threshold_rule is None:
+        from weight_sync_bench.check.floor import REPLICATED_KV, forward_of
+
+        assert function.dst is not None
+        if forward_of(CONVENTIONS[function.dst], case.config, case.dst) == REPLICATED_KV:
+            from weight_sync_bench.fuzz.floor import require_replicated_kv
+            # the rule judges vLLM's replicated-KV forward only where a measurement of
+            # that forward validates it, as for the harness's own conversions (fuzz.case)
+            require_replicated_kv(case.config, case.dst, case.phase)
     return make_checker(case.config, case.seed, phase=case.phase, forward=forward,
                         threshold_rule=threshold_rule)
 

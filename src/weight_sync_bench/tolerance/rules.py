@@ -173,6 +173,9 @@ def threshold_for(config: ModelConfig, phase: str = "1a") -> float:
 # it records, under the fuzz's init (``fuzz.floor.fuzz_threshold_rule`` refuses outside it),
 # never a check of the default init. A geometry nobody measured gets its own measurement,
 # cached under ``tolerance_dir()/geometry/`` (``check.floor.measure_geometry``), or is refused.
+# Within a floor that covers the geometry, a conversion also needs a cell of its destination's
+# forward at its degree (vLLM's replicated KV heads past n_kv_heads have cells of their own,
+# ``"forward": "vllm-replicated-kv"``): ``check.convert.require_cell`` refuses it otherwise.
 
 
 def weights_dtype(artifact: dict[str, Any]) -> str:
