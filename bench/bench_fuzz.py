@@ -1,14 +1,22 @@
 """Throughput of the fuzzed invariant against the bare forward cost of the same examples.
 
-    python bench/bench_fuzz.py [--examples N] [--toy-examples N] [--no-suite]
+    python bench/bench_fuzz.py [--examples N] [--toy-examples N] [--no-suite] [--cprofile N]
 
 "property" runs the invariant property through Hypothesis (generation, the threshold rule,
 reshard, byte comparison, diagnosis-free verdict): examples per second. "bare" then replays
 the very cases the property ran, doing only what any check of them must: build the weights
 and tokens from the seed, one reference forward, the declared split at dst and one sharded
 forward. Overhead = property time / bare time, for TOY (the floor's token shape) and for
-geometries drawn from the fuzz domain, side by side in one run. Last, the wall time of the
+geometries drawn from the fuzz domain, side by side in one run, with the property's two
+halves apart: Hypothesis alone and ``run_case`` alone (``measure``). Last, the wall time of the
 default test run (``pytest -n auto``, what ``make test`` runs) under the default profile.
+
+Then where the time goes: the property once more and the bare replay once more, with the
+phases wrapped (``phases.py``: exclusive time of each function, this thread's CPU time),
+each as a ratio to the bare replay's time, property and bare side by side. What no wrapper
+covers of the property is Hypothesis's own work: generation, the target phase's
+bookkeeping, shrinking, the database. ``--cprofile N`` adds cProfile's N hottest functions
+(by own time) of the fuzz-domain property run.
 """
 
 from __future__ import annotations
@@ -24,14 +32,24 @@ import torch
 from hypothesis import strategies as st
 from weight_sync_bench.fuzz.strategies import cases
 
+import weight_sync_bench.check.checker as checker_module
+import weight_sync_bench.fuzz.case as case_module
+import weight_sync_bench.fuzz.runner as runner_module
 from weight_sync_bench.check.forwards import inprocess_forward
-from weight_sync_bench.fuzz.case import Case
+from weight_sync_bench.fuzz.case import Case, run_case
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
+from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.fuzz.runner import Tally, run_property
 from weight_sync_bench.layout.reshard import split
+from weight_sync_bench.layout.table import LayoutTable
+from weight_sync_bench.model import plan as plan_module
 from weight_sync_bench.model.config import TOY
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.model.sharded import ShardedModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from phases import Phases, hottest, side_by_side, table
 
 
 class Recording(Tally):
@@ -60,18 +78,92 @@ def bare(case: Case) -> None:
 
 
 def measure(label: str, strategy: st.SearchStrategy[Case], examples: int) -> list[str]:
-    tally = Recording()
+    """The property, its bare replay, and the property's two halves apart: Hypothesis alone
+    (the same run with each case's outcome replayed from a dict: derandomized, it draws the
+    same examples) and ``run_case`` alone over the same cases."""
+    tally, outcomes = Recording(), {}
+    rule = fuzz_threshold_rule("1a")
+
+    def recorded(case: Case, **kwargs: object) -> object:
+        outcomes[case] = run_case(case, **kwargs)
+        return outcomes[case]
+
     start = time.perf_counter()
     run_property("invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
-                 strategy=strategy, tally=tally)
+                 strategy=strategy, tally=tally, case_runner=recorded, threshold_rule=rule)
     prop = time.perf_counter() - start
     start = time.perf_counter()
     for case in tally.cases:
         bare(case)
     base = time.perf_counter() - start
+    start = time.perf_counter()
+    run_property("invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
+                 strategy=strategy, case_runner=lambda case, **_: outcomes[case],
+                 threshold_rule=rule)
+    engine = time.perf_counter() - start
+    start = time.perf_counter()
+    for case in tally.cases:
+        run_case(case, threshold_rule=rule)
+    cases_alone = time.perf_counter() - start
     n = len(tally.cases)
     return [label, str(n), f"{n / prop:.1f}", f"{n / base:.1f}", f"{prop / base:.2f}x",
-            f"{tally.max_ratio:.3g}"]
+            f"{engine / base:.2f}x", f"{cases_alone / base:.2f}x", f"{tally.max_ratio:.3g}"]
+
+
+def wrapped(phases: Phases) -> Phases:
+    """The phases of the property and of the bare replay (the same functions, where both
+    run them), each in its own bucket."""
+    c, k, r = case_module, checker_module, runner_module
+    phases.wrap(c, "make_checker", "checker set-up")
+    phases.wrap(checker_module.Checker, "__post_init__", "checker set-up")
+    for module in (c, sys.modules[__name__]):
+        phases.wrap(module, "fuzz_params", "drawing parameters from the seed")
+        phases.wrap(module, "fuzz_tokens", "drawing tokens from the seed")
+    phases.wrap(ReferenceModel, "__call__", "reference forward")
+    phases.wrap(ShardedModel, "__call__", "sharded forward")
+    phases.wrap(sys.modules[__name__], "inprocess_forward", "sharded forward")
+    phases.wrap(k, "inprocess_forward", "sharded forward")
+    for module in (k, sys.modules[__name__]):
+        phases.wrap(module, "split", "declared split (src and dst)")
+    phases.wrap(c, "reshard", "reshard (the code under test)")
+    phases.wrap(k, "reshard", "reshard (the code under test)")
+    phases.wrap(k, "reshard_tensor", "reshard (the code under test)")
+    phases.wrap(k, "validate_shards", "shard validation")
+    phases.wrap(k, "mismatching", "byte comparison")
+    phases.wrap(k, "_bit_equal", "byte comparison")
+    phases.wrap(k, "computing", "upcast to the computing dtype")
+    phases.wrap(k.Checker, "verdict", "verdict construction")
+    phases.wrap(k.Checker, "reshard_verdict", "verdict construction")
+    phases.wrap(k.Checker, "deviation", "logit comparison")
+    phases.wrap(Tally, "add", "tally")
+    phases.wrap(r, "event", "Hypothesis event() and target() calls")
+    phases.wrap(r, "target", "Hypothesis event() and target() calls")
+    for module in (plan_module, k, sys.modules[__name__]):
+        phases.wrap(module, "layout_for", "building the layout table")
+    phases.wrap(LayoutTable, "supported_degrees", "strategy: probing supported degrees")
+    return phases
+
+
+def breakdown(label: str, strategy: st.SearchStrategy[Case], examples: int
+              ) -> list[tuple[str, float, float, dict[str, float]]]:
+    """The property and its bare replay, each once more with the phases wrapped."""
+    rule = fuzz_threshold_rule("1a")
+    with wrapped(Phases(time.thread_time)).active() as prop:
+        runner = prop.wrap_fn(run_case, "run_case's own lines")
+        timed_rule = prop.wrap_fn(rule, "threshold rule")
+        tally = Recording()
+        start = time.thread_time()
+        run_property("invariant", None, profile="wsb-test", max_examples=examples,
+                     corpus=False, strategy=strategy, tally=tally, case_runner=runner,
+                     threshold_rule=timed_rule)
+        prop_total = time.thread_time() - start
+    with wrapped(Phases(time.thread_time)).active() as base:
+        start = time.thread_time()
+        for case in tally.cases:
+            bare(case)
+        base_total = time.thread_time() - start
+    return [(f"{label}: property", base_total, prop_total, dict(prop.spent)),
+            (f"{label}: bare", base_total, base_total, dict(base.spent))]
 
 
 def main() -> None:
@@ -79,15 +171,27 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=300, help="fuzz-domain examples")
     parser.add_argument("--toy-examples", type=int, default=12, help="TOY examples")
     parser.add_argument("--no-suite", action="store_true", help="skip timing the test run")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print cProfile's N hottest functions of the fuzz-domain run")
     args = parser.parse_args()
     torch.set_num_threads(1)
     run_property("invariant", None, profile="wsb-test", max_examples=5, corpus=False)  # warm-up
-    rows = [["geometries", "examples", "property ex/s", "bare ex/s", "overhead", "max ratio"],
-            measure("TOY (19.2M params)", toy_cases(), args.toy_examples),
+    rows = [measure("TOY (19.2M params)", toy_cases(), args.toy_examples),
             measure("fuzz domain", cases(), args.examples)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    print(table([["geometries", "examples", "property ex/s", "bare ex/s", "overhead",
+                  "Hypothesis alone", "run_case alone", "max ratio"], *rows]))
+    print("(the last three: x the bare replay; Hypothesis alone + run_case alone ~ overhead)")
+    columns = (breakdown("TOY", toy_cases(), args.toy_examples)
+               + breakdown("fuzz domain", cases(), args.examples))
+    print("\nwhere the time goes (exclusive CPU time, x the bare replay of the same examples; "
+          "outside every wrapper: Hypothesis's own work, the replay loop, and the wrappers' own "
+          "microsecond a call, so read 'Hypothesis alone' above for the engine's clean share):")
+    print(side_by_side(columns, other="Hypothesis engine (outside every wrapped call)"))
+    if args.cprofile:
+        print("\ncProfile, the fuzz-domain property, hottest by own time:\n"
+              + hottest(lambda: run_property("invariant", None, profile="wsb-test",
+                                             max_examples=args.examples, corpus=False),
+                        args.cprofile))
     if not args.no_suite:
         env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         env.pop("WSB_PROFILE", None)

@@ -1,6 +1,6 @@
 """Cost of one training-equivalence check against the bare reference training it contains.
 
-    python bench/bench_training.py [--rounds N] [--steps K]
+    python bench/bench_training.py [--rounds N] [--steps K] [--cprofile N]
 
 "bare" is what any such check must do at least once: the dense reference's forward,
 backward and AdamW step on the full batch (``train_reference``), from parameters already
@@ -9,53 +9,149 @@ the DP x TP mesh (split, one copy per DP replica, forward, vocab-parallel loss, 
 TP and DP gradient reductions, AdamW on every shard, gathers) and the comparisons. The
 "sharded" column is ``train_sharded`` alone. Rounds are interleaved (bare, sharded, check,
 bare, ...) so machine noise hits all alike; medians shown.
+
+Then where the time goes: one more check per case with the phases wrapped (``phases.py``:
+exclusive wall time of each function, the reference's and the sharded run's told apart),
+each phase as a ratio to that case's bare time, the cases side by side; then the check
+against the reference's own forward, backward, loss and AdamW step alone (no trace copies),
+and the floor no harness change can lower: both training runs by themselves. ``--cprofile N``
+adds cProfile's N hottest functions (by own time) of one check per case.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from weight_sync_bench.model.config import TOY, TOY_KV4
+from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.training import compare as compare_module
+from weight_sync_bench.training import step as step_module
 from weight_sync_bench.training.batches import default_spec
 from weight_sync_bench.training.floor import SMALL_VARIANTS, thresholds_for
 from weight_sync_bench.training.mesh import Mesh
 from weight_sync_bench.training.step import TrainingCase
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from phases import Phases, hottest, mean_phases, side_by_side, table
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+
+def timed(fn) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``fn()``: this thread's CPU time moves less than the wall
+    clock when other work shares the cores."""
+    wall, cpu = time.perf_counter(), time.thread_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+TRAINING = ("forward", "backward", "loss", "AdamW step")  # the work both runs must do
+SHARDED_TRAINING = ("gradient reductions (TP, CP, DP)", "split to TP shards")
+
+
+def floor_row(spent: dict[str, float], total: float) -> list[str]:
+    """The check against the reference's bare training work, and the share of it that is
+    the two training runs themselves: what no harness change can remove."""
+    ref = sum(spent.get(f"reference: {k}", 0.0) for k in TRAINING)
+    runs = ref + sum(spent.get(f"sharded: {k}", 0.0) for k in TRAINING + SHARDED_TRAINING)
+    return [f"{ref * 1e3:.0f} ms", f"{total / ref:.2f}x", f"{runs / ref:.2f}x",
+            f"{(total - runs) / ref:.2f}x"]
+
+
+def wrapped(phases: Phases) -> Phases:
+    """The phases of a check: the reference's and the sharded run's work told apart by the
+    enclosing ``train_reference`` / ``train_sharded`` (``{scope}``), then the comparisons."""
+    s, c = step_module, compare_module
+    phases.wrap(s, "train_reference", "reference: parameter, gradient and state copies",
+                scope="reference")
+    phases.wrap(s, "train_sharded", "sharded: replicas (one copy per DP rank), traces",
+                scope="sharded")
+    phases.wrap(ReferenceModel, "__call__", "{scope}: forward")
+    phases.wrap(ShardedModel, "__call__", "{scope}: forward")
+    phases.wrap(F, "cross_entropy", "{scope}: loss")
+    phases.wrap(s, "vocab_parallel_token_losses", "{scope}: loss")
+    phases.wrap(torch.Tensor, "backward", "{scope}: backward")
+    phases.wrap(torch.autograd, "backward", "{scope}: backward")
+    phases.wrap(torch.optim.AdamW, "step", "{scope}: AdamW step")
+    phases.wrap(s, "moments", "{scope}: AdamW moment copies")
+    phases.wrap(s, "split", "{scope}: split to TP shards")
+    phases.wrap(s, "gather", "{scope}: gathers to global positions")
+    phases.wrap(s.TrainStep, "__call__", "{scope}: step bookkeeping, gradient copies")
+    phases.wrap(s, "group_backward", "{scope}: model setup, targets")
+    for name in ("reduce_replicated", "reduce_over_context", "_reduce_over_dp"):
+        phases.wrap(s, name, "{scope}: gradient reductions (TP, CP, DP)")
+    phases.wrap(s, "_assemble", "{scope}: input gradient assembly")
+    phases.wrap(s, "_spread", "compare: replicas (copies that must be equal)")
+    phases.wrap(c, "gradient_deviations", "compare: loss, input and parameter gradients")
+    phases.wrap(c, "moment_deviations", "compare: AdamW moments")
+    phases.wrap(c, "parameter_deviations", "compare: parameters after the steps")
+    phases.wrap(TrainingCase, "check", "check: verdict construction", scope="check")
+    return phases
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print cProfile's N hottest functions of one check per case")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rows = [["case", "steps", "bare ref f+b+step", "sharded", "check", "check / bare"]]
+    rows = [["case", "steps", "bare ref f+b+step", "sharded", "check", "check / bare",
+             "CPU: bare", "check", "check / bare"]]
+    columns: list[tuple[str, float, float, dict[str, float]]] = []
+    floors = [["case", "ref f+b+step", "check / it", "training runs alone / it",
+               "the rest / it"]]
+    profiles: list[tuple[str, str]] = []
     for config, mesh in ((TOY, Mesh(2, 2)), (TOY_KV4, Mesh(2, 4)), (SMALL_VARIANTS[1], Mesh(2, 2))):
         case = TrainingCase(config, mesh, seed=0, steps=args.steps,
                             spec=default_spec(config, packed=True))
         thresholds = thresholds_for(config)
-        times: dict[str, list[float]] = {"bare": [], "sharded": [], "check": []}
+        def check(case: TrainingCase = case, thresholds: dict[str, float] = thresholds) -> None:
+            case.check(thresholds)  # looked up at each call: the wrapped one when wrapped
+
+        label = f"{config.name} {mesh} packed"
+        times: dict[str, list[tuple[float, float]]] = {"bare": [], "sharded": [], "check": []}
+        runs: list[Phases] = []
+        case.reference(), case.sharded(), check()  # warm-up: first-touch pages, lazy init
         for _ in range(args.rounds):
             times["bare"].append(timed(case.reference))
             times["sharded"].append(timed(case.sharded))
-            times["check"].append(timed(lambda: case.check(thresholds)))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append([f"{config.name} {mesh} packed", str(args.steps), f"{med['bare'] * 1e3:.0f} ms",
-                     f"{med['sharded'] * 1e3:.0f} ms", f"{med['check'] * 1e3:.0f} ms",
-                     f"{med['check'] / med['bare']:.2f}x"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    print(f"\nmedians of {args.rounds} interleaved rounds, one torch thread")
+            times["check"].append(timed(check))
+            with wrapped(Phases(time.thread_time)).active() as phases:
+                phases.spent["(total)"] = timed(check)[1]
+            runs.append(phases)
+        wall = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
+        cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
+        rows.append([label, str(args.steps), f"{wall['bare'] * 1e3:.0f} ms",
+                     f"{wall['sharded'] * 1e3:.0f} ms", f"{wall['check'] * 1e3:.0f} ms",
+                     f"{wall['check'] / wall['bare']:.2f}x", f"{cpu['bare'] * 1e3:.0f} ms",
+                     f"{cpu['check'] * 1e3:.0f} ms", f"{cpu['check'] / cpu['bare']:.2f}x"])
+        spent = mean_phases(runs)
+        total = spent.pop("(total)")
+        columns.append((label, cpu["bare"], total, spent))
+        floors.append([label] + floor_row(spent, total))
+        if args.cprofile:
+            profiles.append((label, hottest(check, args.cprofile)))
+    print(table(rows))
+    print(f"\nmedians of {args.rounds} interleaved rounds, one torch thread; wall and this "
+          "thread's CPU time")
+    print("\nwhere the CPU time of one check goes (exclusive, means of the rounds, x that "
+          "case's bare CPU median):")
+    print(side_by_side(columns))
+    print("\nagainst the reference's own forward, backward, loss and AdamW step (the wrapped "
+          "buckets, no trace copies), and the floor: both training runs alone (those buckets "
+          "of the reference and the sharded run, its reductions and split included), before "
+          "any trace is gathered or compared:")
+    print(table(floors))
+    for label, text in profiles:
+        print(f"\ncProfile, one check of {label}, hottest by own time:\n{text}")
 
 
 if __name__ == "__main__":

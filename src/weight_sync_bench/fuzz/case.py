@@ -182,10 +182,12 @@ def run_case(case: Case, checker: Checker | None = None, *,
         return run_conversion_case(case, threshold_rule=threshold_rule)
     checker = checker or make_checker(case.config, case.seed, phase=case.phase,
                                       forward=forward, threshold_rule=threshold_rule)
-    shards = reshard(checker.declared(case.src), checker.layout, case.dst)
-    if case.mutation is not None:
+    if case.mutation is None:  # each parameter resharded and compared at once, the same verdict
+        verdict = checker.reshard_verdict(case.src, case.dst)
+    else:
+        shards = reshard(checker.declared(case.src), checker.layout, case.dst)
         shards = mutation_by_name(case.mutation).apply(shards, checker.layout, case.config)
-    verdict = checker.verdict(shards, src=case.src, dst=case.dst, mutation=case.mutation)
+        verdict = checker.verdict(shards, src=case.src, dst=case.dst, mutation=case.mutation)
     return Outcome(case, verdict.max_abs_error, verdict.threshold,
                    shards_differ=verdict.first_mismatch is not None)
 

@@ -82,6 +82,7 @@ from weight_sync_bench.training.compare import (
     Trace,
     TrainingReport,
     deviations,
+    max_abs_difference_in_dtype,
 )
 from weight_sync_bench.training.loss import (
     IGNORE_INDEX,
@@ -170,6 +171,7 @@ def train_reference(config: ModelConfig, params: Params, batches: Sequence[Train
     exp_avg: list[Params] = []
     exp_avg_sq: list[Params] = []
     input_grad, grads = torch.empty(0), {}
+    last = len(batches) - 1
     for step, batch in enumerate(batches):
         optim.zero_grad(set_to_none=True)
         logits = model(batch.tokens, batch.model_segments)  # (B, T, V)
@@ -180,12 +182,14 @@ def train_reference(config: ModelConfig, params: Params, batches: Sequence[Train
                                ignore_index=IGNORE_INDEX)
         loss.backward()
         losses.append(loss.item())
-        if step == 0:
+        if step == 0:  # kept, not copied: AdamW reads a gradient, zero_grad drops it
             input_grad = embedded.grad.detach().clone()
-            grads = {n: p.grad.detach().clone() for n, p in live.items()}
+            grads = {n: p.grad.detach() for n, p in live.items()}
         optim.step()
-        after.append({n: p.detach().clone() for n, p in live.items()})
-        first, second = moments(optim, live)
+        # a copy of each step's parameters but the last, which nothing steps again
+        after.append({n: p.detach() if step == last else p.detach().clone()
+                      for n, p in live.items()})
+        first, second = (moment_views if step == last else moments)(optim, live)
         exp_avg.append(first)
         exp_avg_sq.append(second)
     return Trace(losses, input_grad, grads, after, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
@@ -201,11 +205,13 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
     whose backward is its forward's adjoint trains the same."""
     mesh.validate(config, batches[0].spec.rows, batches[0].spec.seq_len)
     layout = layout_for(config)
-    declared = split(params, layout, mesh.tp)
+    declared = split(params, layout, mesh.tp)  # fresh tensors, aliasing nothing
     # replicas[d][e]: DP rank d, flat position e (CP rank e // tp, TP rank e % tp), its own
-    # leaf tensors (a tied table is one leaf)
-    replicas = [[{n: s.clone().requires_grad_(True) for n, s in declared[e % mesh.tp].items()}
-                 for e in range(mesh.replica_size)] for _ in range(mesh.dp)]
+    # leaf tensors (a tied table is one leaf): the split's own tensors for the first copy
+    # of each TP rank's shards, a clone for every other
+    replicas = [[{n: (s if d == 0 and e < mesh.tp else s.detach().clone()).requires_grad_(True)
+                  for n, s in declared[e % mesh.tp].items()}
+                 for e in range(mesh.replica_size)] for d in range(mesh.dp)]
     step = TrainStep(config, replicas, mesh, recipe, adamw,
                      groups=lambda: mesh_groups(mesh, collective), dp=collective(mesh.dp))
     losses, after, spread = [], [], 0.0
@@ -227,13 +233,26 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
         spread = max(spread, _spread(replicas, step.replicated, mesh.tp, lambda p: p))
         after.append(gather([{n: p.detach() for n, p in local.items()}
                              for local in replicas[0][:mesh.tp]], layout))
-        state = [moments(optim, local) for optim, local in zip(step.optims[0][:mesh.tp],
-                                                               replicas[0][:mesh.tp])]
+        state = [moment_views(optim, local)  # gather copies them
+                 for optim, local in zip(step.optims[0][:mesh.tp], replicas[0][:mesh.tp])]
         exp_avg.append(gather([first for first, _ in state], layout))
         exp_avg_sq.append(gather([second for _, second in state], layout))
     return Trace(losses, input_grad.detach(), {n: g.detach() for n, g in grads.items()}, after,
                  spread, exp_avg, exp_avg_sq,
                  [hyperparameters(o) for group in step.optims for o in group])
+
+
+def moment_views(optim: torch.optim.Optimizer, params: Params) -> tuple[Params, Params]:
+    """``optimizer.moments`` uncopied, for a caller that copies them anyway (``gather``
+    returns fresh tensors) or whose optimizer steps no more: AdamW's own ``exp_avg`` and
+    ``exp_avg_sq`` of each named parameter, zeros for one it has not stepped."""
+    first, second = {}, {}
+    for name, p in params.items():
+        state = optim.state.get(p, {})
+        first[name] = state["exp_avg"].detach() if "exp_avg" in state else torch.zeros_like(p)
+        second[name] = (state["exp_avg_sq"].detach() if "exp_avg_sq" in state
+                        else torch.zeros_like(p))
+    return first, second
 
 
 @dataclass
@@ -300,7 +319,8 @@ class TrainStep:
                 if cp_group is not None:
                     reduce_over_context(group, cp_group, recipe)
             _reduce_over_dp(self.replicas, self.dp)
-        grads = [[{n: _grad(p).detach().clone() for n, p in local.items()} for local in group]
+        # kept, not copied: AdamW only reads a gradient and the next zero_grad drops it
+        grads = [[{n: _grad(p).detach() for n, p in local.items()} for local in group]
                  for group in self.replicas] if keep_grads else []
         for group in self.optims:
             for optim in group:
@@ -364,7 +384,7 @@ def reduce_replicated(group: list[Params], replicated: list[str], coll: Collecti
     for name in replicated:
         reduced = recipe.tp_reduce([_grad(local[name]) for local in group], coll, name)
         for local, g in zip(group, reduced):
-            local[name].grad = g.clone()
+            local[name].grad = g  # shared by the ranks in process: nothing writes a gradient
 
 
 def reduce_over_context(group: list[Params], cp: Collective, recipe: Recipe) -> None:
@@ -373,7 +393,7 @@ def reduce_over_context(group: list[Params], cp: Collective, recipe: Recipe) -> 
     for name in group[0]:
         reduced = recipe.cp_reduce([_grad(local[name]) for local in group], cp, name)
         for local, g in zip(group, reduced):
-            local[name].grad = g.clone()
+            local[name].grad = g
 
 
 def _reduce_over_dp(replicas: list[list[Params]], dp: Collective) -> None:
@@ -382,7 +402,7 @@ def _reduce_over_dp(replicas: list[list[Params]], dp: Collective) -> None:
         for name in replicas[0][rank]:
             reduced = dp.all_reduce([_grad(group[rank][name]) for group in replicas], tag=name)
             for group, g in zip(replicas, reduced):
-                group[rank][name].grad = g.clone()
+                group[rank][name].grad = g
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -402,7 +422,7 @@ def _spread(replicas: list[list[Params]], replicated: list[str], tp: int,
                     [group[e - r][name]] if r and name in replicated else []) + (
                     [group[r][name]] if e >= tp else [])
                 for q in peers:
-                    diff = float((get(p) - get(q)).detach().abs().max())
+                    diff = max_abs_difference_in_dtype(get(p), get(q))
                     worst = max(worst, diff if diff == diff else float("inf"))
     return worst
 
