@@ -107,3 +107,21 @@ def test_the_byte_comparison_in_slabs_sees_a_difference_in_any_slab_and_its_twin
         b[-1, -1] += 1
         assert not diagnosis._bit_equal(a[:, 1:], b[:, 1:])
     assert not diagnosis._bit_equal(a, a.reshape(-1)) or a.dim() == 1  # shapes still compared
+
+
+@pytest.mark.parametrize("shape", [(10, 3), (4, 7), (25,), (3, 2, 4)])
+def test_no_byte_comparison_reads_more_than_a_slab_or_one_row(monkeypatch, shape):
+    """What bounds the comparison's temporaries: every call reads at most ``_CHUNK``
+    elements, or one row where a row is longer; and together they read every element."""
+    monkeypatch.setattr(diagnosis, "_CHUNK", 6)
+    seen = []
+    real = diagnosis._equal_bytes
+
+    def recording(a, b):
+        seen.append(a.numel())
+        return real(a, b)
+    monkeypatch.setattr(diagnosis, "_equal_bytes", recording)
+    a = _arange(*shape)
+    assert diagnosis._bit_equal(a, a.clone())
+    row = a.numel() // a.shape[0]
+    assert max(seen) <= max(6, row) and sum(seen) == a.numel()
