@@ -410,9 +410,7 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
     plan = reading_plan(target.convention, config, t)
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
     reference = _Reference(config, tokens)
-    sharded = _Sharded(ShardedModel(plan.forward.config, [{} for _ in range(t)],
-                                    InProcessCollective(t), embedding=plan.forward.embedding),
-                       tokens)
+    sharded = _Sharded.reading(plan, t, tokens)
     draws = iter_params(config, seed, dtype=weights)
     differ: list[str] = []
     diagnosis: list[str] = []

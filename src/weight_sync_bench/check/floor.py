@@ -176,9 +176,7 @@ def stream_replicated_deviation(config: ModelConfig, degree: int, *, seed: int =
     plan = reading_plan(target.convention, config, degree)
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
     reference = _Reference(config, tokens)
-    sharded = _Sharded(ShardedModel(plan.forward.config, [{} for _ in range(degree)],
-                                    InProcessCollective(degree),
-                                    embedding=plan.forward.embedding), tokens)
+    sharded = _Sharded.reading(plan, degree, tokens)
     draws = iter_params(config, seed, dtype=parse_dtype(dtype))
     started, steps = time.perf_counter(), stages(config)
     with torch.no_grad():

@@ -81,6 +81,7 @@ from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
 
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.gloo.rank import RankContext
+    from weight_sync_bench.conventions.reading import ReadingPlan
 
 PER = ("layer", "parameter")
 BACKENDS = ("inprocess", "gloo")
@@ -281,6 +282,14 @@ class _Sharded:
     def over(cls, config: ModelConfig, collective: InProcessCollective | GlooCollective,
              tokens: torch.Tensor) -> _Sharded:
         return cls(ShardedModel(config, [{} for _ in collective.ranks], collective), tokens)
+
+    @classmethod
+    def reading(cls, plan: ReadingPlan, degree: int, tokens: torch.Tensor) -> _Sharded:
+        """A destination convention's forward in process (``reading_plan``'s config and
+        embedding placement): what a streamed conversion steps."""
+        return cls(ShardedModel(plan.forward.config, [{} for _ in range(degree)],
+                                InProcessCollective(degree), embedding=plan.forward.embedding),
+                   tokens)
 
     def step(self, k: int, label: str, shards: list[Params]) -> None:
         """One stage; ``shards`` is emptied first (a bf16 stage's own bytes are dropped once
