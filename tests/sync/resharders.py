@@ -26,3 +26,33 @@ def drops_a_name(ctx, rank, local, plan):
 
 def raises(ctx, rank, local, plan):
     raise ValueError(f"rank {rank} cannot reshard {plan.label}")
+
+
+def returns_fresh_tensors(ctx, rank, local, plan):
+    """Ignores ``ctx.destination``: the harness's executor into storage of its own."""
+    destination, ctx.destination = ctx.destination, None
+    out = execute_plan(ctx, rank, local, plan)
+    assert destination is None or all(out[n].data_ptr() != x.data_ptr()
+                                      for n, x in destination.items())
+    return out
+
+
+def insists_on_in_place(ctx, rank, local, plan):
+    """The harness's executor, refusing to return unless it wrote into ``ctx.destination``."""
+    if rank < plan.dst.world and not ctx.destination:
+        raise AssertionError(f"rank {rank}: no existing destination storage in ctx")
+    destination = dict(ctx.destination or {})
+    out = execute_plan(ctx, rank, local, plan)
+    moved = [n for n, x in destination.items() if out[n].data_ptr() != x.data_ptr()]
+    if moved:
+        raise AssertionError(f"rank {rank}: {', '.join(moved)} not written in place")
+    return out
+
+
+def insists_on_the_cached_cut(ctx, rank, local, plan):
+    """The harness's executor, refusing to run unless the plan arrived with its cut into
+    messages for this bucket already made (by the session, outside the timed region)."""
+    if ctx.bucket_bytes not in plan._messages:
+        raise AssertionError(f"rank {rank}: the plan's messages for bucket {ctx.bucket_bytes} "
+                             "would be cut inside the timed region")
+    return execute_plan(ctx, rank, local, plan)

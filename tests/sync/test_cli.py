@@ -65,11 +65,24 @@ def test_the_sync_runs_under_torchrun_with_gloo_and_env_rendezvous():
     assert done.stdout.count("plan megatron:2 -> vllm:1") == 1  # rank 0 alone prints
 
 
-@pytest.mark.parametrize("flag", ["--mutation", "--naive"])
+def test_wsb_sync_into_existing_storage_passes_the_element_check_and_the_forward(capsys):
+    """The forward reads the existing tensors the second (``init_params``) reshard wrote
+    into (a dropped transfer into them: ``tests/sync/test_existing.py``)."""
+    assert main(["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1",
+                 "--into", "existing", "-q"]) == 0
+    out = capsys.readouterr().out
+    for claim in ("into existing destination storage, T_min ",
+                  "(counted at the transport), B_min 38666240: 1.000x",
+                  "100% coverage, bit-exact", "PASS toy_kv4 megatron:2 -> vllm:1 (phase 2)"):
+        assert claim in out, claim
+
+
+@pytest.mark.parametrize("flag", ["--mutation", "--naive", "--into"])
 def test_pool_only_options_are_refused_under_torchrun(flag, capsys, monkeypatch):
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
-    args = ["sync", "--launcher", "torchrun", flag] + (["box_overlap"] if flag == "--mutation" else [])
+    args = ["sync", "--launcher", "torchrun", flag] + {"--mutation": ["box_overlap"],
+                                                       "--into": ["existing"]}.get(flag, [])
     assert main(args) == 2
     assert "run on the rank pool only" in capsys.readouterr().err

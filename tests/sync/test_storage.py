@@ -1,14 +1,28 @@
 """The executor's destination storage and its exchanges: only what the plan leaves unwritten
 is zeroed (padding; whatever a mutated plan drops), and a rank pair's messages are grouped
-into exchanges both ends agree on, within the staging bound."""
+into exchanges both ends agree on, within the staging bound, from the layouts' shapes alone
+(a region's contiguity computed, not read off a tensor); the executor before the staging
+arenas still runs (``staging="per_message"``, the bench's before)."""
 
 from __future__ import annotations
 
+import functools
+import random
+
+import torch
+
 from tests.sync.conftest import tiny
-from weight_sync_bench.sync import plan_for, sync_layout
+from weight_sync_bench.sync import SyncSession, execute_plan, plan_for, sync_layout
 from weight_sync_bench.sync.boxes import cover_of
-from weight_sync_bench.sync.execute import DEFAULT_BUCKET, _staging, exchanges, unwritten_rows
+from weight_sync_bench.sync.execute import (
+    DEFAULT_BUCKET,
+    _contiguous,
+    _staging,
+    exchanges,
+    unwritten_rows,
+)
 from weight_sync_bench.sync.mutations import dropped_transfer
+from weight_sync_bench.sync.session import INTO
 
 
 def _padding_rows(layout, rank):
@@ -58,3 +72,29 @@ def test_exchanges_keep_every_message_in_order_and_stage_at_most_a_bucket_per_en
             if len(direct) == len(messages):  # nothing staged: one exchange for the pair
                 assert len(groups) == 1, pair
         assert DEFAULT_BUCKET >= bucket
+
+
+def test_contiguity_from_the_shapes_is_what_torch_says_of_the_view():
+    rng = random.Random(0)
+    cases = 0
+    for shape in ((4,), (3, 5), (2, 3, 4), (1, 4, 1), (2, 1, 3, 2)):
+        x = torch.empty(shape, device="meta")
+        for _ in range(200):
+            region = []
+            for size in shape:
+                a = rng.randrange(size)
+                region.append((a, rng.randrange(a, size) + 1))
+            view = x[tuple(slice(a, b) for a, b in region)]
+            assert _contiguous(shape, tuple(region)) == view.is_contiguous(), (shape, region)
+            cases += 1
+    assert cases == 1000
+
+
+def test_the_executor_before_the_arena_still_moves_b_min_exactly(pool):
+    per_message = functools.partial(execute_plan, staging="per_message")
+    for config, src, dst in ((tiny(8), "megatron:4", "vllm:2"), (tiny(4), "plain:1", "plain:2")):
+        with SyncSession(config, src, dst, pool=pool, forward=False) as session:
+            for into in INTO:
+                result = session.run(per_message, bucket_bytes=4096, into=into)
+                assert result.passed and result.bytes_moved == result.b_min, result.summary()
+                assert all(r.staging_peak <= 2 * 4096 for r in result.ranks)

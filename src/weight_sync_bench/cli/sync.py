@@ -2,6 +2,7 @@
 
     wsb sync --config toy_kv4 --from megatron:4 --to vllm:2 [--dp D] [--seed N]
              [--bucket BYTES] [--no-forward] [--naive] [--transfers] [--mutation NAME]
+             [--into fresh|existing]
     torchrun --standalone --nproc-per-node N -m weight_sync_bench sync --launcher torchrun \\
              --config toy_kv4 --from megatron:4 --to vllm:2 [--backend gloo|nccl]
 
@@ -9,6 +10,8 @@ Prints the plan summary, the bytes counted at the transport against ``B_min`` (a
 naive gather-then-scatter's), the time against ``T_min`` from a gloo bandwidth calibrated in
 the same run, the staging peak and the RSS high-water growth of every rank, the element
 check and the verdict. ``--dp D``: the source replicated over D data-parallel groups.
+``--into existing``: received into destination tensors that exist before the timed region
+(``SyncSession.run(into="existing")``; the rank pool only).
 Exit status (``output.EXIT_CODES``): 0 when the element check and the forward pass, 1 when
 either fails; under torchrun only rank 0 prints and judges.
 """
@@ -32,7 +35,7 @@ from weight_sync_bench.errors import UnsupportedLauncher
 from weight_sync_bench.model.config import CONFIGS, config_by_name
 from weight_sync_bench.sync.execute import DEFAULT_BUCKET, gather_scatter
 from weight_sync_bench.sync.mutations import PLAN_MUTATIONS
-from weight_sync_bench.sync.session import SyncSession
+from weight_sync_bench.sync.session import INTO, SyncSession
 from weight_sync_bench.sync.torchrun import device_for, run_torchrun
 
 if TYPE_CHECKING:
@@ -47,7 +50,8 @@ def _record(result: SyncResult) -> dict[str, Any]:
             "sent_max_over_mean": result.sent_balance,
             "plan_seconds": result.plan.build_seconds,
             "ranks": [vars(r) for r in result.ranks], "elements_passed": result.elements_passed,
-            "coverage": result.coverage, "max_abs_error": v.max_abs_error if v else None,
+            "coverage": result.coverage, "into": result.into,
+            "max_abs_error": v.max_abs_error if v else None,
             "threshold": v.threshold if v else None, "passed": result.passed}
 
 
@@ -56,9 +60,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
     config = config_by_name(args.config)
     results = []
     if args.launcher == "torchrun":
-        if args.mutation or args.naive:
-            raise UnsupportedLauncher("--mutation and --naive run on the rank pool only "
-                                      "(--launcher pool)")
+        if args.mutation or args.naive or args.into != "fresh":
+            raise UnsupportedLauncher("--mutation, --naive and --into existing run on the "
+                                      "rank pool only (--launcher pool)")
         result = run_torchrun(config, args.src, args.dst, dp=args.dp, seed=args.seed,
                               bucket_bytes=args.bucket, forward_check=not args.no_forward,
                               backend=args.backend, deadline=args.deadline or 300.0)
@@ -74,10 +78,11 @@ def cmd_sync(args: argparse.Namespace) -> int:
         with SyncSession(config, args.src, args.dst, seed=args.seed, dp=args.dp,
                          forward=not args.no_forward) as session:
             plan = PLAN_MUTATIONS[args.mutation](session.plan) if args.mutation else None
-            results.append(session.run(plan=plan, bucket_bytes=args.bucket, calibrate=True))
+            results.append(session.run(plan=plan, bucket_bytes=args.bucket, calibrate=True,
+                                       into=args.into))
             if args.naive:
                 results.append(session.run(gather_scatter, bucket_bytes=args.bucket,
-                                           calibrate=True, forward=False))
+                                           calibrate=True, forward=False, into=args.into))
     plan = results[0].plan
     out.text(str(plan))
     if args.transfers:
@@ -117,6 +122,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--mutation", choices=list(PLAN_MUTATIONS), default=None,
                    help="run a planner mutation instead of the plan (pool only): the checks "
                         "must fail it")
+    p.add_argument("--into", choices=list(INTO), default="fresh",
+                   help="destination storage: fresh (allocated by the sync, timed; the "
+                        "default) or existing (the consumer's tensors, allocated and filled "
+                        "with stale values before the timed region; pool only)")
     p.add_argument("--launcher", choices=["pool", "torchrun"], default="pool",
                    help="pool: the harness's rank processes; torchrun: this process is one "
                         "rank of a torchrun job (env:// rendezvous)")

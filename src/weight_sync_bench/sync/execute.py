@@ -6,13 +6,23 @@ rank (an empty dict on a rank past the destination's world).
 
 ``execute_plan``, the harness's executor:
 
-1. destination storage (``planned_storage``): uninitialised where the plan writes whole
-   rows, zeros elsewhere (padding is zero; whatever a mutated plan leaves unwritten too);
+1. destination storage: fresh (``planned_storage``, when ``ctx.destination`` is None):
+   uninitialised where the plan writes whole rows, zeros elsewhere (padding is zero;
+   whatever a mutated plan leaves unwritten too); or existing (``existing_storage``): the
+   tensors the consumer already holds, as an inference engine holds its loaded weights
+   when a sync arrives, handed over as ``ctx.destination`` (``SyncSession.run(...,
+   into="existing")`` allocates and fills them before the timed region), checked to be the
+   destination's, padding zeroed, every other element written in place by the plan and
+   nothing else touched (what a mutated plan leaves unwritten keeps its stale value);
 2. the rest in ``world - 1`` shift steps: at step j rank r sends to ``r + j`` and receives
    from ``r - j`` (mod world), every pair's transfers cut into messages of at most
-   ``bucket_bytes`` (``Plan.messages``). A message that is one contiguous region is sent
-   from, or received into, the tensor itself (rows of a dim-0 box: received in place into
-   destination storage); any other is packed into a staging buffer of its size.
+   ``bucket_bytes`` (``Plan.messages``, cached on the plan: ``SyncSession.run`` makes the
+   cut before the plan reaches the ranks, so their timed region does not). A message that
+   is one contiguous region is sent from, or received into, the tensor itself (rows of a
+   dim-0 box: received in place into destination storage); any other is packed into
+   staging: one outgoing and one incoming arena per call, each the size of the largest
+   exchange's staging on its side, reused by every exchange (``staging="per_message"``: a
+   fresh buffer per message instead).
    Consecutive messages of a pair are posted together, one ``batch_isend_irecv`` and one
    wait per exchange (``exchanges``: while neither end stages more than ``bucket_bytes``
    for it, decided from the layouts' shapes so both ends agree; a run of in-place messages
@@ -20,15 +30,22 @@ rank (an empty dict on a rank past the destination's world).
    (``bench/bench_sync.py``'s profile);
 3. local copies for what stays on the rank, done while the first exchange is on the wire.
 
-Memory: the staging buffers alive at once are at most one outgoing and one incoming
-exchange's, so the executor's extra memory is at most ``2 * bucket_bytes`` (``Meter`` counts
-every buffer it allocates; ``rss_peak`` reads the kernel's high-water mark independently).
-``DEFAULT_BUCKET`` is 4 MiB: 8 MiB of staging at most, a quarter of TOY's largest
-parameter (the 32.8 MB embedding).
+Memory: the staging alive at once is at most one outgoing and one incoming exchange's (the
+two arenas), so the executor's extra memory is at most ``2 * bucket_bytes`` (``Meter``
+counts every buffer it allocates; ``rss_peak`` reads the kernel's high-water mark
+independently). ``DEFAULT_BUCKET`` is 4 MiB: 8 MiB of staging at most, a quarter of TOY's
+largest parameter (the 32.8 MB embedding).
+
+Into fresh storage a rank pays a first-touch page fault per 4 KiB of what it receives and
+copies (``bench/bench_sync.py`` measures both storages side by side); into existing
+storage it does not. ``calibrate_pattern`` replays the executor's own wire pattern (every
+rank at once, the same steps, messages and exchanges, warm buffers): the bandwidth at the
+run's concurrency, beside ``calibrate``'s one pair (the issue's ``T_min``).
 
 ``gather_scatter`` is the naive resharder production syncs use (every source rank sends its
 tensors whole to rank 0, which assembles each full parameter and sends every destination
-rank its tensors whole): the baseline of the figures, checked by the same harness.
+rank its tensors whole): the baseline of the figures, checked by the same harness, into
+fresh or existing storage alike.
 
 Bytes are counted at the transport (``CountingP2P``), the only path to the wire here, never
 taken from the plan.
@@ -49,11 +66,13 @@ import torch
 import torch.distributed as dist
 
 from weight_sync_bench.conventions.maps import gather_canonical
-from weight_sync_bench.errors import InvalidNumber
+from weight_sync_bench.errors import InvalidNumber, InvalidShards
+from weight_sync_bench.sync.boxes import cover_of
 from weight_sync_bench.sync.planner import ELEMENT_SIZE, Message, Plan
 
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
+    from weight_sync_bench.sync.layouts import SyncLayout
 
 Params = dict[str, torch.Tensor]
 DEFAULT_BUCKET = 4 << 20  # bytes per message; the executor's staging is at most twice this
@@ -153,7 +172,11 @@ class SyncContext:
     """What a distributed resharder gets besides its shards: its rank, the job's world and
     gloo group, the counting transport (``p2p``: move bytes through it and they are counted),
     a staging ``meter``, the ``bucket_bytes`` the harness asks for and the ``device`` tensors
-    live on (``cpu`` over gloo; ``cuda:LOCAL_RANK`` over NCCL under torchrun)."""
+    live on (``cpu`` over gloo; ``cuda:LOCAL_RANK`` over NCCL under torchrun).
+
+    ``destination``: None, or the consumer's existing destination tensors of this rank
+    (``SyncSession.run(into="existing")``: allocated and filled before the timed region, as
+    an inference engine's loaded weights are): write into them in place and return them."""
 
     rank: int
     world: int
@@ -162,6 +185,7 @@ class SyncContext:
     meter: Meter
     bucket_bytes: int = DEFAULT_BUCKET
     device: str = "cpu"
+    destination: Params | None = None
 
 
 ReshardFn = Callable[[SyncContext, int, Mapping[str, torch.Tensor], Plan], Params]
@@ -253,21 +277,91 @@ def unwritten_rows(plan: Plan, rank: int) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
+def existing_storage(plan: Plan, rank: int, destination: Mapping[str, torch.Tensor]) -> Params:
+    """``rank``'s existing destination tensors (``SyncContext.destination``), checked to be
+    exactly the destination's (names, shapes, float32, one device), their padding zeroed and
+    nothing else touched: the plan's transfers then write every other element in place.
+    What a (mutated) plan leaves unwritten keeps what the tensors held before, as it would
+    in an engine's weights: the element check must see that (the harness fills them with
+    other values first, ``SyncSession.run``). Padding is zeroed on every sync as vLLM's
+    ``VocabParallelEmbedding.weight_loader`` does (``param[loaded_weight.shape[0]:]
+    .data.fill_(0)`` after copying the loaded rows into the existing parameter).
+    ``InvalidShards`` names the rank and the tensor that does not fit."""
+    want = plan.dst.pieces[rank] if rank < plan.dst.world else {}
+    where = f"{plan.dst} rank {rank}: the existing destination storage"
+    if set(destination) != set(want):
+        missing = [n for n in want if n not in destination]
+        extra = sorted(str(n) for n in destination if n not in want)
+        raise InvalidShards(f"{where} " + "; ".join(
+            ([f"lacks {', '.join(missing)}"] if missing else [])
+            + ([f"has unexpected {', '.join(extra)}"] if extra else [])))
+    shapes = plan.dst.config.param_shapes()
+    for name, piece in want.items():
+        x, shape = destination[name], piece.local_shape(shapes[piece.source])
+        if (not isinstance(x, torch.Tensor) or tuple(x.shape) != shape
+                or x.dtype != torch.float32 or not x.is_contiguous()):
+            got = (f"{x.dtype} {list(x.shape)}{'' if x.is_contiguous() else ' non-contiguous'}"
+                   if isinstance(x, torch.Tensor) else type(x).__name__)
+            raise InvalidShards(f"{where} {name}: {got}, declared contiguous torch.float32 "
+                                f"{list(shape)}")
+    out = dict(destination)
+    for name, dim, offset, length in padding(plan.dst, rank):
+        out[name].narrow(dim, offset, length).zero_()
+    return out
+
+
+_PADDING: dict[tuple[object, int], list[tuple[str, int, int, int]]] = {}
+
+
+def padding(layout: SyncLayout, rank: int) -> list[tuple[str, int, int, int]]:
+    """``(name, dim, offset, length)`` of every padding box of ``rank``'s stored tensors,
+    cached per (layout label and geometry, rank): a plan reaches a rank process pickled, a
+    new layout object each time, which ``cover_of``'s per-object cache would miss (its
+    boxes cost 7 ms for TOY_KV4 plain:2, inside the timed region)."""
+    key = (layout.key, rank)
+    if key not in _PADDING:
+        if len(_PADDING) > 256:
+            _PADDING.clear()
+        _PADDING[key] = [] if rank >= layout.world else [
+            (name, stored.dim, box.offset, box.length)
+            for name, stored in cover_of(layout, validate=False).ranks[rank].items()
+            for box in stored.boxes if box.source is None]
+    return _PADDING[key]
+
+
+def _contiguous(shape: tuple[int, ...], region: tuple[tuple[int, int], ...]) -> bool:
+    """Whether ``region`` is a contiguous view of a contiguous tensor of ``shape`` (what
+    ``Tensor.is_contiguous`` says of the view, without making one): every dim after the
+    last one not whole is whole, and every dim before it has extent 1 (or it is empty)."""
+    extents = [b - a for a, b in region]
+    if 0 in extents:
+        return True
+    partial = [d for d, (e, size) in enumerate(zip(extents, shape)) if e != size]
+    return not partial or all(e == 1 for e in extents[:partial[-1]])
+
+
+def _shape(layout: SyncLayout, rank: int, name: str) -> tuple[int, ...]:
+    piece = layout.pieces[rank][name]
+    return piece.local_shape(layout.config.param_shapes()[piece.source])
+
+
+def _direct(plan: Plan, message: Message, side: str) -> bool:
+    """Whether ``message`` is one region that is a contiguous view of its stored tensor on
+    ``side`` ("src": sent from it, "dst": received into it), decided from the layouts'
+    shapes alone (arithmetic, no tensor made), so both ends of a pair agree."""
+    if len(message.segments) != 1:
+        return False
+    seg = message.segments[0]
+    t = plan.transfers[seg.index]
+    shape = (_shape(plan.src, t.src_rank, t.src_name) if side == "src"
+             else _shape(plan.dst, t.dst_rank, t.dst_name))
+    return _contiguous(shape, seg.region)
+
+
 def _staging(plan: Plan, message: Message, side: str) -> int:
     """Bytes one end of ``message`` stages (``side`` "src": the sender packs, "dst": the
-    receiver unpacks): 0 when its one region is a contiguous view of the stored tensor,
-    decided from the layouts' shapes alone, so both ends of a pair agree."""
-    if len(message.segments) == 1:
-        seg = message.segments[0]
-        t = plan.transfers[seg.index]
-        layout, at, name, owner = ((plan.src, t.src_at, t.src_name, t.src_rank) if side == "src"
-                                   else (plan.dst, t.dst_at, t.dst_name, t.dst_rank))
-        piece = layout.pieces[owner][name]
-        stored = torch.empty(piece.local_shape(layout.config.param_shapes()[piece.source]),
-                             device="meta")
-        if _view(stored, at, seg.region, t.region).is_contiguous():
-            return 0
-    return message.numel * ELEMENT_SIZE
+    receiver unpacks): 0 when it is sent from or received into the stored tensor itself."""
+    return 0 if _direct(plan, message, side) else message.numel * ELEMENT_SIZE
 
 
 def exchanges(plan: Plan, messages: list[Message], bucket: int) -> list[list[Message]]:
@@ -288,11 +382,25 @@ def exchanges(plan: Plan, messages: list[Message], bucket: int) -> list[list[Mes
     return out
 
 
-def execute_plan(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor], plan: Plan
-                 ) -> Params:
-    """The harness's executor (module docstring): ``rank``'s destination shards."""
+STAGING = ("arena", "per_message")  # execute_plan's staging: STAGING[0] unless told
+
+
+def execute_plan(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor], plan: Plan,
+                 *, staging: str = "arena") -> Params:
+    """The harness's executor (module docstring): ``rank``'s destination shards.
+
+    ``staging``: ``"arena"`` (the default): one outgoing and one incoming staging buffer per
+    call, each the size of the largest exchange's staging on its side, allocated once and
+    reused by every exchange (as checkpoint-engine's ``ParameterServer._update_per_bucket_p2p``
+    allocates one ``torch.empty(bucket_size * 2)`` per update and reuses it for every
+    bucket): a 4 KiB page of staging faults once per call, not once per exchange.
+    ``"per_message"``: a fresh buffer per staged message, freed after its exchange (the
+    executor before; ``bench/bench_sync.py`` runs both)."""
     bucket = InvalidNumber.count("bucket_bytes", ctx.bucket_bytes, minimum=ELEMENT_SIZE)
-    out = planned_storage(plan, rank, ctx.device)
+    if staging not in STAGING:
+        raise ValueError(f"execute_plan: staging={staging!r}, expected one of {STAGING}")
+    out = (planned_storage(plan, rank, ctx.device) if ctx.destination is None
+           else existing_storage(plan, rank, ctx.destination))
     pending = [plan.local_copies(rank)]  # done while the first exchange is on the wire
 
     def local_copies() -> None:
@@ -302,77 +410,94 @@ def execute_plan(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor],
 
     messages = plan.messages(bucket)
     world = plan.world
-    for step in range(1, world):
-        to, frm = (rank + step) % world, (rank - step) % world
-        outgoing = exchanges(plan, messages.get((rank, to), []), bucket)
-        incoming = exchanges(plan, messages.get((frm, rank), []), bucket)
+    steps = [(step, (rank + step) % world, (rank - step) % world) for step in range(1, world)]
+    groups = {step: (exchanges(plan, messages.get((rank, to), []), bucket),
+                     exchanges(plan, messages.get((frm, rank), []), bucket))
+              for step, to, frm in steps}
+    arenas: dict[str, torch.Tensor] = {}
+    if staging == "arena":
+        for side, which in (("src", 0), ("dst", 1)):
+            need = max([sum(_staging(plan, m, side) for m in g)
+                        for pair in groups.values() for g in pair[which]] + [0])
+            if need:
+                arenas[side] = ctx.meter.allocate(need // ELEMENT_SIZE, ctx.device)
+
+    def staging_buffer(side: str, at: int, numel: int) -> torch.Tensor:
+        if side in arenas:
+            return arenas[side][at:at + numel]
+        buf = ctx.meter.allocate(numel, ctx.device)
+        staged.append(buf)
+        return buf
+
+    for step, to, frm in steps:
+        outgoing, incoming = groups[step]
         for k in range(max(len(outgoing), len(incoming))):
             sends, recvs, unpacks, staged = [], [], [], []
+            at = 0
             for message in outgoing[k] if k < len(outgoing) else []:
-                buf, packed = _pack(plan, message, local, ctx)
-                if packed:
-                    staged.append(buf)
+                if _direct(plan, message, "src"):
+                    sends.append((to, _region(plan, message, local, "src")))
+                    continue
+                buf = staging_buffer("src", at, message.numel)
+                at += message.numel
+                _pack(plan, message, local, buf)
                 sends.append((to, buf))
+            at = 0
             for message in incoming[k] if k < len(incoming) else []:
-                buf, unpack = _target(plan, message, out, ctx)
-                if unpack is not None:
-                    staged.append(buf)
-                    unpacks.append(unpack)
+                if _direct(plan, message, "dst"):
+                    recvs.append((frm, _region(plan, message, out, "dst")))
+                    continue
+                buf = staging_buffer("dst", at, message.numel)
+                at += message.numel
+                unpacks.append((message, buf))
                 recvs.append((frm, buf))
             ctx.p2p.exchange(sends, recvs, tag=f"sync step {step} exchange {k}",
                              during=local_copies if pending and (sends or recvs) else None)
-            for unpack in unpacks:
-                unpack()
+            for message, buf in unpacks:
+                _unpack(plan, message, out, buf)
             for buf in staged:
                 ctx.meter.free(buf)
     local_copies()  # a rank that exchanged nothing
+    for buf in arenas.values():
+        ctx.meter.free(buf)
     return out
 
 
-def _single(plan: Plan, message: Message, tensor: torch.Tensor, side: str) -> torch.Tensor | None:
-    """The message's one region as a contiguous view of ``tensor``, if it is one."""
-    if len(message.segments) != 1:
-        return None
+def _region(plan: Plan, message: Message, tensors: Mapping[str, torch.Tensor], side: str
+            ) -> torch.Tensor:
+    """A direct message's one region of its stored tensor on ``side``, flat: a view, sent
+    from or received into in place (a source tensor that is itself not contiguous is
+    copied: the bytes are the same, so the send still meets its receive)."""
     seg = message.segments[0]
     t = plan.transfers[seg.index]
-    view = _view(tensor, t.src_at if side == "src" else t.dst_at, seg.region, t.region)
-    return view.view(-1) if view.is_contiguous() else None
+    x = tensors[t.src_name if side == "src" else t.dst_name]
+    view = _view(x, t.src_at if side == "src" else t.dst_at, seg.region, t.region)
+    if not view.is_contiguous():
+        if side == "dst":  # destination storage is contiguous (planned, or checked existing)
+            raise AssertionError(f"{t}: a non-contiguous destination view")  # pragma: no cover
+        view = view.contiguous()
+    return view.view(-1)
 
 
-def _pack(plan: Plan, message: Message, local: Mapping[str, torch.Tensor], ctx: SyncContext
-          ) -> tuple[torch.Tensor, bool]:
-    """The message's bytes: a view of the source tensor (False) or a packed buffer (True)."""
-    first = plan.transfers[message.segments[0].index]
-    direct = _single(plan, message, local[first.src_name], "src")
-    if direct is not None:
-        return direct, False
-    buf = ctx.meter.allocate(message.numel, ctx.device)
+def _pack(plan: Plan, message: Message, local: Mapping[str, torch.Tensor],
+          buf: torch.Tensor) -> None:
+    """The message's segments, from the source tensors, one after another into ``buf``."""
     at = 0
     for seg in message.segments:
         t = plan.transfers[seg.index]
         view = _view(local[t.src_name], t.src_at, seg.region, t.region)
         buf[at:at + seg.numel].view(view.shape).copy_(view)
         at += seg.numel
-    return buf, True
 
 
-def _target(plan: Plan, message: Message, out: Params, ctx: SyncContext
-            ) -> tuple[torch.Tensor, Callable[[], None] | None]:
-    first = plan.transfers[message.segments[0].index]
-    direct = _single(plan, message, out[first.dst_name], "dst")
-    if direct is not None:
-        return direct, None  # received in place into destination storage
-    buf = ctx.meter.allocate(message.numel, ctx.device)
-
-    def unpack() -> None:
-        at = 0
-        for seg in message.segments:
-            t = plan.transfers[seg.index]
-            view = _view(out[t.dst_name], t.dst_at, seg.region, t.region)
-            view.copy_(buf[at:at + seg.numel].view(view.shape))
-            at += seg.numel
-
-    return buf, unpack
+def _unpack(plan: Plan, message: Message, out: Params, buf: torch.Tensor) -> None:
+    """``buf``, received, into the destination tensors, segment after segment."""
+    at = 0
+    for seg in message.segments:
+        t = plan.transfers[seg.index]
+        view = _view(out[t.dst_name], t.dst_at, seg.region, t.region)
+        view.copy_(buf[at:at + seg.numel].view(view.shape))
+        at += seg.numel
 
 
 def gather_scatter(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor], plan: Plan
@@ -382,7 +507,8 @@ def gather_scatter(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor
     parameter, and every destination rank's tensors of it sent whole from rank 0."""
     src, dst = plan.src, plan.dst
     shapes = src.config.param_shapes()
-    out = destination_storage(plan, rank, ctx.device)
+    out = (destination_storage(plan, rank, ctx.device) if ctx.destination is None
+           else existing_storage(plan, rank, ctx.destination))
     for source, shape in shapes.items():
         names = {r: [n for n, p in src.pieces[r].items() if p.source == source]
                  for r in range(src.world)}
@@ -469,4 +595,60 @@ def calibrate(ctx: SyncContext, nbytes: int = 8 << 20, repeats: int = 3) -> floa
                           device=ctx.device)
     dist.broadcast(result, src=0, group=ctx.group)
     return float(result.item())
+
+
+
+def calibrate_pattern(ctx: SyncContext, plan: Plan, repeats: int = 3) -> dict[str, Any]:
+    """The bandwidth of ``plan``'s own wire pattern: every rank at once, the executor's
+    ``world - 1`` shift steps, the same messages (``plan.messages(ctx.bucket_bytes)``) in
+    the same exchanges (``exchanges``), sent from and received into warm contiguous buffers
+    allocated and touched beforehand: nothing packed, unpacked or copied locally, no fresh
+    page. ``calibrate`` measures one pair alone; this measures the pair traffic of the run
+    at the run's concurrency (``world`` ranks sharing the machine's cores). Every rank calls
+    it; each returns ``{"seconds": best over repeats of the slowest rank's time from a
+    common barrier, "bandwidth": the busiest rank's max(sent, received) over that,
+    "sent", "received": this rank's bytes per replay, counted at its transport, "messages":
+    the sends it posts per replay}``."""
+    bucket = InvalidNumber.count("bucket_bytes", ctx.bucket_bytes, minimum=ELEMENT_SIZE)
+    repeats = InvalidNumber.count("repeats", repeats)
+    rank, world = ctx.rank, plan.world
+    messages = plan.messages(bucket)
+    steps = []  # (step, to, from, [[numel per message] per exchange] out, ... in)
+    for step in range(1, world):
+        to, frm = (rank + step) % world, (rank - step) % world
+        steps.append((step, to, frm,
+                      [[m.numel for m in g] for g in exchanges(plan, messages.get((rank, to), []),
+                                                               bucket)],
+                      [[m.numel for m in g] for g in exchanges(plan, messages.get((frm, rank), []),
+                                                               bucket)]))
+    size = max([1] + [sum(map(sum, groups)) for *_, o, i in steps for groups in (o, i)])
+    source = torch.ones(size, device=ctx.device)
+    into = torch.zeros(size, device=ctx.device)  # touched: warm pages
+    p2p = CountingP2P(ctx.group, rank, ctx.p2p.tracer)
+    times = []
+    for _ in range(repeats + 1):  # the first warms the connections up
+        dist.barrier(group=ctx.group)
+        started = time.perf_counter()
+        for step, to, frm, outgoing, incoming in steps:
+            at_out = at_in = 0
+            for k in range(max(len(outgoing), len(incoming))):
+                sends, recvs = [], []
+                for n in outgoing[k] if k < len(outgoing) else []:
+                    sends.append((to, source[at_out:at_out + n]))
+                    at_out += n
+                for n in incoming[k] if k < len(incoming) else []:
+                    recvs.append((frm, into[at_in:at_in + n]))
+                    at_in += n
+                p2p.exchange(sends, recvs, tag=f"calibrate pattern step {step} exchange {k}")
+        times.append(time.perf_counter() - started)
+    slowest = torch.tensor(times, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
+    sent = p2p.traffic.bytes_sent // (repeats + 1)
+    received = p2p.traffic.bytes_received // (repeats + 1)
+    busiest = torch.tensor([max(sent, received)], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(busiest, op=dist.ReduceOp.MAX, group=ctx.group)
+    seconds = float(slowest[1:].min())
+    return {"seconds": seconds, "bandwidth": float(busiest.item()) / seconds if seconds else 0.0,
+            "sent": sent, "received": received,
+            "messages": p2p.traffic.messages // (repeats + 1)}
 

@@ -8,6 +8,14 @@ check of every destination rank, the destination forward against the reference, 
 figures counted at the transport, beside ``B_min``, the naive gather-then-scatter bytes and
 ``T_min`` (from a bandwidth calibrated in the same task, when asked).
 
+``run(fn, into="existing")`` reshards into destination tensors that already exist on the
+ranks (allocated once per session, filled before every run, outside the timed region, with
+stale values that differ from the right ones in every element), as an inference engine's
+loaded weights exist when a sync arrives; ``fn`` gets them as ``ctx.destination``.
+``into="fresh"`` (the default, what ``wsb sync`` runs unless told otherwise) leaves the
+allocation to ``fn``, inside the timed region. ``calibrate_pattern()`` measures the
+bandwidth of the plan's own wire pattern at its own concurrency.
+
 The resharder's signature (``ReshardFn``)::
 
     fn(ctx: SyncContext, rank: int, local_shards: dict[str, Tensor], plan: Plan)
@@ -34,13 +42,23 @@ from weight_sync_bench.conventions import materialize
 from weight_sync_bench.errors import InvalidShards, InvalidUserShards, UserCodeError
 from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.sync.execute import DEFAULT_BUCKET, ReshardFn, execute_plan
+from weight_sync_bench.sync.boxes import cover_of
+from weight_sync_bench.sync.execute import (
+    DEFAULT_BUCKET,
+    CountingP2P,
+    Meter,
+    ReshardFn,
+    SyncContext,
+    calibrate_pattern,
+    execute_plan,
+)
 from weight_sync_bench.sync.layouts import SyncLayout, sync_layout
 from weight_sync_bench.sync.minimum import minimum_bytes, naive_bytes, time_bound
 from weight_sync_bench.sync.planner import Plan, plan_for
 from weight_sync_bench.sync.verify import (
     ElementCheck,
     drop_task,
+    expected,
     forward_task,
     load_task,
     reshard_task,
@@ -53,10 +71,14 @@ from weight_sync_bench.tolerance.rules import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
+
+    from weight_sync_bench.collectives.gloo.rank import RankContext
 
 PHASE = "2"
+INTO = ("fresh", "existing")  # where a run's destination tensors live: SyncSession.run's into
 _sessions = itertools.count()
+Params = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -88,6 +110,7 @@ class SyncResult:
     largest_param: int
     verdict: Verdict | None = None
     notes: tuple[str, ...] = field(default=())
+    into: str = "fresh"  # the destination storage: INTO
 
     @property
     def bytes_moved(self) -> int:
@@ -104,10 +127,14 @@ class SyncResult:
 
     @property
     def t_min(self) -> float | None:
-        if not self.bandwidth:
-            return None
+        """``T_min`` at the bandwidth calibrated between one pair (``calibrate=True``)."""
+        return self.bound(self.bandwidth) if self.bandwidth else None
+
+    def bound(self, bandwidth: float) -> float:
+        """``max over ranks of max(sent, received) / bandwidth``: ``T_min`` at another
+        calibrated bandwidth (``SyncSession.calibrate_pattern``'s)."""
         return time_bound([r.sent for r in self.ranks], [r.received for r in self.ranks],
-                          self.bandwidth)
+                          bandwidth)
 
     @property
     def sent_balance(self) -> float | None:
@@ -141,12 +168,13 @@ class SyncResult:
         lines.append(f"  bytes between ranks {self.bytes_moved} (counted at the transport), "
                      f"B_min {self.b_min}: {self.ratio:.3f}x; naive gather-then-scatter "
                      f"{self.naive} ({self.naive / self.b_min if self.b_min else 0:.2f}x B_min)")
+        storage = (", into existing destination storage" if self.into == "existing" else "")
         if self.t_min:
-            lines.append(f"  time {self.seconds * 1e3:.1f} ms, T_min {self.t_min * 1e3:.1f} ms "
-                         f"({self.seconds / self.t_min:.2f}x) at {self.bandwidth / 1e9:.2f} GB/s "
-                         "calibrated gloo p2p")
+            lines.append(f"  time {self.seconds * 1e3:.1f} ms{storage}, T_min "
+                         f"{self.t_min * 1e3:.1f} ms ({self.seconds / self.t_min:.2f}x) at "
+                         f"{self.bandwidth / 1e9:.2f} GB/s calibrated gloo p2p")
         else:
-            lines.append(f"  time {self.seconds * 1e3:.1f} ms")
+            lines.append(f"  time {self.seconds * 1e3:.1f} ms{storage}")
         balance = self.sent_balance
         lines.append(f"  plan built in {p.build_seconds * 1e3:.2f} ms; bytes sent max/mean "
                      f"{balance:.3f}" if balance else
@@ -223,19 +251,49 @@ class SyncSession:
     def close(self) -> None:
         if self.pool.running:
             self.pool.run(drop_task, self.world, kwargs={"key": self.key})
+            if self._existing:
+                self.pool.run(drop_existing_task, self.world, kwargs={"key": self.key})
+
+    _existing = False  # whether a run has allocated existing destination storage on the ranks
 
     def run(self, fn: ReshardFn = execute_plan, plan: Plan | None = None, *,
             bucket_bytes: int = DEFAULT_BUCKET, calibrate: bool = False,
-            forward: bool | None = None, elements: bool = True) -> SyncResult:
+            forward: bool | None = None, elements: bool = True,
+            into: str = "fresh") -> SyncResult:
         """Reshard with ``fn`` (the harness's executor by default) on ``plan`` (the session's,
         or a mutated one), check every destination element (unless ``elements=False``: the
         forward alone, its figures those of the ``init_params`` reshard) and, unless
-        ``forward=False``, run the destination forward against the reference."""
+        ``forward=False``, run the destination forward against the reference.
+
+        ``into`` (``INTO``): ``"fresh"``, the default: ``fn`` allocates the destination
+        tensors inside the timed region (``ctx.destination`` is None). ``"existing"``: every
+        destination rank's tensors already exist, as an inference engine's loaded weights
+        do when a sync arrives: allocated once per session and, before every run (outside
+        the timed region), filled with stale values that differ from what the sync must
+        write in every element's lowest bit (``stale_values``: the previous step's weights,
+        as near as they can be without being right; zero padding is stale too). ``fn`` gets
+        them as ``ctx.destination`` and writes into them in place; what it returns instead
+        is copied into them, timed, as an engine copies a loaded tensor into its parameter.
+        So an element the sync does not write fails the bit-exact check.
+
+        The plan's cut into messages (``Plan.messages(bucket_bytes)``, cached on the plan) is
+        made here, once per plan and bucket, and reaches the ranks with the plan, as a
+        cached plan is reused sync after sync: the ranks' timed region does not recompute
+        it (Python, on every rank, of the order of T_min for the larger plans:
+        ``bench/bench_sync.py``'s staging table runs with it and without)."""
+        if into not in INTO:
+            raise ValueError(f"SyncSession.run: into={into!r}, expected one of {INTO}")
         if not elements and not (self.forward if forward is None else forward):
             raise ValueError("SyncSession.run: elements=False needs the forward")
         plan = plan or self.plan
         run_forward = self.forward if forward is None else (forward and self.forward)
         name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+        plan.messages(bucket_bytes)  # the plan's cut, cached on it: the ranks get it with it
+        if into == "existing":
+            self.pool.run(existing_task, self.world, kwargs={"key": self.key, "plan": plan,
+                                                             "seed": self.seed})
+            self._existing = True
+            fn = InPlace(fn, self.key)
         records = self.pool.run(reshard_task, self.world, kwargs={
             "key": self.key, "plan": plan, "fn": fn, "bucket_bytes": bucket_bytes,
             "seed": self.seed, "forward": run_forward, "bandwidth": calibrate,
@@ -247,21 +305,142 @@ class SyncSession:
                 "key": self.key, "plan": plan, "tokens": self.tokens})[0]
             assert self.reference is not None and self.threshold is not None
             verdict = judge(plan, logits, self.reference, self.threshold, records, self.notes)
-        return collect(plan, name, records, verdict, self.notes)
+        return collect(plan, name, records, verdict, self.notes, into=into)
+
+    def calibrate_pattern(self, plan: Plan | None = None, *, bucket_bytes: int = DEFAULT_BUCKET,
+                          repeats: int = 3) -> PatternBandwidth:
+        """The bandwidth of ``plan``'s own wire pattern at its own concurrency
+        (``execute.calibrate_pattern``: every rank at once, the executor's shift steps,
+        messages and exchanges, warm buffers), beside ``run(calibrate=True)``'s one pair."""
+        plan = plan or self.plan
+        plan.messages(bucket_bytes)
+        records = self.pool.run(pattern_task, self.world, kwargs={
+            "plan": plan, "bucket_bytes": bucket_bytes, "repeats": repeats})
+        return PatternBandwidth(records[0]["bandwidth"], records[0]["seconds"],
+                                tuple(r["sent"] for r in records),
+                                tuple(r["received"] for r in records),
+                                tuple(r["messages"] for r in records))
+
+
+@dataclass(frozen=True)
+class PatternBandwidth:
+    """``SyncSession.calibrate_pattern``'s figures: the bandwidth (bytes per second: the
+    busiest rank's max(sent, received) over ``seconds``), the best replay's slowest rank's
+    ``seconds``, and each rank's bytes and sends per replay, counted at its transport."""
+
+    bandwidth: float
+    seconds: float
+    sent: tuple[int, ...]
+    received: tuple[int, ...]
+    messages: tuple[int, ...]
 
 
 def collect(plan: Plan, name: str, records: Sequence[dict[str, Any]], verdict: Verdict | None,
-            notes: tuple[str, ...]) -> SyncResult:
-    """A ``SyncResult`` from every rank's record (``verify.reshard``), rank order."""
+            notes: tuple[str, ...], *, into: str = "fresh") -> SyncResult:
+    """A ``SyncResult`` from every rank's record (``verify.reshard``), rank order. Into
+    existing storage, the destination tensors were resident before the reshard began, so
+    the RSS growth ``run_fn`` reports (which subtracts them as if allocated during it) gets
+    them back."""
     shapes = plan.src.config.param_shapes()
+    held = [_stored_bytes(plan, r["rank"]) if into == "existing" else 0 for r in records]
     ranks = tuple(RankFigures(r["rank"], sum(r["sent"].values()), sum(r["received"].values()),
                               r["messages"], r["seconds"], r["staging_peak"],
-                              r["largest_buffer"], r["rss_extra"]) for r in records)
+                              r["largest_buffer"],
+                              None if r["rss_extra"] is None else r["rss_extra"] + extra)
+                  for r, extra in zip(records, held, strict=True))
     elements = tuple(r["elements"] for r in records
                      if r["rank"] < plan.dst.world and r["elements"] is not None)
     return SyncResult(plan, name, minimum_bytes(plan.src, plan.dst), naive_bytes(plan.src, plan.dst),
                       ranks, elements, records[0]["bandwidth"],
-                      4 * max(torch.Size(s).numel() for s in shapes.values()), verdict, notes)
+                      4 * max(torch.Size(s).numel() for s in shapes.values()), verdict, notes,
+                      into)
+
+
+def _stored_bytes(plan: Plan, rank: int) -> int:
+    if rank >= plan.dst.world:
+        return 0
+    shapes = plan.dst.config.param_shapes()
+    return 4 * sum(torch.Size(p.local_shape(shapes[p.source])).numel()
+                   for p in plan.dst.pieces[rank].values())
+
+
+# -- existing destination storage, on the ranks (module-level: picklable by reference)
+
+_EXISTING: dict[str, dict[str, Any]] = {}  # per session key: "layout", "storage", "stale"
+
+
+def stale_values(plan: Plan, rank: int, seed: int) -> Params:
+    """What ``rank``'s existing destination tensors hold before a run into them: the values
+    the sync must write (``verify.expected``: the generator's, zero padding) with the
+    lowest bit of every element flipped, so that every element differs from its expected
+    bits, by as little as a float can."""
+    if rank >= plan.dst.world:
+        return {}
+    shapes = plan.dst.config.param_shapes()
+    out = {}
+    for name, stored in cover_of(plan.dst, validate=False).ranks[rank].items():
+        x = expected(stored, shapes[stored.source], seed)
+        x.view(torch.int32).bitwise_xor_(1)
+        out[name] = x
+    return out
+
+
+def existing_task(ctx: RankContext, *, key: str, plan: Plan, seed: int) -> int:
+    """Allocate this rank's destination tensors for session ``key`` once (again if the
+    destination layout changed) and fill them with ``stale_values``; their bytes."""
+    ctx.tracer.mark("sync: existing storage")
+    held = _EXISTING.get(key)
+    if held is None or held["layout"] != plan.dst.key:
+        stale = stale_values(plan, ctx.rank, seed)
+        held = {"layout": plan.dst.key, "stale": stale,
+                "storage": {n: torch.empty_like(x) for n, x in stale.items()}}
+        _EXISTING[key] = held
+    for name, x in held["storage"].items():
+        x.copy_(held["stale"][name])
+    return sum(x.numel() * x.element_size() for x in held["storage"].values())
+
+
+def drop_existing_task(ctx: RankContext, *, key: str) -> None:
+    _EXISTING.pop(key, None)
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """``fn`` run into session ``key``'s existing destination tensors: they are
+    ``ctx.destination``, and the result is always them (a tensor ``fn`` returns in their
+    stead is copied into them; a result of another structure is returned as it is, for
+    ``verify.structure_error`` to name)."""
+
+    fn: ReshardFn
+    key: str
+
+    def __call__(self, ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor],
+                 plan: Plan) -> Any:
+        held = _EXISTING.get(self.key)
+        if held is None:
+            raise LookupError(f"rank {rank}: no existing destination storage for session "
+                              f"{self.key!r} (the rank processes restarted since it was made)")
+        storage = held["storage"]
+        ctx.destination = storage
+        out = self.fn(ctx, rank, local, plan)
+        if not isinstance(out, dict) or set(out) != set(storage) or any(
+                not isinstance(out[n], torch.Tensor) or out[n].shape != x.shape
+                or out[n].dtype != x.dtype for n, x in storage.items()):
+            return out
+        for name, x in storage.items():
+            y = out[name]
+            if not (y.data_ptr() == x.data_ptr() and y.stride() == x.stride()):
+                x.copy_(y)
+        return dict(storage)
+
+
+def pattern_task(ctx: RankContext, *, plan: Plan, bucket_bytes: int, repeats: int
+                 ) -> dict[str, Any]:
+    ctx.tracer.mark("sync: calibrate pattern")
+    sync = SyncContext(ctx.rank, ctx.degree, ctx.group, CountingP2P(ctx.group, ctx.rank,
+                                                                    ctx.tracer), Meter(),
+                       bucket_bytes)
+    return calibrate_pattern(sync, plan, repeats)
 
 
 def judge(plan: Plan, logits: torch.Tensor, reference: torch.Tensor, threshold: float,
@@ -298,12 +477,12 @@ def raise_user_errors(records: Sequence[dict[str, Any]], name: str, plan: Plan) 
 def run_distributed_reshard(fn: ReshardFn, config: ModelConfig, src: str, dst: str, *,
                             seed: int = 0, dp: int = 1, pool: RankPool | None = None,
                             bucket_bytes: int = DEFAULT_BUCKET, forward: bool = True,
-                            threshold: float | None = None, calibrate: bool = False
-                            ) -> SyncResult:
-    """One session, one run: ``SyncSession(...).run(fn)``."""
+                            threshold: float | None = None, calibrate: bool = False,
+                            into: str = "fresh") -> SyncResult:
+    """One session, one run: ``SyncSession(...).run(fn, into=into)``."""
     with SyncSession(config, src, dst, seed=seed, dp=dp, pool=pool, forward=forward,
                      threshold=threshold) as session:
-        return session.run(fn, bucket_bytes=bucket_bytes, calibrate=calibrate)
+        return session.run(fn, bucket_bytes=bucket_bytes, calibrate=calibrate, into=into)
 
 
 def check_distributed_reshard(fn: ReshardFn, config: ModelConfig, src: str, dst: str, *,
