@@ -267,3 +267,22 @@ def test_the_cp_and_tp_reductions_get_every_ranks_gradient_and_the_parameter_nam
     TrainingCase(SMALL, mesh, steps=1).sharded(Recipe(tp_reduce=spy("tp"), cp_reduce=spy("cp")))
     assert seen["cp"] == [(4, name) for name in layout.names]  # every parameter, all 4 ranks
     assert seen["tp"] == [(4, name) for name in REPLICATED]
+
+
+def test_the_moments_are_zeros_before_a_step_and_copies_only_when_asked():
+    from weight_sync_bench.training.optimizer import moments
+
+    w = torch.nn.Parameter(torch.ones(3))
+    optim = torch.optim.AdamW([w], lr=0.1)
+    first, second = moments(optim, {"w": w})  # never stepped: no state yet
+    assert torch.equal(first["w"], torch.zeros(3)) and torch.equal(second["w"], torch.zeros(3))
+    w.grad = torch.tensor([1.0, -2.0, 3.0])
+    optim.step()
+    state = optim.state[w]
+    kept, views = moments(optim, {"w": w}), moments(optim, {"w": w}, copy=False)
+    assert views[0]["w"].data_ptr() == state["exp_avg"].data_ptr()
+    assert views[1]["w"].data_ptr() == state["exp_avg_sq"].data_ptr()
+    assert kept[0]["w"].data_ptr() != state["exp_avg"].data_ptr()
+    assert kept[1]["w"].data_ptr() != state["exp_avg_sq"].data_ptr()
+    assert torch.equal(kept[0]["w"], views[0]["w"]) and torch.equal(kept[1]["w"], views[1]["w"])
+    assert not torch.equal(kept[0]["w"], kept[1]["w"])  # each its own moment

@@ -40,15 +40,20 @@ def same_optimizer(adamw: AdamW) -> AdamW:
     return adamw
 
 
-def moments(optim: torch.optim.Optimizer, params: Params) -> tuple[Params, Params]:
+def moments(optim: torch.optim.Optimizer, params: Params, *, copy: bool = True
+            ) -> tuple[Params, Params]:
     """Copies of AdamW's first and second moments (``exp_avg``, ``exp_avg_sq``) of each named
-    parameter, as the optimizer holds them; zeros for a parameter it has not stepped."""
+    parameter, as the optimizer holds them; zeros for a parameter it has not stepped.
+    ``copy=False``: the optimizer's own tensors, for a caller that copies them anyway
+    (``gather`` returns fresh tensors) or whose optimizer steps no more."""
     first, second = {}, {}
     for name, p in params.items():
         state = optim.state.get(p, {})
-        first[name] = state["exp_avg"].detach().clone() if "exp_avg" in state else torch.zeros_like(p)
-        second[name] = (state["exp_avg_sq"].detach().clone() if "exp_avg_sq" in state
-                        else torch.zeros_like(p))
+        for out, key in ((first, "exp_avg"), (second, "exp_avg_sq")):
+            if key not in state:
+                out[name] = torch.zeros_like(p)
+            else:
+                out[name] = state[key].detach().clone() if copy else state[key].detach()
     return first, second
 
 

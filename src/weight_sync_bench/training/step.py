@@ -189,7 +189,7 @@ def train_reference(config: ModelConfig, params: Params, batches: Sequence[Train
         # a copy of each step's parameters but the last, which nothing steps again
         after.append({n: p.detach() if step == last else p.detach().clone()
                       for n, p in live.items()})
-        first, second = (moment_views if step == last else moments)(optim, live)
+        first, second = moments(optim, live, copy=step != last)
         exp_avg.append(first)
         exp_avg_sq.append(second)
     return Trace(losses, input_grad, grads, after, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq,
@@ -233,26 +233,13 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
         spread = max(spread, _spread(replicas, step.replicated, mesh.tp, lambda p: p))
         after.append(gather([{n: p.detach() for n, p in local.items()}
                              for local in replicas[0][:mesh.tp]], layout))
-        state = [moment_views(optim, local)  # gather copies them
+        state = [moments(optim, local, copy=False)  # gather copies them
                  for optim, local in zip(step.optims[0][:mesh.tp], replicas[0][:mesh.tp])]
         exp_avg.append(gather([first for first, _ in state], layout))
         exp_avg_sq.append(gather([second for _, second in state], layout))
     return Trace(losses, input_grad.detach(), {n: g.detach() for n, g in grads.items()}, after,
                  spread, exp_avg, exp_avg_sq,
                  [hyperparameters(o) for group in step.optims for o in group])
-
-
-def moment_views(optim: torch.optim.Optimizer, params: Params) -> tuple[Params, Params]:
-    """``optimizer.moments`` uncopied, for a caller that copies them anyway (``gather``
-    returns fresh tensors) or whose optimizer steps no more: AdamW's own ``exp_avg`` and
-    ``exp_avg_sq`` of each named parameter, zeros for one it has not stepped."""
-    first, second = {}, {}
-    for name, p in params.items():
-        state = optim.state.get(p, {})
-        first[name] = state["exp_avg"].detach() if "exp_avg" in state else torch.zeros_like(p)
-        second[name] = (state["exp_avg_sq"].detach() if "exp_avg_sq" in state
-                        else torch.zeros_like(p))
-    return first, second
 
 
 @dataclass
