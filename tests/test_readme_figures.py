@@ -117,10 +117,17 @@ def mutation_mismatches(text: str) -> list[str]:
                rf"{n('score1')}% \({n('killed')} "
                rf"killed, {n('timeout')} timeouts, "
                rf"{n('survived')} survivors")
-    return compare(text, pattern, {
+    wrong = compare(text, pattern, {
         "tried0": before["tried"], "score0": before["score"], "tried1": after["tried"],
         "score1": after["score"], "killed": after["killed"], "timeout": after["timeout"],
         "survived": after["survived"]})
+    runs = _artifact(ROOT / "mutation" / "results.json")
+    diagnosis = runs["stop20_diagnosis"]["totals_after"]["weight_sync_bench.check.diagnosis"]
+    step = runs["stop20_step"]["totals_after"]["weight_sync_bench.training.step"]
+    return wrong + compare(text, rf"comparison\) {n('dk')} of {n('dt')} killed, `step.py` "
+                                 rf"\(the training check's copies cut\) {n('sk')} of {n('st')}",
+                           {"dk": diagnosis["killed"], "dt": diagnosis["tried"],
+                            "sk": step["killed"], "st": step["tried"]})
 
 
 # --- the committed floors: tolerance/phase1a*.json, tolerance/geometry/ --------------------
@@ -247,6 +254,7 @@ def test_same_figure_rounds_to_the_digits_the_readme_shows():
     ("fuzz rules", "held-out 162x over 507 samples", "held-out 61x over 507 samples"),
     ("fuzz rules", "Phase 1a: `relative_pow10`", "Phase 1a: `relative`"),
     ("mutation scores", "scored 99.0% (4153 killed", "scored 98.0% (4153 killed"),
+    ("mutation scores", "comparison) 234 of 238 killed", "comparison) 233 of 238 killed"),
     ("floors", "(20 model and token seeds", "(10 model and token seeds"),
     ("floors", "worst 1.19e-6 and 1.09e-6", "worst 1.19e-6 and 1.9e-6"),
     ("floors", "under DEFAULT, AVX2 and AVX512 (their", "under AVX2 and AVX512 (their"),
