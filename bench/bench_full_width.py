@@ -14,9 +14,9 @@ written as a config.json under ``--out``) at ``--layers`` layers and its real vo
 - ``reshard``: the default invariant path streamed, ``--src Tmax --dst T`` for every other
   allowed T (the declared split at the largest degree resharded per parameter;
   ``--degrees split-all`` and ``max``: T = Tmax / 2 only);
-- ``convert``: one conversion, ``--converter MOD:convert --from megatron:Tmax --to
-  vllm:Tmax/2 --stream parameter``, the harness's own converter written per stage
-  (``convert.stage_convert``).
+- ``convert``: ``--converter MOD:convert --from megatron:Tmax --to vllm:T --stream
+  parameter`` for every allowed T (``--degrees split-all`` and ``max``: T = Tmax / 2 only),
+  the harness's own converter written per stage (``convert.stage_convert``).
 
 Each check reads the geometry's floor from ``tolerance/geometry/`` (measured once with
 ``python -m weight_sync_bench.tolerance geometry --hf-config PATH --layers N``); a geometry
@@ -110,11 +110,11 @@ def cells(config: ModelConfig, routes: list[str], degrees: str
     if "reshard" in routes:
         pairs = [t for t in allowed if t != top] if degrees == "all" else [max(1, top // 2)]
         out += [(f"{top} -> {t}", ["--src", str(top), "--dst", str(t)], "") for t in pairs]
-    if "convert" in routes:
-        dst = max(1, top // 2)
-        out.append((f"megatron:{top} -> vllm:{dst}",
-                    ["--from", f"megatron:{top}", "--to", f"vllm:{dst}", "--converter",
-                     "{module}:convert"], f"megatron:{top} vllm:{dst}"))
+    if "convert" in routes:  # all: to vLLM at every allowed degree; else to Tmax / 2 only
+        for dst in (allowed if degrees == "all" else [max(1, top // 2)]):
+            out.append((f"megatron:{top} -> vllm:{dst}",
+                        ["--from", f"megatron:{top}", "--to", f"vllm:{dst}", "--converter",
+                         "{module}:convert"], f"megatron:{top} vllm:{dst}"))
     return out
 
 
