@@ -211,7 +211,6 @@ def overhead(args: argparse.Namespace) -> int:
         timed(ReferenceModel, method, "reference forward")
         timed(ShardedModel, method, "sharded forward")
     timed(config_module, "draw_param", "drawing parameters")
-    timed(stream_module, "shard_of", "declared slices (views)")
     timed(stream_module, "_bit_equal", "byte comparison")
     timed(stream_module, "computing", "upcast (bf16 / fp16)")
     split = stage_split(layout_for(config))
