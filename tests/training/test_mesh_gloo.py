@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from weight_sync_bench.collectives.gloo.pool import shared_pool
+from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
 from weight_sync_bench.errors import InvalidMesh
 from weight_sync_bench.training.floor import PACKED_WITH_EMPTY_ROW, SMALL_VARIANTS
 from weight_sync_bench.training.gloo import (
@@ -89,9 +89,11 @@ def test_cp_mutations_over_gloo_are_detected(cp, name):
 
 def test_a_mesh_larger_than_the_pool_is_refused_naming_both_sizes():
     case, _ = _case(Mesh(2, 4))
+    pool = RankPool(4)  # its own: the shared pool may have grown past 4 in this process
     with pytest.raises(InvalidMesh, match=r"mesh dp=2 tp=4 needs 8 ranks over gloo, the rank "
                                           r"pool has 4"):
-        train_gloo(case, shared_pool(4))
+        train_gloo(case, pool)
+    assert pool.pids == ()  # refused before a rank started
 
 
 @pytest.mark.slow
