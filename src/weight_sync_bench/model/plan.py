@@ -6,6 +6,7 @@ generic (``layout``), the choice of one per parameter is this model's.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from weight_sync_bench.layout.placements import (
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from weight_sync_bench.model.config import ModelConfig
 
 
+@functools.lru_cache(maxsize=512)  # a frozen config -> a frozen table: shared, never changed
 def layout_for(config: ModelConfig) -> LayoutTable:
     """The declared Megatron-style TP layout of the toy model.
 
