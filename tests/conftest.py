@@ -60,3 +60,14 @@ def tolerance(tmp_path, monkeypatch):
     shutil.copytree(CHECKOUT_TOLERANCE, copy, ignore=shutil.ignore_patterns("geometry"))
     monkeypatch.setenv("WSB_TOLERANCE_DIR", str(copy))
     return copy
+
+
+@pytest.fixture(autouse=True)
+def _fresh_layouts():
+    """``layout_for`` is cached per config (``model.plan``). mutmut forks each mutant's run
+    from a process that ran the tests unmutated, so a cached table would carry placements
+    built by the unmutated code into the mutant's tests: each test builds its own."""
+    from weight_sync_bench.model.plan import layout_for
+
+    layout_for.cache_clear()
+    yield
