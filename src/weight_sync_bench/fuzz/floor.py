@@ -280,6 +280,13 @@ def merge_kernel_sets(artifact: dict[str, Any], floors: dict[str, list[float]],
     ``floor``, the worst of them all, with the kernel set that gave it; ``kernel_sets``
     lists the sets, and the rule is re-derived from the merged samples. A floor is never
     lowered by a re-measurement. Pure."""
+    return rederive(_merged_samples(artifact, floors, environment_now))
+
+
+def _merged_samples(artifact: dict[str, Any], floors: dict[str, list[float]],
+                    environment_now: dict[str, Any]) -> dict[str, Any]:
+    """``merge_kernel_sets`` without the figures derived from the samples: what the random
+    floor and its replicated-KV validation merge alike. Pure."""
     samples = artifact["samples"]
     for kernel_set, values in floors.items():
         if len(values) != len(samples):
@@ -295,13 +302,12 @@ def merge_kernel_sets(artifact: dict[str, Any], floors: dict[str, list[float]],
         worst = max(first, by_set[worst_set])
         merged.append({**s, "floor": worst, "floor_as_measured": first, "by_kernel_set": by_set,
                        "kernel_set": worst_set if by_set[worst_set] >= first else "as measured"})
-    out = {**artifact, "samples": merged, "kernel_sets": list(floors),
-           "kernel_sets_measured": {
-               "environment": environment_now,
-               "what": "each sample's floor re-measured under each kernel set, each in a "
-                       "process of its own (ATEN_CPU_CAPABILITY); the mutation deviations "
-                       "are the first measurement's"}}
-    return rederive(out)
+    return {**artifact, "samples": merged, "kernel_sets": list(floors),
+            "kernel_sets_measured": {
+                "environment": environment_now,
+                "what": "each sample's floor re-measured under each kernel set, each in a "
+                        "process of its own (ATEN_CPU_CAPABILITY); the mutation deviations "
+                        "are the first measurement's"}}
 
 
 def kernel_set_figures(artifact: dict[str, Any]) -> list[list[str]]:
@@ -342,6 +348,15 @@ def measure_kernel_sets(path: Path, kernel_sets: Sequence[str] | None = None
                         ) -> dict[str, Any]:
     """The artifact at ``path`` merged with its floors re-measured under every kernel set
     this machine runs (``tolerance.kernels.available``), each in a process of its own."""
+    floors = floors_by_kernel_set(lambda out: [str(path), str(out)], kernel_sets)
+    return merge_kernel_sets(read_json(path), floors, environment())
+
+
+def floors_by_kernel_set(args: Callable[[Path], list[str]],
+                         kernel_sets: Sequence[str] | None = None) -> dict[str, list[float]]:
+    """``python -m weight_sync_bench.fuzz.floor *args(OUT)`` under each kernel set
+    (``ATEN_CPU_CAPABILITY``; default every one this machine runs), each a process of its
+    own writing ``{"cpu_capability", "floors"}`` to OUT: kernel set -> its floors."""
     import json
     import subprocess
     import sys
@@ -349,13 +364,12 @@ def measure_kernel_sets(path: Path, kernel_sets: Sequence[str] | None = None
 
     from weight_sync_bench.tolerance import kernels
 
-    artifact = read_json(path)
     floors: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
         for kernel_set in kernel_sets or kernels.available():
             out = Path(scratch) / f"{kernel_set}.json"
             run = subprocess.run([sys.executable, "-m", "weight_sync_bench.fuzz.floor",
-                                  str(path), str(out)], check=False, capture_output=True, text=True,
+                                  *args(out)], check=False, capture_output=True, text=True,
                                  env={**os.environ, "ATEN_CPU_CAPABILITY": kernel_set})
             if run.returncode != 0:
                 raise ToleranceMismatch(f"re-measuring the floors under ATEN_CPU_CAPABILITY="
@@ -363,7 +377,7 @@ def measure_kernel_sets(path: Path, kernel_sets: Sequence[str] | None = None
                                         f"{run.stderr[-2000:]}")
             measured = json.loads(out.read_text())
             floors[measured["cpu_capability"]] = measured["floors"]
-    return merge_kernel_sets(artifact, floors, environment())
+    return floors
 
 
 def _remeasure_main(argv: list[str]) -> int:
@@ -658,20 +672,7 @@ def merge_replicated_kv(artifact: dict[str, Any], floors: dict[str, list[float]]
                         environment_now: dict[str, Any]) -> dict[str, Any]:
     """``merge_kernel_sets`` for the validation: every sample's floor the worst of its first
     measurement and each kernel set's; the rule's figures derived again. Pure."""
-    samples = artifact["samples"]
-    if not floors or any(len(v) != len(samples) for v in floors.values()):
-        raise ToleranceMismatch("re-measured replicated-KV floors do not match the samples")
-    merged = []
-    for i, s in enumerate(samples):
-        by_set = {k: v[i] for k, v in floors.items()}
-        first = s.get("floor_as_measured", s["floor"])
-        merged.append({**s, "floor": max(first, *by_set.values()), "floor_as_measured": first,
-                       "by_kernel_set": by_set})
-    out = {**artifact, "samples": merged, "kernel_sets": list(floors),
-           "kernel_sets_measured": {"environment": environment_now,
-                                    "what": "each sample's floor re-measured under each kernel "
-                                            "set, each in a process of its own; the mutation "
-                                            "deviations are the first measurement's"}}
+    out = _merged_samples(artifact, floors, environment_now)
     rule = ThresholdRule(**artifact["validated"]["rule"])
     out["validated"] = {"rule": artifact["validated"]["rule"], **replicated_kv_figures(out, rule)}
     return out
@@ -765,11 +766,8 @@ def _replicated_main(argv: list[str]) -> int:
     re-measures every sample's floor under each kernel set, a process each."""
     import argparse
     import json
-    import subprocess
-    import sys
     import tempfile
 
-    from weight_sync_bench.tolerance import kernels
     from weight_sync_bench.tolerance.artifacts import write_artifact
 
     parser = argparse.ArgumentParser(prog="python -m weight_sync_bench.fuzz.floor replicated-kv")
@@ -792,21 +790,11 @@ def _replicated_main(argv: list[str]) -> int:
     artifact = measure_replicated_kv(draw_replicated_geometries(args.geometries, args.seed),
                                      phase=args.phase, seed=args.seed)
     if args.kernel_sets == "all":
-        floors: dict[str, list[float]] = {}
-        with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
+        with tempfile.TemporaryDirectory(prefix="wsb-replicated-") as scratch:
             first = Path(scratch) / "artifact.json"
             first.write_text(json.dumps(artifact))
-            for kernel_set in kernels.available():
-                got = Path(scratch) / f"{kernel_set}.json"
-                run = subprocess.run([sys.executable, "-m", "weight_sync_bench.fuzz.floor",
-                                      "replicated-kv", "--remeasure", str(first), "--out",
-                                      str(got)], check=False, capture_output=True, text=True,
-                                     env={**os.environ, "ATEN_CPU_CAPABILITY": kernel_set})
-                if run.returncode != 0:
-                    raise ToleranceMismatch(f"re-measuring under ATEN_CPU_CAPABILITY="
-                                            f"{kernel_set} failed:\n{run.stderr[-2000:]}")
-                measured = json.loads(got.read_text())
-                floors[measured["cpu_capability"]] = measured["floors"]
+            floors = floors_by_kernel_set(
+                lambda got: ["replicated-kv", "--remeasure", str(first), "--out", str(got)])
         artifact = merge_replicated_kv(artifact, floors, environment())
     write_artifact(artifact, out)
     return 0
