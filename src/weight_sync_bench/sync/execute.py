@@ -408,17 +408,12 @@ def execute_plan(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor],
             _view(out[t.dst_name], t.dst_at, t.region, t.region).copy_(
                 _view(local[t.src_name], t.src_at, t.region, t.region))
 
-    messages = plan.messages(bucket)
-    world = plan.world
-    steps = [(step, (rank + step) % world, (rank - step) % world) for step in range(1, world)]
-    groups = {step: (exchanges(plan, messages.get((rank, to), []), bucket),
-                     exchanges(plan, messages.get((frm, rank), []), bucket))
-              for step, to, frm in steps}
+    steps = schedule(plan, rank, bucket)
     arenas: dict[str, torch.Tensor] = {}
     if staging == "arena":
-        for side, which in (("src", 0), ("dst", 1)):
+        for side, which in (("src", 3), ("dst", 4)):
             need = max([sum(_staging(plan, m, side) for m in g)
-                        for pair in groups.values() for g in pair[which]] + [0])
+                        for step in steps for g in step[which]] + [0])
             if need:
                 arenas[side] = ctx.meter.allocate(need // ELEMENT_SIZE, ctx.device)
 
@@ -429,8 +424,7 @@ def execute_plan(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor],
         staged.append(buf)
         return buf
 
-    for step, to, frm in steps:
-        outgoing, incoming = groups[step]
+    for step, to, frm, outgoing, incoming in steps:
         for k in range(max(len(outgoing), len(incoming))):
             sends, recvs, unpacks, staged = [], [], [], []
             at = 0
@@ -598,6 +592,23 @@ def calibrate(ctx: SyncContext, nbytes: int = 8 << 20, repeats: int = 3) -> floa
 
 
 
+Step = tuple[int, int, int, list[list[Message]], list[list[Message]]]
+
+
+def schedule(plan: Plan, rank: int, bucket: int) -> list[Step]:
+    """``rank``'s ``world - 1`` shift steps: ``(step, to, from, outgoing, incoming)``, at step
+    j sending to ``rank + j`` and receiving from ``rank - j`` (mod world), each side's
+    messages (``plan.messages(bucket)``) grouped into exchanges (``exchanges``). What
+    ``execute_plan`` runs and ``calibrate_pattern`` replays."""
+    messages, world = plan.messages(bucket), plan.world
+    out = []
+    for step in range(1, world):
+        to, frm = (rank + step) % world, (rank - step) % world
+        out.append((step, to, frm, exchanges(plan, messages.get((rank, to), []), bucket),
+                    exchanges(plan, messages.get((frm, rank), []), bucket)))
+    return out
+
+
 def calibrate_pattern(ctx: SyncContext, plan: Plan, repeats: int = 3) -> dict[str, Any]:
     """The bandwidth of ``plan``'s own wire pattern: every rank at once, the executor's
     ``world - 1`` shift steps, the same messages (``plan.messages(ctx.bucket_bytes)``) in
@@ -611,16 +622,11 @@ def calibrate_pattern(ctx: SyncContext, plan: Plan, repeats: int = 3) -> dict[st
     the sends it posts per replay}``."""
     bucket = InvalidNumber.count("bucket_bytes", ctx.bucket_bytes, minimum=ELEMENT_SIZE)
     repeats = InvalidNumber.count("repeats", repeats)
-    rank, world = ctx.rank, plan.world
-    messages = plan.messages(bucket)
-    steps = []  # (step, to, from, [[numel per message] per exchange] out, ... in)
-    for step in range(1, world):
-        to, frm = (rank + step) % world, (rank - step) % world
-        steps.append((step, to, frm,
-                      [[m.numel for m in g] for g in exchanges(plan, messages.get((rank, to), []),
-                                                               bucket)],
-                      [[m.numel for m in g] for g in exchanges(plan, messages.get((frm, rank), []),
-                                                               bucket)]))
+    rank = ctx.rank
+    # (step, to, from, [[numel per message] per exchange] out, ... in): the executor's own
+    steps = [(step, to, frm, [[m.numel for m in g] for g in sent],
+              [[m.numel for m in g] for g in got])
+             for step, to, frm, sent, got in schedule(plan, rank, bucket)]
     size = max([1] + [sum(map(sum, groups)) for *_, o, i in steps for groups in (o, i)])
     source = torch.ones(size, device=ctx.device)
     into = torch.zeros(size, device=ctx.device)  # touched: warm pages

@@ -54,7 +54,7 @@ from weight_sync_bench.sync.execute import (
 )
 from weight_sync_bench.sync.layouts import SyncLayout, sync_layout
 from weight_sync_bench.sync.minimum import minimum_bytes, naive_bytes, time_bound
-from weight_sync_bench.sync.planner import Plan, plan_for
+from weight_sync_bench.sync.planner import ELEMENT_SIZE, Plan, plan_for
 from weight_sync_bench.sync.verify import (
     ElementCheck,
     drop_task,
@@ -360,8 +360,8 @@ def _stored_bytes(plan: Plan, rank: int) -> int:
     if rank >= plan.dst.world:
         return 0
     shapes = plan.dst.config.param_shapes()
-    return 4 * sum(torch.Size(p.local_shape(shapes[p.source])).numel()
-                   for p in plan.dst.pieces[rank].values())
+    return ELEMENT_SIZE * sum(torch.Size(p.local_shape(shapes[p.source])).numel()
+                              for p in plan.dst.pieces[rank].values())
 
 
 # -- existing destination storage, on the ranks (module-level: picklable by reference)
