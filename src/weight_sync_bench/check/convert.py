@@ -71,6 +71,7 @@ from weight_sync_bench.check.floor import (
     PLAIN_FORWARD,
     REPLICATED_MAX_DEGREE,
     computing,
+    convention_logits,
     forward_of,
     measured_degrees,
 )
@@ -166,19 +167,11 @@ class ConversionChecker:
 
     def error(self, where: str | Endpoint, shards: Sequence[Mapping[str, torch.Tensor]]) -> float:
         """Max |logits - reference| of ``where``'s forward reading ``shards``."""
-        ep = endpoint(where)
-        plan = reading_plan(ep.convention, self.config, ep.degree)
-        inputs = [computing(x) for x in forward_inputs(shards, ep.convention, self.config,
-                                                      ep.degree)]  # fp32 from bf16 / fp16
-        forward = plan.forward
         tokens = self.checker.tokens
         assert tokens is not None
-        if self.backend == "inprocess":
-            logits = ShardedModel(forward.config, inputs, InProcessCollective(ep.degree),
-                                  embedding=forward.embedding)(tokens)[0]
-        else:
-            logits = gloo_logits(forward, inputs, tokens)
-        return self.checker.deviation(logits)
+        return self.checker.deviation(convention_logits(
+            endpoint(where), self.config, shards, tokens,
+            "1a" if self.backend == "inprocess" else "1b"))
 
     def require(self, where: str | Endpoint) -> None:
         """``require_cell`` of the floor this checker's threshold came from (none where the

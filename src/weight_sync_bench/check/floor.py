@@ -19,7 +19,7 @@ A conversion whose destination forward has no cell at its degree is refused
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +72,7 @@ from weight_sync_bench.tolerance.rules import (
 if TYPE_CHECKING:
     from weight_sync_bench.check.checker import Forward
     from weight_sync_bench.check.stream import Progress
-    from weight_sync_bench.conventions import Convention
+    from weight_sync_bench.conventions import Convention, Endpoint
 
 REPETITIONS = 20
 # A per-geometry floor (a real width, measured on first use) takes fewer: one repetition of
@@ -138,22 +138,31 @@ def replicated_degrees(config: ModelConfig, max_degree: int = REPLICATED_MAX_DEG
             if t > config.n_kv_heads]
 
 
-def replicated_logits(config: ModelConfig, params: Mapping[str, torch.Tensor], degree: int,
-                      tokens: torch.Tensor, phase: str = "1a") -> torch.Tensor:
-    """Rank 0's logits of vLLM's forward at ``degree`` reading the declared vLLM shards of
-    ``params`` (in their synced dtype; the forward computes in fp32 from them), as
-    ``check_convert`` runs it (``ConversionChecker.error``): in process (phase 1a) or one
-    process per rank over gloo (phase 1b, ``check.convert.gloo_logits``)."""
-    target = endpoint(f"vllm:{degree}")
-    plan = reading_plan(target.convention, config, degree)
-    shards = materialize(target.pieces(config), params)
-    inputs = [computing(x) for x in forward_inputs(shards, target.convention, config, degree)]
-    del shards
+def convention_logits(where: Endpoint, config: ModelConfig,
+                      shards: Sequence[Mapping[str, torch.Tensor]], tokens: torch.Tensor,
+                      phase: str = "1a") -> torch.Tensor:
+    """Rank 0's logits of ``where``'s forward reading its stored ``shards`` (in their synced
+    dtype; the forward computes in fp32 from them), as that framework reads them
+    (``conventions.reading_plan``): in process (phase 1a) or one process per rank over gloo
+    (phase 1b, ``check.convert.gloo_logits``). What ``ConversionChecker.error`` judges and
+    a replicated-KV floor cell measures."""
+    plan = reading_plan(where.convention, config, where.degree)
+    inputs = [computing(x) for x in forward_inputs(shards, where.convention, config,
+                                                   where.degree)]
     if phase == "1a":
-        return ShardedModel(plan.forward.config, inputs, InProcessCollective(degree),
+        return ShardedModel(plan.forward.config, inputs, InProcessCollective(where.degree),
                             embedding=plan.forward.embedding)(tokens)[0]
     from weight_sync_bench.check.convert import gloo_logits  # builds on check.checker
     return gloo_logits(plan.forward, inputs, tokens)
+
+
+def replicated_logits(config: ModelConfig, params: Mapping[str, torch.Tensor], degree: int,
+                      tokens: torch.Tensor, phase: str = "1a") -> torch.Tensor:
+    """``convention_logits`` of vLLM at ``degree`` reading the declared vLLM shards of
+    ``params``: a replicated-KV cell's forward."""
+    target = endpoint(f"vllm:{degree}")
+    return convention_logits(target, config, materialize(target.pieces(config), params),
+                             tokens, phase)
 
 
 def stream_replicated_deviation(config: ModelConfig, degree: int, *, seed: int = 0,
