@@ -104,27 +104,35 @@ class ModelConfig:
         ``vocab..padded_vocab-1`` are padding, never a token and never a valid class."""
         return -(-self.vocab // self.vocab_multiple) * self.vocab_multiple
 
+    @property
+    def layer_suffixes(self) -> tuple[str, ...]:
+        """A layer's parameters (``layers.{i}.`` + each), in the order its forward reads them:
+        each of ``ReferenceModel.step`` and ``ShardedModel.step`` consumes one."""
+        return ("attn_norm.weight", "qkv.weight", *(("qkv.bias",) if self.has_qkv_bias else ()),
+                "o_proj.weight", *(("o_proj.bias",) if self.has_o_bias else ()),
+                "ffn_norm.weight", "gate_up.weight", "down.weight",
+                *(("down.bias",) if self.has_down_bias else ()))
+
+    @property
+    def head_params(self) -> tuple[str, ...]:
+        """The parameters after the last layer, in the order the forward reads them: the final
+        norm and, unless tied (the head then reads the embedding), ``lm_head.weight``."""
+        return ("norm.weight",) if self.tie_embeddings else ("norm.weight", "lm_head.weight")
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's full shape, in the order the forward consumes them."""
         d = self.d_model
+        local = {"attn_norm.weight": (d,), "qkv.weight": (self.qkv_rows, d),
+                 "qkv.bias": (self.qkv_rows,), "o_proj.weight": (d, self.q_rows),
+                 "o_proj.bias": (d,), "ffn_norm.weight": (d,), "gate_up.weight": (2 * self.ffn, d),
+                 "down.weight": (d, self.ffn), "down.bias": (d,)}
+        head = {"norm.weight": (d,), "lm_head.weight": (self.padded_vocab, d)}
         shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (self.padded_vocab, d)}
         for i in range(self.n_layers):
-            p = f"layers.{i}."
-            shapes[p + "attn_norm.weight"] = (d,)
-            shapes[p + "qkv.weight"] = (self.qkv_rows, d)
-            if self.has_qkv_bias:
-                shapes[p + "qkv.bias"] = (self.qkv_rows,)
-            shapes[p + "o_proj.weight"] = (d, self.q_rows)
-            if self.has_o_bias:
-                shapes[p + "o_proj.bias"] = (d,)
-            shapes[p + "ffn_norm.weight"] = (d,)
-            shapes[p + "gate_up.weight"] = (2 * self.ffn, d)
-            shapes[p + "down.weight"] = (d, self.ffn)
-            if self.has_down_bias:
-                shapes[p + "down.bias"] = (d,)
-        shapes["norm.weight"] = (d,)
-        if not self.tie_embeddings:
-            shapes["lm_head.weight"] = (self.padded_vocab, d)
+            for suffix in self.layer_suffixes:
+                shapes[f"layers.{i}.{suffix}"] = local[suffix]
+        for name in self.head_params:
+            shapes[name] = head[name]
         return shapes
 
     @property

@@ -153,9 +153,10 @@ class ReferenceModel:
             self.block(state, i)
         return self.end(state)
 
-    # The forward in three steps, each reading only its own parameters from ``self.params``
-    # (``begin``: the embedding; ``block(i)``: ``layers.i.*``; ``end``: the final norm and the
-    # head), so a streamed check can hand it one stage's parameters at a time.
+    # The forward as steps, each reading only its own parameters from ``self.params``
+    # (``begin``: the embedding; ``step(state, name)``: one parameter after it, in the order
+    # ``param_shapes`` draws them; ``finish``: the logits), so a streamed check can hand it one
+    # stage's, or one parameter's, tensors at a time. ``block`` and ``end`` are those steps.
 
     def begin(self, tokens: torch.Tensor, segments: torch.Tensor | None = None
               ) -> ReferenceState:
@@ -167,31 +168,68 @@ class ReferenceModel:
         return ReferenceState(h, rope, mask)
 
     def block(self, state: ReferenceState, i: int) -> None:
-        c, p, h, pre = self.config, self.params, state.h, f"layers.{i}."
-        x = rms_norm(h, p[pre + "attn_norm.weight"], c.norm_eps)
-        qkv = x @ p[pre + "qkv.weight"].T
-        if c.has_qkv_bias:
-            qkv = qkv + p[pre + "qkv.bias"]
-        a = attention(qkv, c.n_heads, c.n_kv_heads, c.head_dim, state.rope, state.mask)
-        h = h + add_bias(a @ p[pre + "o_proj.weight"].T, p.get(pre + "o_proj.bias"))
-        x = rms_norm(h, p[pre + "ffn_norm.weight"], c.norm_eps)
-        state.h = h + add_bias(swiglu(x @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T,
-                               p.get(pre + "down.bias"))
+        for suffix in self.config.layer_suffixes:
+            self.step(state, f"layers.{i}.{suffix}")
 
     def end(self, state: ReferenceState) -> torch.Tensor:
+        for name in self.config.head_params:
+            self.step(state, name)
+        return self.finish(state)
+
+    def step(self, state: ReferenceState, name: str) -> None:
+        """The forward's step that reads parameter ``name`` (any but the embedding): the
+        layer's ops between it and the next parameter, the residual added where a sublayer's
+        last parameter (its weight, or its bias) has been read."""
         c, p = self.config, self.params
-        logits = rms_norm(state.h, p["norm.weight"], c.norm_eps) @ p[c.head_name].T  # (B, T, Vp)
+        match name.split(".", 2)[-1] if name.startswith("layers.") else name:
+            case "attn_norm.weight" | "ffn_norm.weight":
+                state.x = rms_norm(state.h, p[name], c.norm_eps)
+            case "qkv.weight":
+                state.y, state.x = state.x @ p[name].T, None  # [Q | K | V] features
+            case "qkv.bias":
+                state.y = state.y + p[name]
+            case "o_proj.weight":
+                a = attention(state.y, c.n_heads, c.n_kv_heads, c.head_dim, state.rope,
+                              state.mask)
+                state.y = a @ p[name].T
+                if not c.has_o_bias:
+                    state.h = state.h + state.y
+            case "gate_up.weight":
+                state.y, state.x = swiglu(state.x @ p[name].T), None
+            case "down.weight":
+                state.y = state.y @ p[name].T
+                if not c.has_down_bias:
+                    state.h = state.h + state.y
+            case "o_proj.bias" | "down.bias":
+                state.h = state.h + (state.y + p[name])
+            case "norm.weight":
+                state.x = rms_norm(state.h, p[name], c.norm_eps)
+                if c.tie_embeddings:
+                    state.y = state.x @ p["tok_embeddings.weight"].T  # (B, T, Vp)
+            case "lm_head.weight":
+                state.y, state.x = state.x @ p[name].T, None  # (B, T, Vp)
+            case _:
+                raise KeyError(f"{c.name}: no forward step reads {name!r}")
+
+    def finish(self, state: ReferenceState) -> torch.Tensor:
+        """The logits ``(B, T, vocab)`` once the head's step has run."""
+        c, logits = self.config, state.y
+        assert logits is not None, "finish: the head's step has not run"
         return logits[..., :c.vocab] if c.padded_vocab != c.vocab else logits  # (B, T, V)
 
 
 @dataclass
 class ReferenceState:
     """The reference forward between steps: the residual stream ``(B, T, d)``, the RoPE
-    tables and the mask."""
+    tables and the mask; ``x`` the normed input a projection reads next, ``y`` the last
+    step's output (a projection's features, a sublayer's output before its bias and the
+    residual, the logits)."""
 
     h: torch.Tensor
     rope: tuple[torch.Tensor, torch.Tensor]
     mask: torch.Tensor | None
+    x: torch.Tensor | None = None
+    y: torch.Tensor | None = None
 
 
 def add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -125,9 +125,10 @@ class ShardedModel:
             self.block(state, i)
         return self.end(state, gather_logits=gather_logits)
 
-    # The forward in three steps, each reading only its own parameters from ``self.shards``
-    # (``begin``: the embedding; ``block(i)``: ``layers.i.*``; ``end``: the final norm and the
-    # head), so a streamed check can hand it one stage's shards at a time.
+    # The forward as steps, each reading only its own parameters from ``self.shards``
+    # (``begin``: the embedding; ``step(state, name)``: one parameter after it, in the order
+    # ``param_shapes`` draws them; ``finish``: the logits), so a streamed check can hand it one
+    # stage's, or one parameter's, shards at a time. ``block`` and ``end`` are those steps.
 
     def begin(self, tokens: torch.Tensor, segments: torch.Tensor | None = None) -> ShardedState:
         c, t = self.config, self.collective.degree
@@ -148,27 +149,72 @@ class ShardedModel:
                             local_kv_heads(c.n_kv_heads, t))
 
     def block(self, state: ShardedState, i: int) -> None:
-        c, shards, h, pre = self.config, self.shards, state.h, f"layers.{i}."
-        x = self.enter_region([rms_norm(hr, p[pre + "attn_norm.weight"], c.norm_eps)
-                               for hr, p in zip(h, shards)], pre + "qkv.weight")  # (B, Tc, d)
-        qkv = [xr @ p[pre + "qkv.weight"].T for xr, p in zip(x, shards)]
-        if c.has_qkv_bias:
-            qkv = [q + p[pre + "qkv.bias"] for q, p in zip(qkv, shards)]
-        a = self.attend(qkv, state.heads, state.kv_heads, state.ropes, state.masks, state.chunks,
-                        pre + "attention")
-        partial = [ar @ p[pre + "o_proj.weight"].T for ar, p in zip(a, shards)]  # partial sums
-        h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "o_proj"))]
-        x = self.enter_region([rms_norm(hr, p[pre + "ffn_norm.weight"], c.norm_eps)
-                               for hr, p in zip(h, shards)], pre + "gate_up.weight")
-        partial = [swiglu(xr @ p[pre + "gate_up.weight"].T) @ p[pre + "down.weight"].T
-                   for xr, p in zip(x, shards)]
-        state.h = [hr + o for hr, o in zip(h, self.reduce_row_parallel(partial, pre + "down"))]
+        for suffix in self.config.layer_suffixes:
+            self.step(state, f"layers.{i}.{suffix}")
 
     def end(self, state: ShardedState, *, gather_logits: bool = True) -> Tensors:
+        for name in self.config.head_params:
+            self.step(state, name)
+        return self.finish(state, gather_logits=gather_logits)
+
+    def step(self, state: ShardedState, name: str) -> None:
+        """The forward's step that reads parameter ``name`` (any but the embedding), on
+        every local rank: ``ReferenceModel.step``'s ops over the shards, with the collectives
+        where the layout needs them. A row-parallel layer's partial sums are reduced (and its
+        bias added, ``reduce_row_parallel``) at its last parameter, the residual then."""
         c, shards = self.config, self.shards
-        x = self.enter_region([rms_norm(hr, p["norm.weight"], c.norm_eps)
-                               for hr, p in zip(state.h, shards)], c.head_name)
-        local_logits = [xr @ p[c.head_name].T for xr, p in zip(x, shards)]  # (B, Tc, Vp/t)
+        pre, what = (name[:-len(name.split(".", 2)[-1])], name.split(".", 2)[-1]
+                     ) if name.startswith("layers.") else ("", name)
+        match what:
+            case "attn_norm.weight" | "ffn_norm.weight":
+                state.x = self.enter_region(
+                    [rms_norm(hr, p[name], c.norm_eps) for hr, p in zip(state.h, shards)],
+                    pre + ("qkv.weight" if what == "attn_norm.weight" else "gate_up.weight"))
+            case "qkv.weight":
+                state.y = [xr @ p[name].T for xr, p in zip(state.x, shards)]
+                state.x = None
+            case "qkv.bias":
+                state.y = [q + p[name] for q, p in zip(state.y, shards)]
+            case "o_proj.weight":
+                a = self.attend(state.y, state.heads, state.kv_heads, state.ropes, state.masks,
+                                state.chunks, pre + "attention")
+                state.y = [ar @ p[name].T for ar, p in zip(a, shards)]  # partial sums
+                if not c.has_o_bias:
+                    self._residual(state, pre + "o_proj")
+            case "gate_up.weight":
+                state.y = [swiglu(xr @ p[name].T) for xr, p in zip(state.x, shards)]
+                state.x = None
+            case "down.weight":
+                state.y = [yr @ p[name].T for yr, p in zip(state.y, shards)]  # partial sums
+                if not c.has_down_bias:
+                    self._residual(state, pre + "down")
+            case "o_proj.bias" | "down.bias":
+                self._residual(state, name[:-len(".bias")])
+            case "norm.weight":
+                state.x = self.enter_region([rms_norm(hr, p[name], c.norm_eps)
+                                             for hr, p in zip(state.h, shards)], c.head_name)
+                if c.tie_embeddings:
+                    self._logits(state, c.head_name)
+            case "lm_head.weight":
+                self._logits(state, name)
+            case _:
+                raise KeyError(f"{c.name}: no forward step reads {name!r}")
+
+    def _residual(self, state: ShardedState, layer: str) -> None:
+        """The row-parallel ``layer``'s partial sums reduced, its bias added, into the
+        residual stream."""
+        state.h = [hr + o for hr, o in zip(state.h, self.reduce_row_parallel(state.y, layer))]
+
+    def _logits(self, state: ShardedState, head: str) -> None:
+        state.y = [xr @ p[head].T for xr, p in zip(state.x, self.shards)]  # (B, Tc, Vp/t)
+        state.x = None
+
+    def finish(self, state: ShardedState, *, gather_logits: bool = True) -> Tensors:
+        """Per local rank, the logits once the head's step has run: gathered over the
+        vocabulary ``(B, Tc, vocab)``, or with ``gather_logits=False`` the rank's own slice
+        ``(B, Tc, padded_vocab / t)``."""
+        c, local_logits = self.config, state.y
+        assert local_logits is not None, "finish: the head's step has not run"
         if not gather_logits:
             return local_logits
         logits = self.collective.all_gather(local_logits, dim=-1, tag=c.head_name)  # (B, Tc, Vp)
@@ -271,6 +317,8 @@ class ShardedState:
     chunks: list[tuple[int, int]]
     heads: int
     kv_heads: int
+    x: Tensors | None = None  # the normed inputs a projection reads next
+    y: Tensors | None = None  # the last step's outputs (features, partial sums, logits)
 
 
 def check_sequence_split(name: str, seq_len: int, cp: int, t: int, sequence_parallel: bool
