@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from weight_sync_bench.conventions.maps import gather_canonical
 from weight_sync_bench.errors import InvalidNumber, InvalidShards
+from weight_sync_bench.memory import reset_peak, trim
 from weight_sync_bench.sync.boxes import cover_of
 from weight_sync_bench.sync.planner import ELEMENT_SIZE, Message, Plan
 
@@ -545,29 +546,10 @@ def _buffer(ctx: SyncContext, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def rss_reset() -> bool:
-    """Return freed heap pages to the kernel (glibc ``malloc_trim``), so that what a
-    resharder allocates next shows up as new resident pages, and reset this process's
-    resident-set high-water mark (Linux ``clear_refs`` 5). False where either is missing."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        return False
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def rss() -> tuple[int, int] | None:
-    """``(VmRSS, VmHWM)`` of this process in bytes, or None where /proc has no status."""
-    try:
-        with open("/proc/self/status") as f:
-            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
-    except OSError:
-        return None
-    return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))  # type: ignore[return-value]
+    """Return freed heap pages to the kernel (``memory.trim``), so that what a resharder
+    allocates next shows up as new resident pages, and reset this process's resident-set
+    high-water mark (``memory.reset_peak``). False where either is missing."""
+    return trim() and reset_peak()
 
 
 def calibrate(ctx: SyncContext, nbytes: int = 8 << 20, repeats: int = 3) -> float:

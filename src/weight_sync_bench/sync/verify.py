@@ -32,6 +32,7 @@ import torch.distributed as dist
 from weight_sync_bench.check.convert import describe
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.conventions import reading_plan
+from weight_sync_bench.memory import rss
 from weight_sync_bench.model.sharded import ShardedModel
 from weight_sync_bench.sync.boxes import Stored, cover_of
 from weight_sync_bench.sync.execute import (
@@ -39,7 +40,6 @@ from weight_sync_bench.sync.execute import (
     Meter,
     ReshardFn,
     SyncContext,
-    rss,
     rss_reset,
 )
 from weight_sync_bench.sync.planner import ELEMENT_SIZE, Plan

@@ -1,0 +1,79 @@
+"""This process's memory, read from the kernel, and freed heap handed back to it.
+
+What the harness's memory figures are made of (a streamed check's peak per rank, a
+resharder's extra memory per rank): Linux's ``/proc/self`` (``statm``, ``status``'s
+``VmRSS`` and ``VmHWM``, ``clear_refs``) and glibc's ``malloc_trim``. Each degrades where the
+platform lacks it, and says so: ``trim`` and ``reset_peak`` return False, ``rss`` None, and a
+``Peak`` that could not reset reads the process's lifetime peak (``ru_maxrss``), which can
+only overstate. Imports no layer, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+
+_libc: ctypes.CDLL | None = None
+
+
+def trim() -> bool:
+    """Hand freed heap pages back to the kernel (glibc ``malloc_trim(0)``, which also
+    releases whole free pages inside the heap, not only at its top). glibc keeps freed
+    chunks under its mmap threshold (which grows up to 32 MiB as large blocks are freed)
+    for reuse, so without this a process's resident set counts the shards of parameters
+    long dropped. False where glibc is not this process's allocator."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL("libc.so.6")
+        _libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+def reset_peak() -> bool:
+    """Reset this process's resident-set high-water mark (``VmHWM``: Linux resets it on
+    writing 5 to ``/proc/self/clear_refs``). False where that is refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def rss() -> tuple[int, int] | None:
+    """``(VmRSS, VmHWM)`` of this process in bytes, or None where /proc has no status."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+    except OSError:
+        return None
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def resident() -> int:
+    """The resident set now, in bytes (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Peak:
+    """This process's resident-set high-water mark from now on: freed heap is handed back
+    (``trim``) and ``VmHWM`` reset (``reset_peak``), so a pool rank that ran larger tasks
+    before reports this one's peak. Where the reset is refused, the process's lifetime peak
+    (``ru_maxrss``), which can only overstate it."""
+
+    def __init__(self) -> None:
+        trim()
+        self.reset = reset_peak()
+        self.began = resident()
+
+    def high(self) -> int:
+        if self.reset:
+            now = rss()
+            if now is not None:
+                return now[1]
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
