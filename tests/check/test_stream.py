@@ -3,10 +3,15 @@ bit, with the user's function called one layer (or one parameter) at a time and 
 held beyond the stage at hand. Peak memory at real widths is measured by
 ``bench/bench_width.py``, not here."""
 
+import math
+import weakref
+
 import pytest
 import torch
 
 from weight_sync_bench import TOY, TOY_KV4, check_reshard, check_split, layout_for
+from weight_sync_bench.check import stream
+from weight_sync_bench.check.convert import stage_convert, stream_convert
 from weight_sync_bench.check.stream import (
     stage_reshard,
     stage_split,
@@ -91,6 +96,82 @@ def test_fn_sees_one_stage_or_one_parameter_at_a_time_in_the_forwards_order():
     seen.clear()
     check_split(spy, TOY, 2, stream="parameter")
     assert seen == [[name] for name in TOY.param_shapes()]
+
+
+def _no_unit_outlives_itself(monkeypatch, kept=()):
+    """Wrap the draws and the upcasts: each unit, when drawn, finds nothing made before it
+    still alive (a full tensor, a shard cut from it or returned by ``fn``, an upcast), but
+    the tensors of ``kept``. Returns the names drawn; ``held(x)`` registers ``fn``'s own."""
+    made: list[tuple[str, weakref.ref]] = []
+    drawn: list[str] = []
+    real_draw, real_computing = stream._draw, stream.computing
+
+    def draw(draws, names):
+        alive = sorted({n for n, ref in made if ref() is not None and n not in kept})
+        assert not alive, f"drawing {names} while {alive} are still held"
+        full = real_draw(draws, names)
+        drawn.extend(full)
+        made.extend((n, weakref.ref(x)) for n, x in full.items())
+        return full
+
+    def computing(params):
+        out = real_computing(params)
+        made.extend((n, weakref.ref(x)) for n, x in out.items())
+        return out
+
+    monkeypatch.setattr(stream, "_draw", draw)
+    monkeypatch.setattr(stream, "computing", computing)
+    return drawn, lambda shards: made.extend(
+        (n, weakref.ref(x)) for rank in shards for n, x in rank.items())
+
+
+def _recorded(fn, held):
+    def wrapped(given, degree):
+        out = fn(given, degree)
+        held(out)
+        return out
+    return wrapped
+
+
+@pytest.mark.parametrize("per, dtype, src", [("parameter", "bf16", None), ("parameter", "fp32", 1),
+                                             ("layer", "bf16", 1)])
+def test_a_streamed_check_drops_each_unit_before_it_draws_the_next(monkeypatch, per, dtype, src):
+    """The memory bound, structurally: with ``per="parameter"`` one parameter's tensors are
+    alive at a time (``bench/bench_width.py`` measures the resulting peak at real widths),
+    with ``per="layer"`` one stage's. The tied embedding is kept for the head by design."""
+    config = VARIANT
+    drawn, held = _no_unit_outlives_itself(monkeypatch, kept=("tok_embeddings.weight",))
+    fn = _recorded((per_stage_split if src is None else per_stage_reshard)(config), held)
+    verdict = stream_check(config, 2, src=src, fn=fn, per=per, dtype=dtype, threshold=math.inf)
+    assert verdict.first_mismatch is None
+    assert drawn == list(config.param_shapes())
+
+
+def test_a_streamed_conversion_drops_each_parameter_before_it_draws_the_next(monkeypatch):
+    drawn, held = _no_unit_outlives_itself(monkeypatch)
+    fn = _recorded(stage_convert("megatron:2", "vllm:4", TOY), held)
+    verdict = stream_convert(fn, TOY, "megatron:2", "vllm:4", per="parameter", dtype="bf16",
+                             threshold=math.inf)
+    assert verdict.first_mismatch is None and drawn == list(TOY.param_shapes())
+
+
+@pytest.mark.parametrize("keep", ["given", "returned"])
+def test_the_unit_check_sees_a_tensor_kept_past_its_unit(monkeypatch, keep):
+    """The twin: a split that keeps what it was given, or what it returned, alive past its
+    unit fails the check above."""
+    _, held = _no_unit_outlives_itself(monkeypatch)
+    hoard = []
+    split = per_stage_split(TOY)
+
+    def keeps(full, degree):
+        out = split(full, degree)
+        if "layers.0.qkv.weight" in full:
+            hoard.append(full if keep == "given" else out)
+        return out
+
+    with pytest.raises(AssertionError, match=r"drawing \['layers.0.o_proj.weight'\] while "
+                                             r"\['layers.0.qkv.weight'\]"):
+        stream_check(TOY, 2, fn=_recorded(keeps, held), per="parameter", threshold=math.inf)
 
 
 def test_progress_reports_every_stage_with_its_bytes():

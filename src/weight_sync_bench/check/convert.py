@@ -70,7 +70,6 @@ from weight_sync_bench.check.diagnosis import (
 from weight_sync_bench.check.floor import (
     PLAIN_FORWARD,
     REPLICATED_MAX_DEGREE,
-    computing,
     convention_logits,
     forward_of,
     measured_degrees,
@@ -382,7 +381,14 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
     a canonical tensor, except to diagnose the first mismatch. So a parameter costs its
     source slices plus ``fn``'s output: about 2x its bytes, and 3x where ``fn`` gathers a
     canonical tensor first."""
-    from weight_sync_bench.check.stream import PER, _draw, _Reference, _Sharded, stages
+    from weight_sync_bench.check.stream import (
+        PER,
+        _draw,
+        _Reference,
+        _Sharded,
+        stages,
+        units,
+    )
     from weight_sync_bench.check.stream import Progress as Step
 
     InvalidNumber.seed("seed", seed)
@@ -411,11 +417,11 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
     started, steps = time.perf_counter(), stages(config)
     with torch.no_grad():
         for k, (label, names) in enumerate(steps):
-            full = _draw(draws, names)
-            size = sum(x.numel() * x.element_size() for x in full.values())
-            reference.step(k, label, full)
-            inputs: list[Params] = [{} for _ in range(t)]
-            for group in ([names] if per == "layer" else [[n] for n in names]):
+            size = 0
+            for group in units(names, per):
+                full = _draw(draws, group)
+                size += sum(x.numel() * x.element_size() for x in full.values())
+                reference.take(group, full)
                 sources = set(group)
                 mine_src = [{n: p for n, p in rank.items() if p.source in sources}
                             for rank in src_pieces]
@@ -459,13 +465,11 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
                                                             [r[stored] for r in out]))
                             del canon
                 del given, args  # args holds given too
-                for rank, selections in enumerate(plan.ranks):
-                    for canonical in group:
-                        inputs[rank][canonical] = computing(
-                            {canonical: selections[canonical].apply(out[rank])})[canonical]
+                inputs = [{c: selections[c].apply(out[rank]) for c in group}
+                          for rank, selections in enumerate(plan.ranks)]  # upcast as read
                 del out
-            sharded.step(k, label, inputs)
-            del inputs
+                sharded.take(group, inputs)
+                del inputs
             if progress is not None:
                 progress(Step(k + 1, len(steps), label, size, time.perf_counter() - started))
     assert sharded.logits is not None and reference.expected is not None

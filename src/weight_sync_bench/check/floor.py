@@ -192,15 +192,15 @@ def stream_replicated_deviation(config: ModelConfig, degree: int, *, seed: int =
         for k, (label, names) in enumerate(steps):
             full = _draw(draws, names)
             size = sum(x.numel() * x.element_size() for x in full.values())
-            reference.step(k, label, full)
+            reference.take(names, full)
             sources = set(names)
             stored = materialize([{n: p for n, p in rank.items() if p.source in sources}
                                   for rank in pieces], full)
             del full
-            inputs = [{c: computing({c: selections[c].apply(stored[rank])})[c] for c in names}
-                      for rank, selections in enumerate(plan.ranks)]
+            inputs = [{c: selections[c].apply(stored[rank]) for c in names}
+                      for rank, selections in enumerate(plan.ranks)]  # upcast as read
             del stored
-            sharded.step(k, label, inputs)
+            sharded.take(names, inputs)
             if progress is not None:
                 progress(Step(k + 1, len(steps), label, size, time.perf_counter() - started))
     assert sharded.logits is not None and reference.expected is not None

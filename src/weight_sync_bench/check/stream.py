@@ -2,33 +2,38 @@
 
 Parameters are drawn one at a time from the seed's generator in the forward's order
 (``model.config.iter_params``), so each is made when the forward reaches it and dropped
-after. The reference and the sharded forward advance stage by stage (the embedding, each
-layer, the final norm and head: ``ReferenceModel.begin / block / end``, the same steps for
-``ShardedModel``), each stage holding only its own parameters. Per stage:
+after. The reference and the sharded forward advance one parameter at a time
+(``ReferenceModel.begin / step / finish``, the same steps for ``ShardedModel``: each step
+reads one parameter), and the check takes the model in units (``units``): a stage (the
+embedding, each layer, the final norm and head) with ``per="layer"``, one parameter with
+``per="parameter"``. Per unit:
 
-1. draw the stage's full parameters; the reference takes its step (fp32, from the synced
-   values);
-2. the user's shards: ``fn`` is called with the stage's parameters only (``per="layer"``:
-   one call per stage, ``per="parameter"``: one call per parameter), with the whole-model
-   signature, ``fn(full, degree)`` for a split and ``fn(shards, dst)`` for a reshard (the
-   declared split at ``src``, cut from the full tensor, which is then dropped): the dicts
-   hold just that stage's (or parameter's) names, and are the harness's own tensors (an
-   ``fn`` that writes into them is refused: they are what its output is compared with);
+1. draw its full parameters; the reference takes their steps (fp32, from the synced
+   values: each upcast only while its step reads it);
+2. the user's shards: ``fn`` is called with the unit's parameters only, with the
+   whole-model signature, ``fn(full, degree)`` for a split and ``fn(shards, dst)`` for a
+   reshard (the declared split at ``src``, cut from the full tensor, which is then dropped):
+   the dicts hold just that stage's (or parameter's) names, and are the harness's own
+   tensors (an ``fn`` that writes into them is refused: they are what its output is
+   compared with);
 3. each parameter's bytes compared as soon as ``fn`` returns it, rank by rank against views
    of its declared slice (of the full tensor, or of the source shards for a reshard), the
    first that differs diagnosed while its full tensor is here; then its full tensor (or
    source shards) dropped;
-4. the sharded forward takes its step on the user's shards, and everything is dropped.
+4. the sharded forward takes the unit's steps on the user's shards (each upcast only while
+   read), and everything is dropped; the freed heap is handed back (``memory.trim``: glibc
+   keeps freed chunks under its mmap threshold, up to 32 MiB, which is a rank's shard at
+   full width, resident otherwise).
 
-The peak is about two copies of the largest parameter (its full tensor, or source shards,
-and the user's shards; a declared slice is compared range by range against views, and the
-byte comparison works in slabs of a few MiB, ``diagnosis._bit_equal``) plus activations,
-never all the model's. While a layer's parameters are sharded one by one, the rest of its
-full tensors wait: ``per="parameter"`` holds the layer plus one parameter's shards (the
-peak where a layer outweighs the largest parameter, as Mistral-7B's does),
-``per="layer"`` holds a whole layer twice, and a bf16 stage is upcast for the forwards (two more bytes per weight). With tied embeddings the
-embedding (and its shards) stay until the head. The verdict is the whole-model check's bit
-for bit: the same draws, the same forward steps in the same order, the same byte comparison.
+The peak with ``per="parameter"`` is one parameter's: its full tensor (or source shards)
+and the user's shards, 2x its bytes; or, while a forward reads it, the tensor and its fp32
+upcast, 3x its bytes in bf16 or fp16 (1x in fp32, where nothing is upcast); plus
+activations, never a layer's or the model's. ``per="layer"`` holds a stage: its full tensors
+and the user's shards, 2x a layer, plus one parameter's upcast. A declared slice is
+compared range by range against views, and the byte comparison works in slabs of a few MiB
+(``diagnosis._bit_equal``). With tied embeddings the embedding (and its shards) stay, in
+the synced dtype, until the head. The verdict is the whole-model check's bit for bit: the
+same draws, the same forward steps in the same order, the same byte comparison.
 
 Phase 1a runs every rank in this process. ``backend="gloo"`` runs one process per rank
 (``stream_task``): rank 0 does steps 1-3 (the draws, the reference, ``fn`` and the byte
@@ -40,9 +45,7 @@ called under gloo (the stages run in the rank processes).
 
 from __future__ import annotations
 
-import os
 import pickle
-import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -67,6 +70,7 @@ from weight_sync_bench.layout.reshard import (
     split_tensor,
 )
 from weight_sync_bench.layout.table import LayoutTable, ShardSpec
+from weight_sync_bench.memory import Peak, trim
 from weight_sync_bench.model.config import (
     ModelConfig,
     dtype_name,
@@ -240,41 +244,55 @@ class _Run:
     rank_rss: tuple[tuple[int, int], ...] = ()
 
 
+def units(names: list[str], per: str) -> list[list[str]]:
+    """A stage's parameters as the check takes them: all at once (``per="layer"``) or one at
+    a time (``per="parameter"``), in draw order. Each unit is drawn, stepped by the reference,
+    handed to ``fn``, compared and stepped by the sharded forward before the next is drawn."""
+    return [names] if per == "layer" else [[n] for n in names]
+
+
 class _Reference:
-    """The reference's stages, each from that stage's full parameters (upcast to fp32); a
-    tied head reads the embedding kept from the first stage."""
+    """The reference forward, taking parameters in draw order (a stage's, or one at a time):
+    each is upcast to fp32 only while its step reads it. A tied head reads the embedding,
+    kept (in the synced dtype) from the first stage."""
 
     def __init__(self, config: ModelConfig, tokens: torch.Tensor) -> None:
         self.config, self.tokens = config, tokens
         self.model = ReferenceModel(config, {})
+        self.last = config.head_params[-1]
         self.tied: torch.Tensor | None = None
         self.expected: torch.Tensor | None = None
 
-    def step(self, k: int, label: str, full: Params) -> None:
-        compute = computing(full)
-        if label == "head" and self.tied is not None:
-            compute["tok_embeddings.weight"] = self.tied
-        self.model.params = compute
-        if label == "embedding":
-            self.state = self.model.begin(self.tokens)
-            if self.config.tie_embeddings:
-                self.tied = compute["tok_embeddings.weight"]
-        elif label == "head":
-            self.expected = self.model.end(self.state)
-        else:
-            self.model.block(self.state, k - 1)
-        self.model.params = {}
+    def take(self, names: list[str], full: Params) -> None:
+        """The steps that read ``names`` (the next parameters in draw order) from ``full``."""
+        for n in names:
+            given = {n: full[n]}
+            if n == "norm.weight" and self.tied is not None:
+                given["tok_embeddings.weight"] = self.tied
+            self.model.params = computing(given)
+            if n == "tok_embeddings.weight":
+                self.state = self.model.begin(self.tokens)
+                if self.config.tie_embeddings:
+                    self.tied = full[n]
+            else:
+                self.model.step(self.state, n)
+            self.model.params = {}
+            del given
+        if self.last in names:
+            self.expected = self.model.finish(self.state)
 
 
 class _Sharded:
-    """The sharded forward's stages (``model``: over ``InProcessCollective``, every rank's
-    shards here; over ``GlooCollective``, this rank's), each from its local ranks' shards of
-    that stage; a tied head reads the embedding shards kept from the first stage. A
-    conversion's forward is the destination's (``reading_plan``'s config and embedding)."""
+    """The sharded forward (``model``: over ``InProcessCollective``, every rank's shards
+    here; over ``GlooCollective``, this rank's), taking its local ranks' shards in draw order
+    (a stage's, or one parameter's), each upcast only while its step reads it; a tied head
+    reads the embedding shards kept from the first stage. A conversion's forward is the
+    destination's (``reading_plan``'s config and embedding)."""
 
     def __init__(self, model: ShardedModel, tokens: torch.Tensor) -> None:
         self.config, self.tokens, self.model = model.config, tokens, model
         self.local = len(model.shards)
+        self.last = self.config.head_params[-1]
         self.tied: list[torch.Tensor] | None = None
         self.logits: torch.Tensor | None = None
 
@@ -291,23 +309,26 @@ class _Sharded:
                                 InProcessCollective(degree), embedding=plan.forward.embedding),
                    tokens)
 
-    def step(self, k: int, label: str, shards: list[Params]) -> None:
-        """One stage; ``shards`` is emptied first (a bf16 stage's own bytes are dropped once
-        upcast, before the step)."""
-        self.model.shards = [computing(o) for o in shards]
-        shards.clear()
-        if label == "embedding":
-            self.state = self.model.begin(self.tokens)
-            if self.config.tie_embeddings:
-                self.tied = [s["tok_embeddings.weight"] for s in self.model.shards]
-        elif label == "head":
-            if self.tied is not None:
+    def take(self, names: list[str], shards: list[Params]) -> None:
+        """The steps that read ``names`` from ``shards`` (per local rank), which are emptied
+        as each is read: a parameter's shards in the synced dtype are dropped once upcast."""
+        for n in names:
+            given = [o.pop(n) for o in shards]
+            self.model.shards = [computing({n: x}) for x in given]
+            if n == "norm.weight" and self.tied is not None:
                 for s, table in zip(self.model.shards, self.tied):
-                    s["tok_embeddings.weight"] = table
-            self.logits = self.model.end(self.state)[0]
-        else:
-            self.model.block(self.state, k - 1)
-        self.model.shards = [{} for _ in range(self.local)]
+                    s["tok_embeddings.weight"] = computing({n: table})[n]
+            if n == "tok_embeddings.weight":
+                self.state = self.model.begin(self.tokens)
+                if self.config.tie_embeddings:
+                    self.tied = given
+            else:
+                self.model.step(self.state, n)
+            self.model.shards = [{} for _ in range(self.local)]
+            del given
+        if self.last in names:
+            self.logits = self.model.finish(self.state)[0]
+        trim()  # the unit's shards are dropped: glibc would keep those under 32 MiB resident
 
 
 def _run(config: ModelConfig, layout: LayoutTable, dst: int, fn: StageFn | None,
@@ -323,14 +344,16 @@ def _run(config: ModelConfig, layout: LayoutTable, dst: int, fn: StageFn | None,
     started, plan = time.perf_counter(), stages(config)
     with torch.no_grad():
         for k, (label, names) in enumerate(plan):
-            full = _draw(draws, names)
-            size = sum(x.numel() * x.element_size() for x in full.values())
-            reference.step(k, label, full)
-            out = _stage_shards(fn, config, layout, full, names, dst, src, per, weights,
-                                differ, diagnosis)  # drops each full tensor once compared
-            del full
-            sharded.step(k, label, out)
-            del out
+            size = 0
+            for unit in units(names, per):
+                full = _draw(draws, unit)
+                size += sum(x.numel() * x.element_size() for x in full.values())
+                reference.take(unit, full)
+                out = _stage_shards(fn, config, layout, full, unit, dst, src, weights,
+                                    differ, diagnosis)  # drops each full tensor once compared
+                del full
+                sharded.take(unit, out)
+                del out
             if progress is not None:
                 progress(Progress(k + 1, len(plan), label, size,
                                   time.perf_counter() - started))
@@ -365,8 +388,8 @@ def stream_task(ctx: RankContext, *, config: ModelConfig, fn: StageFn | None,
     forward over ``GlooCollective`` on its own shards of that stage only and drops them. A
     refusal on rank 0 (``fn`` raising, a wrong shape) is broadcast before any shard moves,
     so every rank stops at the same stage and the caller gets rank 0's error. Each rank
-    reports its RSS when the task began and its high-water mark since (``_Peak``)."""
-    peak = _Peak()
+    reports its RSS when the task began and its high-water mark since (``memory.Peak``)."""
+    peak = Peak()
     weights = parse_dtype(dtype)
     layout, dst = layout_for(config), ctx.degree
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
@@ -376,58 +399,29 @@ def stream_task(ctx: RankContext, *, config: ModelConfig, fn: StageFn | None,
     differ: list[str] = []
     diagnosis: list[str] = []
     with torch.no_grad():
-        for k, (label, names) in enumerate(stages(config)):
+        for label, names in stages(config):
             ctx.tracer.mark(f"stream {label}")
-            sink = ParamSink()
-            transport = GlooTransport(ctx, LayoutTable(tuple(layout[n] for n in names)),
-                                      dtype=weights)
-            if reference is not None and draws is not None:
-                full = _draw(draws, names)
-                reference.step(k, label, full)
-                transport.sync(lambda full=full, names=names: _stage_shards(
-                    fn, config, layout, full, names, dst, src, per, weights, differ,
-                    diagnosis), sink)  # called now, inside sync: a refusal is broadcast
-                del full
-            else:
-                transport.sync(None, sink)
-            local = [dict(sink)]
-            del sink
-            sharded.step(k, label, local)
+            for unit in units(names, per):
+                sink = ParamSink()
+                transport = GlooTransport(ctx, LayoutTable(tuple(layout[n] for n in unit)),
+                                          dtype=weights)
+                if reference is not None and draws is not None:
+                    full = _draw(draws, unit)
+                    reference.take(unit, full)
+                    transport.sync(lambda full=full, unit=unit: _stage_shards(
+                        fn, config, layout, full, unit, dst, src, weights, differ,
+                        diagnosis), sink)  # called now, inside sync: a refusal is broadcast
+                    del full
+                else:
+                    transport.sync(None, sink)
+                local = [dict(sink)]
+                del sink
+                sharded.take(unit, local)
     rss = (peak.began, peak.high())
     if ctx.rank != 0:
         return {"rss": rss}
     return {"differ": differ, "diagnosis": diagnosis, "logits": sharded.logits,
             "expected": reference.expected if reference is not None else None, "rss": rss}
-
-
-class _Peak:
-    """This process's RSS high-water mark from now on: Linux resets ``VmHWM`` on writing 5
-    to ``/proc/self/clear_refs``, so a pool rank that ran larger tasks before reports this
-    one's peak. Where the reset is refused, the process's lifetime peak (``ru_maxrss``),
-    which can only overstate it."""
-
-    def __init__(self) -> None:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.reset = True
-        except OSError:
-            self.reset = False
-        self.began = self.now()
-
-    @staticmethod
-    def now() -> int:
-        """The resident set now, in bytes."""
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def high(self) -> int:
-        if self.reset:
-            with open("/proc/self/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) * 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _draw(draws: Iterator[tuple[str, torch.Tensor]], names: list[str]) -> Params:
@@ -456,73 +450,68 @@ def _declared(mine: torch.Tensor, full: torch.Tensor, spec: ShardSpec, degree: i
 
 
 def _stage_shards(fn: StageFn | None, config: ModelConfig, layout: LayoutTable, full: Params,
-                  names: list[str], dst: int, src: int | None, per: str, weights: torch.dtype,
+                  group: list[str], dst: int, src: int | None, weights: torch.dtype,
                   differ: list[str], diagnosis: list[str]) -> list[Params]:
-    """Per rank, the stage's shards at ``dst``: the declared ones when ``fn`` is None, else
-    what ``fn`` returns, called per stage or per parameter and checked as shards. Each
-    parameter's bytes are compared as soon as ``fn`` returns it (``differ``; the first that
-    differs diagnosed into ``diagnosis``), and its full tensor (and source shards) dropped
-    from ``full`` then: with ``per="parameter"`` the stage never holds more than the
-    remaining full tensors, one parameter's source shards and the shards returned so far."""
-    out: list[Params] = [{} for _ in range(dst)]
-    groups = [names] if per == "layer" else [[n] for n in names]
-    for group in groups:
-        given: Params | list[Params]
-        if src is None:
-            given = {n: full[n] for n in group}
-        else:  # the source shards; the full tensor is not needed past its split
-            given = [{} for _ in range(src)]
-            for n in group:
-                for rank, shard in enumerate(split_tensor(full.pop(n), layout[n], src)):
-                    given[rank][n] = shard
-        if fn is None:  # the declared split, or the declared reshard of the src shards
-            moved = {n: split_tensor(full[n], layout[n], dst) if src is None
-                     else reshard_tensor([g[n] for g in given], layout[n], dst)  # type: ignore[index]
-                     for n in group}
-            result = [{n: moved[n][rank] for n in group} for rank in range(dst)]
-            del moved
-        else:
-            sub = LayoutTable(tuple(layout[n] for n in group))
-            what = "splitting" if src is None else f"resharding {src} -> {dst}"
-            role = "splitter" if src is None else "resharder"
-            inputs = list(given.values()) if isinstance(given, dict) else [
-                x for g in given for x in g.values()]
-            versions = [x._version for x in inputs]  # fn gets the harness's tensors, not copies
-            result = call_user(fn, (given, dst), role=role,
-                               call="fn(full, degree)" if src is None else "fn(shards, dst)",
-                               during=f"while {what} {config.name} ({', '.join(group)})",
-                               layout=sub, degree=dst, dtypes=weights)
-            changed = [x._version for x in inputs] != versions
-            del inputs  # it holds the full tensors (or source shards) too
-            if changed:  # they are compared with the output next: refuse
-                raise UserCodeError(f"your {role} `{describe(fn)}` wrote into the tensors it "
-                                    f"was given ({', '.join(group)}) while {what} "
-                                    f"{config.name}: a streamed check hands fn its own "
-                                    "tensors, not copies; return new ones", role=role,
-                                    function=describe(fn))
+    """Per rank, the shards at ``dst`` of ``group`` (a stage's parameters, or one of them):
+    the declared ones when ``fn`` is None, else what ``fn`` returns for them, checked as
+    shards. Each parameter's bytes are compared as soon as ``fn`` returns (``differ``; the
+    first that differs diagnosed into ``diagnosis``), and its full tensor (and source shards)
+    dropped from ``full`` then."""
+    given: Params | list[Params]
+    if src is None:
+        given = {n: full[n] for n in group}
+    else:  # the source shards; the full tensor is not needed past its split
+        given = [{} for _ in range(src)]
         for n in group:
-            mine = [r[n] for r in result]
-            spec = layout[n]
-            if src is None:  # each rank range by range against views of the full tensor
-                same = all(_declared(m, full[n], spec, dst, rank) for rank, m in enumerate(mine))
-            else:  # against views of the source shards that hold its declared slice
-                held = [g[n] for g in given]  # type: ignore[index]
-                dim = spec.ranges(dst, 0)[0]
-                same = all(_bit_equal(m.narrow(dim, at, piece.shape[dim]), piece)
-                           for rank, m in enumerate(mine)
-                           for at, piece in reshard_pieces(held, spec, dst, rank))
-            if not same:
-                differ.append(n)
-                if len(differ) == 1:
-                    whole = full[n] if src is None else gather_tensor(held, spec)
-                    diagnosis.extend(diagnose(whole, spec, mine))
-            if src is None:
-                del full[n]
-            else:
-                del held
-                for g in given:  # type: ignore[union-attr]
-                    del g[n]
-        for rank in range(dst):
-            out[rank].update(result[rank])
-        del given, result
-    return out
+            for rank, shard in enumerate(split_tensor(full.pop(n), layout[n], src)):
+                given[rank][n] = shard
+    if fn is None:  # the declared split, or the declared reshard of the src shards
+        moved = {n: split_tensor(full[n], layout[n], dst) if src is None
+                 else reshard_tensor([g[n] for g in given], layout[n], dst)  # type: ignore[index]
+                 for n in group}
+        result = [{n: moved[n][rank] for n in group} for rank in range(dst)]
+        del moved
+    else:
+        sub = LayoutTable(tuple(layout[n] for n in group))
+        what = "splitting" if src is None else f"resharding {src} -> {dst}"
+        role = "splitter" if src is None else "resharder"
+        inputs = list(given.values()) if isinstance(given, dict) else [
+            x for g in given for x in g.values()]
+        versions = [x._version for x in inputs]  # fn gets the harness's tensors, not copies
+        result = call_user(fn, (given, dst), role=role,
+                           call="fn(full, degree)" if src is None else "fn(shards, dst)",
+                           during=f"while {what} {config.name} ({', '.join(group)})",
+                           layout=sub, degree=dst, dtypes=weights)
+        changed = [x._version for x in inputs] != versions
+        del inputs  # it holds the full tensors (or source shards) too
+        if changed:  # they are compared with the output next: refuse
+            raise UserCodeError(f"your {role} `{describe(fn)}` wrote into the tensors it "
+                                f"was given ({', '.join(group)}) while {what} "
+                                f"{config.name}: a streamed check hands fn its own "
+                                "tensors, not copies; return new ones", role=role,
+                                function=describe(fn))
+    for n in group:
+        mine = [r[n] for r in result]
+        spec = layout[n]
+        if src is None:  # each rank range by range against views of the full tensor
+            same = all(_declared(m, full[n], spec, dst, rank) for rank, m in enumerate(mine))
+        else:  # against views of the source shards that hold its declared slice
+            held = [g[n] for g in given]  # type: ignore[index]
+            dim = spec.ranges(dst, 0)[0]
+            same = all(_bit_equal(m.narrow(dim, at, piece.shape[dim]), piece)
+                       for rank, m in enumerate(mine)
+                       for at, piece in reshard_pieces(held, spec, dst, rank))
+        if not same:
+            differ.append(n)
+            if len(differ) == 1:
+                whole = full[n] if src is None else gather_tensor(held, spec)
+                diagnosis.extend(diagnose(whole, spec, mine))
+        if src is None:
+            del full[n]
+        else:
+            del held
+            for g in given:  # type: ignore[union-attr]
+                del g[n]
+    del given
+    trim()  # the source shards (and fn's own temporaries) are dropped
+    return [dict(r) for r in result]  # the forward empties them as it reads each
