@@ -338,14 +338,31 @@ def test_a_low_precision_conversion_is_compared_bit_exactly_in_its_dtype(dtype):
     assert "o_proj.weight holds columns" in failed.diagnosis[0] and "?" in failed.diagnosis[0]
 
 
+@pytest.fixture(scope="module")
+def whole_verdict():
+    """``whole_verdict(src, dst, config, dtype)``: the harness converter's whole-model
+    ``check_convert`` verdict, computed once per module (both ``per`` of a pair compare with
+    the same one)."""
+    verdicts = {}
+
+    def whole(src, dst, config, dtype):
+        key = (src, dst, config, dtype)
+        if key not in verdicts:
+            verdicts[key] = check_convert(harness(src, dst, config), config, src, dst,
+                                          dtype=dtype)
+        return verdicts[key]
+    return whole
+
+
 @pytest.mark.parametrize("per", ["layer", "parameter"])
 @pytest.mark.parametrize("src, dst, config", [("megatron:4", "vllm:8", TOY_KV4),
                                               ("meta:2", "hf", TOY), ("hf", "megatron:2", TOY)])
-def test_a_streamed_conversion_gives_the_whole_model_verdict(per, src, dst, config):
+def test_a_streamed_conversion_gives_the_whole_model_verdict(per, src, dst, config,
+                                                             whole_verdict):
     from weight_sync_bench.check.convert import stage_convert
 
     for dtype in ("fp32", "bf16"):
-        whole = check_convert(harness(src, dst, config), config, src, dst, dtype=dtype)
+        whole = whole_verdict(src, dst, config, dtype)
         streamed = check_convert(stage_convert(src, dst, config), config, src, dst,
                                  dtype=dtype, stream=per)
         assert whole.passed and streamed.passed
@@ -362,7 +379,7 @@ def test_a_streamed_conversion_gives_the_whole_model_verdict(per, src, dst, conf
             out[-1][qkv] = -out[-1][qkv]
         return out
     streamed = check_convert(wrong, config, src, dst, stream=per)
-    whole = check_convert(harness(src, dst, config), config, src, dst)
+    whole = whole_verdict(src, dst, config, "fp32")
     assert not streamed.passed and streamed.first_mismatch == qkv and streamed.ratio > 10
     assert streamed.max_abs_error > whole.max_abs_error
     assert streamed.diagnosis and f"{qkv} holds" in streamed.diagnosis[0]  # diagnosed

@@ -1,6 +1,9 @@
 """The harness's own converter passes ``check_convert``'s verdict for every ordered pair of
 (convention, degree) of TOY, TOY_KV4 and a reduced geometry of each shipped HF config: the
-twin of every detection in test_mutations (the same checks pass when nothing is wrong)."""
+twin of every detection in test_mutations (the same checks pass when nothing is wrong).
+TOY_KV4 and the reduced mistral_7b run in the long run only (``WSB_PROFILE=wsb-nightly``,
+``make nightly``), as their detections in test_mutations do (``NIGHTLY_GEOMETRIES``): the
+default run keeps each detection's twin."""
 
 from __future__ import annotations
 
@@ -17,11 +20,18 @@ from weight_sync_bench.conventions import (
     materialize,
     shards_for,
 )
+from weight_sync_bench.fuzz.runner import profile_name
 from weight_sync_bench.model.config import HF_CONFIGS, shipped_hf_config
 
 MAX_DEGREE = 16  # reaches vLLM's KV replication for the 8-KV-head geometries
 GEOMETRIES = [TOY, TOY_KV4, *(shipped_hf_config(n, shrink=16, n_layers=1, vocab=512)
                               for n in HF_CONFIGS)]
+# the long run's, as in test_mutations (whose detections on them run there too)
+NIGHTLY_GEOMETRIES = ("toy_kv4", "mistral_7b")
+NIGHTLY = pytest.mark.skipif(profile_name() != "wsb-nightly",
+                             reason="the long run: WSB_PROFILE=wsb-nightly (make nightly)")
+MATRIX = [pytest.param(c, id=c.name, marks=NIGHTLY if c.name in NIGHTLY_GEOMETRIES else ())
+          for c in GEOMETRIES]
 
 
 def endpoints(config):
@@ -39,7 +49,7 @@ def test_the_geometries_cover_replication_tied_free_biases_and_a_head_dim_off_d_
         assert any(t > config.n_kv_heads for t in vllm) or config.name == "qwen2_5_7b", config.name
 
 
-@pytest.mark.parametrize("config", GEOMETRIES, ids=lambda c: c.name)
+@pytest.mark.parametrize("config", MATRIX)
 def test_the_harness_converter_passes_every_pair_of_conventions_and_degrees(
         config, checker_for_config):
     """Every ordered pair, by composition: ``convert(src -> dst)`` is ``materialize(dst,

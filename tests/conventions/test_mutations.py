@@ -1,7 +1,14 @@
 """The kill matrix of the conversion mutations: each public bug injected into a correct
 converter's output is detected wherever it is not the identity, by >= KILL_MARGIN x the
 threshold, for every pair of conventions and degrees of every geometry; where it is declared
-the identity, its bytes really are unchanged (and the check passes)."""
+the identity, its bytes really are unchanged (and the check passes).
+
+The default run takes the matrix on TOY and the reduced llama3_8b, qwen2_5_7b and
+mistral_nemo; TOY_KV4 and the reduced mistral_7b (llama3_8b's shapes under another
+rope_theta) join it in the long run (``WSB_PROFILE=wsb-nightly``, ``make nightly``): every
+outcome they reach (each not-applicable reason, each identity reason, a live kill) is one the
+default geometries reach too, which
+``test_the_default_geometries_reach_every_outcome_of_the_whole_matrix`` checks."""
 
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from weight_sync_bench.conventions.mutations import (
     mutation_by_name,
 )
 from weight_sync_bench.errors import UnknownMutation
+from weight_sync_bench.fuzz.runner import profile_name
 from weight_sync_bench.model.config import HF_CONFIGS, shipped_hf_config
 
 MAX_DEGREE = 16
@@ -26,6 +34,13 @@ GEOMETRIES = [TOY, TOY_KV4, *(shipped_hf_config(n, shrink=16, n_layers=1, vocab=
                               for n in HF_CONFIGS)]
 SMALL = ModelConfig(name="small", vocab=64, d_model=32, n_layers=1, n_heads=8, n_kv_heads=2,
                     head_dim=8, ffn=48)
+# The long run's geometries (the module docstring): the branches each takes, the default
+# ones take (test_the_default_geometries_reach_every_outcome_of_the_whole_matrix).
+NIGHTLY_GEOMETRIES = ("toy_kv4", "mistral_7b")
+NIGHTLY = pytest.mark.skipif(profile_name() != "wsb-nightly",
+                             reason="the long run: WSB_PROFILE=wsb-nightly (make nightly)")
+MATRIX = [pytest.param(c, id=c.name, marks=NIGHTLY if c.name in NIGHTLY_GEOMETRIES else ())
+          for c in GEOMETRIES]
 
 
 def _bytes_equal(a, b):
@@ -38,7 +53,7 @@ def endpoints(config):
 
 
 @pytest.mark.parametrize("mutation", CONVERSION_MUTATIONS, ids=lambda m: m.name)
-@pytest.mark.parametrize("config", GEOMETRIES, ids=lambda c: c.name)
+@pytest.mark.parametrize("config", MATRIX)
 def test_every_mutation_is_killed_wherever_it_is_not_the_identity(config, mutation,
                                                                    checker_for_config):
     checker = checker_for_config(config)
@@ -72,6 +87,35 @@ def test_every_mutation_is_killed_wherever_it_is_not_the_identity(config, mutati
         "output_stale_copy": not config.tie_embeddings,
     }.get(mutation.name, meta if mutation.name.startswith(("rope_", "embedding_")) else True)
     assert (killed > 0) == expected, killed
+
+
+def _outcomes(mutation, config):
+    """What ``mutation`` meets over ``config``'s matrix: each reason it does not apply, each
+    reason it is the identity, and ``"killed"`` where it is live (the branches of the test
+    above)."""
+    seen = set()
+    for src in endpoints(config):
+        for dst in endpoints(config):
+            conversion = Conversion(config, src, dst)
+            reason = mutation.not_applicable(conversion)
+            if reason is not None:
+                seen.add(("not applicable", reason))
+                continue
+            reason = mutation.identity_reason(conversion)
+            seen.add(("identity", reason) if reason is not None else ("killed", None))
+    return seen
+
+
+def test_the_default_geometries_reach_every_outcome_of_the_whole_matrix():
+    """The geometries the default run leaves to the long run add no outcome of their own:
+    whatever a mutation meets on them, it meets on a default geometry too."""
+    default = [c for c in GEOMETRIES if c.name not in NIGHTLY_GEOMETRIES]
+    assert {c.name for c in GEOMETRIES} - {c.name for c in default} == set(NIGHTLY_GEOMETRIES)
+    for mutation in CONVERSION_MUTATIONS:
+        everywhere = set().union(*(_outcomes(mutation, c) for c in GEOMETRIES))
+        by_default = set().union(*(_outcomes(mutation, c) for c in default))
+        assert everywhere == by_default, (mutation.name, everywhere - by_default)
+        assert ("killed", None) in by_default, mutation.name
 
 
 def test_a_mutated_shard_set_depends_only_on_what_its_key_names():

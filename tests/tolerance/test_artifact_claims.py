@@ -69,11 +69,16 @@ def test_an_artifact_whose_worst_is_not_the_worst_of_its_cells_is_refused(commit
 
 
 def _runner_with_worst_in(cell):
-    """A fake sharded runner: the reference plus ``cell``'s deviation in one logit."""
+    """A fake sharded runner: the reference plus ``cell``'s deviation in one logit (the
+    reference computed once per config and seeds, not once per degree)."""
+    references = {}
+
     def runner(config, degree, param_seed, token_seed):
-        logits = ReferenceModel(config, init_params(config, param_seed))(
-            make_tokens(config, token_seed))
-        logits = logits.clone()
+        key = (config.name, param_seed, token_seed)
+        if key not in references:
+            references[key] = ReferenceModel(config, init_params(config, param_seed))(
+                make_tokens(config, token_seed))
+        logits = references[key].clone()
         logits.view(-1)[0] += cell.get((config.name, degree), 0.0)
         return logits
     return runner
