@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -80,7 +81,9 @@ def bare(case: Case) -> None:
 def measure(label: str, strategy: st.SearchStrategy[Case], examples: int) -> list[str]:
     """The property, its bare replay, and the property's two halves apart: Hypothesis alone
     (the same run with each case's outcome replayed from a dict: derandomized, it draws the
-    same examples) and ``run_case`` alone over the same cases."""
+    same examples) and ``run_case`` alone over the same cases. Each timed in wall time and in
+    this process's CPU time: on a loaded machine the wall ratios carry the other processes'
+    share of the cores (one thread here, so CPU time is this run's own work)."""
     tally, outcomes = Recording(), {}
     rule = fuzz_threshold_rule("1a")
 
@@ -88,26 +91,24 @@ def measure(label: str, strategy: st.SearchStrategy[Case], examples: int) -> lis
         outcomes[case] = run_case(case, **kwargs)
         return outcomes[case]
 
-    start = time.perf_counter()
-    run_property("invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
-                 strategy=strategy, tally=tally, case_runner=recorded, threshold_rule=rule)
-    prop = time.perf_counter() - start
-    start = time.perf_counter()
-    for case in tally.cases:
-        bare(case)
-    base = time.perf_counter() - start
-    start = time.perf_counter()
-    run_property("invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
-                 strategy=strategy, case_runner=lambda case, **_: outcomes[case],
-                 threshold_rule=rule)
-    engine = time.perf_counter() - start
-    start = time.perf_counter()
-    for case in tally.cases:
-        run_case(case, threshold_rule=rule)
-    cases_alone = time.perf_counter() - start
+    def timed(work: Callable[[], object]) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        work()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    prop = timed(lambda: run_property(
+        "invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
+        strategy=strategy, tally=tally, case_runner=recorded, threshold_rule=rule))
+    base = timed(lambda: [bare(case) for case in tally.cases])
+    engine = timed(lambda: run_property(
+        "invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
+        strategy=strategy, case_runner=lambda case, **_: outcomes[case], threshold_rule=rule))
+    alone = timed(lambda: [run_case(case, threshold_rule=rule) for case in tally.cases])
     n = len(tally.cases)
-    return [label, str(n), f"{n / prop:.1f}", f"{n / base:.1f}", f"{prop / base:.2f}x",
-            f"{engine / base:.2f}x", f"{cases_alone / base:.2f}x", f"{tally.max_ratio:.3g}"]
+    return [label, str(n), f"{n / prop[0]:.1f}", f"{n / base[0]:.1f}",
+            *(f"{part[0] / base[0]:.2f}x / {part[1] / base[1]:.2f}x"
+              for part in (prop, engine, alone)),
+            f"{(engine[1] + alone[1]) / base[1]:.2f}x", f"{tally.max_ratio:.3g}"]
 
 
 def wrapped(phases: Phases) -> Phases:
@@ -178,9 +179,12 @@ def main() -> None:
     run_property("invariant", None, profile="wsb-test", max_examples=5, corpus=False)  # warm-up
     rows = [measure("TOY (19.2M params)", toy_cases(), args.toy_examples),
             measure("fuzz domain", cases(), args.examples)]
-    print(table([["geometries", "examples", "property ex/s", "bare ex/s", "overhead",
-                  "Hypothesis alone", "run_case alone", "max ratio"], *rows]))
-    print("(the last three: x the bare replay; Hypothesis alone + run_case alone ~ overhead)")
+    print(table([["geometries", "examples", "property ex/s", "bare ex/s",
+                  "overhead wall / CPU", "Hypothesis alone wall / CPU",
+                  "run_case alone wall / CPU", "the two halves, CPU", "max ratio"], *rows]))
+    print("(x the bare replay of the same cases, in wall time / in this process's CPU time; "
+          "'the two halves': Hypothesis alone + run_case alone, in CPU time, against the "
+          "overhead's CPU figure: what the interaction of the two leaves)")
     columns = (breakdown("TOY", toy_cases(), args.toy_examples)
                + breakdown("fuzz domain", cases(), args.examples))
     print("\nwhere the time goes (exclusive CPU time, x the bare replay of the same examples; "

@@ -25,7 +25,7 @@ byte comparison and the deviation. The deviation of a correct layout is the floo
 
 ``overhead``: Llama-3-8B's width, 2 layers, t=8, one batch of 128 tokens. The streamed
 check's wall time against the time spent inside the reference and sharded forward steps it
-runs (``ReferenceModel.begin / block / end`` and ``ShardedModel``'s, timed by wrapping them
+runs (``ReferenceModel.begin / step / finish`` and ``ShardedModel``'s, timed by wrapping them
 here), with the rest broken down: drawing the parameters, the user's split (a per-parameter
 one, ``per="parameter"``; its time is the user's code, reported apart), comparing bytes.
 """
@@ -98,7 +98,7 @@ def one(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     ranks: tuple[tuple[int, int], ...] = ()
     if args.backend == "gloo":  # the declared split on rank 0 (a closure cannot reach it)
-        with RankPool(args.dst) as pool:
+        with RankPool(args.dst, deadline=1800.0, pg_timeout=3600.0) as pool:  # a full width, loaded
             verdict, ranks = stream_run(config, args.dst, src=args.src, dtype=args.dtype,
                                         per="parameter", threshold=math.inf,
                                         backend="gloo", pool=pool)
@@ -207,12 +207,13 @@ def overhead(args: argparse.Namespace) -> int:
                 spent[bucket] += time.perf_counter() - t0
         setattr(cls, method, wrapper)
 
-    for method in ("begin", "block", "end"):
+    for method in ("begin", "step", "finish"):  # what a streamed check calls (block, end: steps)
         timed(ReferenceModel, method, "reference forward")
         timed(ShardedModel, method, "sharded forward")
     timed(config_module, "draw_param", "drawing parameters")
     timed(stream_module, "_bit_equal", "byte comparison")
     timed(stream_module, "computing", "upcast (bf16 / fp16)")
+    timed(stream_module, "trim", "freed heap handed back (malloc_trim)")
     split = stage_split(layout_for(config))
 
     def users_split(full: dict, degree: int) -> list:  # the user's code: its own bucket
