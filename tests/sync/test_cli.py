@@ -49,19 +49,22 @@ def test_nccl_without_cuda_and_torchrun_outside_torchrun_are_refused_naming_why(
             "set") in capsys.readouterr().err
 
 
-def test_the_sync_runs_under_torchrun_with_gloo_and_env_rendezvous():
+@pytest.mark.parametrize("into", ["fresh", "existing"])
+def test_the_sync_runs_under_torchrun_with_gloo_and_env_rendezvous(into):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun is not None
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "weight_sync_bench", "sync",
          "--launcher", "torchrun", "--config", "toy_kv4", "--from", "megatron:2", "--to",
-         "vllm:1", "-q"], capture_output=True, text=True, timeout=240, cwd=ROOT, env=env,
-        check=False)
+         "vllm:1", "--into", into, "-q"], capture_output=True, text=True, timeout=240,
+        cwd=ROOT, env=env, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "B_min 38666240: 1.000x" in done.stdout
+    assert "100% coverage, bit-exact" in done.stdout
     assert "PASS toy_kv4 megatron:2 -> vllm:1 (phase 2)" in done.stdout
     assert "launched by torchrun (2 ranks, gloo)" in done.stdout
+    assert ("into existing destination storage" in done.stdout) == (into == "existing")
     assert done.stdout.count("plan megatron:2 -> vllm:1") == 1  # rank 0 alone prints
 
 
@@ -77,12 +80,11 @@ def test_wsb_sync_into_existing_storage_passes_the_element_check_and_the_forward
         assert claim in out, claim
 
 
-@pytest.mark.parametrize("flag", ["--mutation", "--naive", "--into"])
+@pytest.mark.parametrize("flag", ["--mutation", "--naive"])
 def test_pool_only_options_are_refused_under_torchrun(flag, capsys, monkeypatch):
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
-    args = ["sync", "--launcher", "torchrun", flag] + {"--mutation": ["box_overlap"],
-                                                       "--into": ["existing"]}.get(flag, [])
+    args = ["sync", "--launcher", "torchrun", flag] + {"--mutation": ["box_overlap"]}.get(flag, [])
     assert main(args) == 2
     assert "run on the rank pool only" in capsys.readouterr().err

@@ -11,7 +11,7 @@ naive gather-then-scatter's), the time against ``T_min`` from a gloo bandwidth c
 the same run, the staging peak and the RSS high-water growth of every rank, the element
 check and the verdict. ``--dp D``: the source replicated over D data-parallel groups.
 ``--into existing``: received into destination tensors that exist before the timed region
-(``SyncSession.run(into="existing")``; the rank pool only).
+(``SyncSession.run(into="existing")``; under torchrun as well, on CPU).
 Exit status (``output.EXIT_CODES``): 0 when the element check and the forward pass, 1 when
 either fails; under torchrun only rank 0 prints and judges.
 """
@@ -60,12 +60,13 @@ def cmd_sync(args: argparse.Namespace) -> int:
     config = config_by_name(args.config)
     results = []
     if args.launcher == "torchrun":
-        if args.mutation or args.naive or args.into != "fresh":
-            raise UnsupportedLauncher("--mutation, --naive and --into existing run on the "
-                                      "rank pool only (--launcher pool)")
+        if args.mutation or args.naive:
+            raise UnsupportedLauncher("--mutation and --naive run on the rank pool only "
+                                      "(--launcher pool)")
         result = run_torchrun(config, args.src, args.dst, dp=args.dp, seed=args.seed,
                               bucket_bytes=args.bucket, forward_check=not args.no_forward,
-                              backend=args.backend, deadline=args.deadline or 300.0)
+                              backend=args.backend, deadline=args.deadline or 300.0,
+                              into=args.into)
         if result is None:
             return EXIT_OK  # a rank other than 0: rank 0 prints and judges
         results.append(result)

@@ -54,10 +54,23 @@ from weight_sync_bench.conventions import materialize
 from weight_sync_bench.errors import UnsupportedLauncher
 from weight_sync_bench.model.config import init_params, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.sync.execute import DEFAULT_BUCKET, CountingP2P, execute_plan
+from weight_sync_bench.sync.execute import (
+    DEFAULT_BUCKET,
+    CountingP2P,
+    ReshardFn,
+    execute_plan,
+)
 from weight_sync_bench.sync.layouts import sync_layout
 from weight_sync_bench.sync.planner import plan_for
-from weight_sync_bench.sync.session import SyncResult, collect, judge, raise_user_errors
+from weight_sync_bench.sync.session import (
+    INTO,
+    InPlace,
+    SyncResult,
+    collect,
+    existing_task,
+    judge,
+    raise_user_errors,
+)
 from weight_sync_bench.sync.verify import forward, load, reshard
 from weight_sync_bench.tolerance.rules import (
     TOKEN_SEED_OFFSET,
@@ -67,6 +80,7 @@ from weight_sync_bench.tolerance.rules import (
 )
 
 if TYPE_CHECKING:
+    from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
     from weight_sync_bench.model.config import ModelConfig
     from weight_sync_bench.sync.layouts import SyncLayout
 
@@ -75,11 +89,19 @@ __all__ = ["BACKENDS", "device_for", "run_torchrun", "torchrun_env"]
 
 def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int = 1,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET, forward_check: bool = True,
-                 backend: str = "gloo", calibrate: bool = True, deadline: float = 300.0
-                 ) -> SyncResult | None:
-    """This process's part of the sync (module docstring): the result on rank 0."""
+                 backend: str = "gloo", calibrate: bool = True, deadline: float = 300.0,
+                 into: str = "fresh") -> SyncResult | None:
+    """This process's part of the sync (module docstring): the result on rank 0. ``into``
+    as ``SyncSession.run``'s: ``"existing"`` receives into destination tensors each rank
+    allocates and fills with stale values before the timed reshard (``existing_task``, the
+    rank pool's own), on CPU only."""
+    if into not in INTO:
+        raise ValueError(f"run_torchrun: into={into!r}, expected one of {INTO}")
     rank, world, local_rank = torchrun_env("sync")
     device = device_for(backend, local_rank)
+    if into == "existing" and device != "cpu":
+        raise UnsupportedLauncher(f"--into existing runs on CPU (gloo): its stale destination "
+                                  f"tensors are not made on {device}")
     src, dst = sync_layout(config, src_text, dp=dp), sync_layout(config, dst_text)
     plan = plan_for(src, dst)
     plan.messages(bucket_bytes)  # the cut, cached on the plan: made here, not in the timed region
@@ -101,9 +123,14 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
         if run_forward:
             reference, init = _init_shards(rank, world, group, tracer, src, seed, tokens)
         load(rank, "torchrun", src, seed, init, device)
+        fn: ReshardFn = execute_plan
+        if into == "existing":  # allocated and made stale outside the timed region
+            existing_task(RankContext(rank, world, group, tracer), key="torchrun", plan=plan,
+                          seed=seed)
+            fn = InPlace(execute_plan, "torchrun")
         tracer.mark("sync: reshard")
         record = reshard(rank, world, group, tracer, key="torchrun", plan=plan,
-                         fn=execute_plan, bucket_bytes=bucket_bytes, seed=seed,
+                         fn=fn, bucket_bytes=bucket_bytes, seed=seed,
                          forward=run_forward, bandwidth=calibrate and world > 1, device=device)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, record, group=group)
@@ -125,7 +152,7 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
             notes += check_environment(load_artifact("1b"), "the phase 1b floor")
             verdict = judge(plan, logits, reference, threshold, records, notes)
         return collect(plan, name, records, verdict,
-                       notes + (f"launched by torchrun ({world} ranks, {backend})",))
+                       notes + (f"launched by torchrun ({world} ranks, {backend})",), into=into)
     finally:
         ranks.leave()  # every rank runs this function alike: none serves
 
