@@ -42,9 +42,10 @@ class ToleranceMismatch(WsbError, RuntimeError):
 
 
 class FloorNotMeasured(ToleranceMismatch):
-    """A check of a geometry (or weight dtype, or phase) that no measured floor covers:
-    refused rather than judged by a threshold measured on another geometry. Names why each
-    artifact does not cover it and ``command``, what measures it."""
+    """A check of a geometry (or weight dtype, or phase, or training mesh over gloo) that no
+    measured floor covers: refused rather than judged by a threshold measured on another
+    geometry (or mesh). Names why each artifact does not cover it and ``command``, what
+    measures it."""
 
     def __init__(self, message: str, *, command: str | None = None) -> None:
         super().__init__(message)

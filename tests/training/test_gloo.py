@@ -18,7 +18,7 @@ from weight_sync_bench.training.mutations import training_mutation
 from weight_sync_bench.training.step import TrainingCase
 
 CONFIG = SMALL_VARIANTS[1]  # padded vocab, tied embeddings, biases
-GLOO = thresholds_for(CONFIG, phase="1b")
+GLOO = thresholds_for(CONFIG, phase="1b", mesh=Mesh(1, 4))  # a cell of this very mesh
 
 
 @pytest.fixture(scope="module")

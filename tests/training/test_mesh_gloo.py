@@ -1,7 +1,8 @@
 """The DP x TP training mesh and context parallelism over gloo: one process per rank of the
 mesh on the phase 1b rank pool, the same ``TrainStep`` as in process, compared with the
 dense reference; the mutations the in-process mesh detects on these meshes are detected
-here too, each beside its clean twin (the same case trained correctly passes).
+here too, each beside its clean twin (the same case trained correctly passes). Each case is
+judged by the phase 1b cells of its own mesh (``training.floor.require_mesh``).
 
 Smallest geometry, one step (4 ranks on 2 cores); the longer runs are ``wsb train-check
 --gloo`` and ``-m slow``."""

@@ -11,7 +11,9 @@ With ``--sp`` or ``--cp`` the meshes are the sequence-sharding ones (``--sp``: S
 ``--cp C``: C context chunks), and ``--mutations`` adds the sequence mutations. ``--gloo``
 trains every mesh one process per rank (``dp * cp * tp`` ranks; by default dp = 1 and at
 most ``GLOO_RANKS`` ranks, any size that ``--dp`` or ``--cp`` asks for) against the phase 1b
-floors (tolerance/training_1b.json, sequence_1b.json).
+floors (tolerance/training_1b.json, sequence_1b.json); a (config, mesh) those floors have no
+cell for is refused before any rank starts (``training.floor.require_mesh``: exit 2, naming
+the mesh and the command that measures it), never judged by another mesh's threshold.
 Exit status (``output.EXIT_CODES``): 0 when every check passes (with ``--mutations``: when
 every mutation that is not the identity is detected), 1 otherwise; every count, degree and
 seed is validated (``--dp 0`` is an error, never a run at 1).
@@ -172,14 +174,20 @@ def cmd_train_check(args: argparse.Namespace) -> int:
             for note in check_environment(read, f"the phase {phase} {what} floor", remedy):
                 out.note(note)
 
-    def thresholds(case: TrainingCase) -> dict[str, float]:
+    def lookup(case: TrainingCase) -> dict[str, float]:
         if case.mesh.sp or case.mesh.cp > 1:  # the SP / CP floor, measured on its own
             return sequence_thresholds(case.config, case.mesh, artifact=sequence_artifact)
-        return thresholds_for(case.config, artifact=artifact)
+        return thresholds_for(case.config, artifact=artifact, mesh=case.mesh)
 
     cases = _cases(args)
     if not cases:
         raise InvalidMesh(f"no training case matches --config {args.config} with these options")
+    # every case's thresholds before anything trains: over gloo a (config, mesh) the phase
+    # 1b floors have no cell for is refused here (FloorNotMeasured, exit 2), no rank started
+    limits = {id(case): lookup(case) for case in cases}
+
+    def thresholds(case: TrainingCase) -> dict[str, float]:
+        return limits[id(case)]
     line = out.progress()
     if args.mutations:
         rows = []

@@ -1,7 +1,7 @@
 """The floor of each training quantity, measured; one threshold per quantity derived from it.
 
-    python -m weight_sync_bench.training_tolerance               # tolerance/training.json
-    python -m weight_sync_bench.training_tolerance --phase 1b    # tolerance/training_1b.json
+    python -m weight_sync_bench.tolerance training --write              # tolerance/training.json
+    python -m weight_sync_bench.tolerance training --phase 1b --write   # training_1b.json
 
 The correct sharded training differs from the dense one only by reordered sums. Each
 quantity of ``training_compare.QUANTITIES`` is measured over a domain of cases: both named
@@ -15,18 +15,23 @@ above 100x the worst), per regime: cancelling partial sums amplify relative roun
 by design and get a floor of their own, so they do not loosen every other check.
 ``replicas`` is compared exactly and has no threshold. A config outside the measured
 domain (wider, deeper, more tokens) has no threshold: its floor was never measured. Phase
-1b (over gloo) has its own artifact: a floor is not reused across phases.
+1b (over gloo) has its own artifact: a floor is not reused across phases. Nor across
+meshes over gloo: a mesh is a different order of gloo's sums, so a phase 1b check of a
+(config, mesh) its artifact has no cell for is refused (``require_mesh``:
+``FloorNotMeasured`` naming the mesh and the command that measures it), never judged by the
+nearest cell.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from weight_sync_bench.errors import ToleranceMismatch
+from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
 from weight_sync_bench.model.config import TOY, TOY_KV4, ModelConfig, init_params
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.artifacts import (
@@ -63,7 +68,34 @@ PACKED_WITH_EMPTY_ROW = BatchSpec(((3, 5), (2,), (), (4, 1, 2)), seq_len=8, igno
                                   packed=True)
 
 
-PHASES = ("1a", "1b")  # in process; over gloo, one process per TP rank (dp = 1)
+PHASES = ("1a", "1b")  # in process; over gloo, one process per rank of the mesh
+
+# Phase 1b's domain: the 1a domain's meshes the gloo train-check runs, one process per rank
+# (``training.gloo``: gloo's ring all-reduce sums in an order of its own, so no in-process
+# cell covers them), up to GLOO_WORLD ranks and CP up to GLOO_MAX_CP. Each rank is a process
+# and this machine has 2 cores: with the DP x TP and CP meshes, both 1b artifacts under all
+# three kernel sets took 44 minutes (17 + 27, 2026-12-01), so the meshes of the first
+# measurement (dp = cp = 1) keep every seed and those added after it (dp or cp > 1) are
+# measured on the first GLOO_ADDED_SEEDS seeds.
+GLOO_WORLD = 8
+GLOO_MAX_CP = 2
+GLOO_ADDED_SEEDS = 1
+
+
+def over_gloo(mesh: Mesh, seed: int | None = None) -> bool:
+    """Whether phase 1b's domain trains ``mesh`` (at ``seed``; None: at any seed): at most
+    GLOO_WORLD ranks and CP of at most GLOO_MAX_CP; a mesh with dp or cp > 1 on the first
+    GLOO_ADDED_SEEDS seeds only."""
+    if mesh.dp * mesh.cp * mesh.tp > GLOO_WORLD or mesh.cp > GLOO_MAX_CP:
+        return False
+    return seed is None or (mesh.dp == 1 and mesh.cp == 1) or seed < GLOO_ADDED_SEEDS
+
+
+def gloo_domain() -> dict[str, Any]:
+    """Phase 1b's mesh domain as the artifact records it."""
+    return {"max_ranks": GLOO_WORLD, "max_cp": GLOO_MAX_CP,
+            "seeds": "every seed at dp = cp = 1; the first "
+                     f"{GLOO_ADDED_SEEDS} with dp or cp > 1"}
 
 
 def meshes(config: ModelConfig, rows: int) -> list[Mesh]:
@@ -123,15 +155,17 @@ def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a
             groups: Groups | None = None, kind: str = "training") -> dict[str, Any]:
     """Run every case of the domain (``groups``, default the DP x TP one) correctly and
     record the worst of each quantity. Phase 1b trains over gloo on a rank pool, on the
-    cases with dp = 1. ``kind`` names the artifact (``sequence_tolerance`` measures the
-    SP / CP domain into one of its own)."""
+    cases of its domain (``over_gloo``). ``kind`` names the artifact (``sequence_floor``
+    measures the SP / CP domain into one of its own)."""
     train = _trainer(phase)
     worst = {regime: {q: {"worst": 0.0, "case": "", "where": ""} for q in QUANTITIES}
              for regime in REGIMES}
     cells, domain = [], {f: 0 for f in DOMAIN_FIELDS}
     never = dict.fromkeys(QUANTITIES, float("inf"))
     for regime, label, cases in (groups if groups is not None else _cases(repetitions, steps)):
-        cases = [c for c in cases if phase == "1a" or c.mesh.dp == 1]
+        cases = [c for c in cases if phase == "1a" or over_gloo(c.mesh, c.seed)]
+        if not cases:
+            continue
         reference = cases[0].reference()
         for case in cases:
             report = case.check(never, reference=reference, trained=train(case))
@@ -149,9 +183,10 @@ def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a
             cells.append(row)
             for f, v in domain_of(case.config).items():
                 domain[f] = max(domain[f], v)
+    meshes = {"meshes": gloo_domain()} if phase == "1b" else {}
     return {
         "schema": SCHEMA, "kind": kind, "phase": phase, "repetitions": repetitions,
-        "steps": steps,
+        "steps": steps, **meshes,
         "rule": f"per quantity: smallest power of ten >= {SAFETY} x worst",
         "deviation": {"loss, input_grad, param_grad, kv_grad":
                       "max |sharded - reference| / max |reference|, per parameter",
@@ -177,9 +212,14 @@ def _trainer(phase: str) -> Callable[[TrainingCase], Trace | None]:
         shared_pool,  # the gloo launcher, only when asked
     )
     from weight_sync_bench.training.gloo import train_gloo
-    pool = shared_pool(max(layout_for(c).supported_degrees()[-1]
-                           for c in (TOY_KV4, *SMALL_VARIANTS)))
+    pool = shared_pool(GLOO_WORLD)
     return lambda case: train_gloo(case, pool)
+
+
+def measure_command(kind: str, phase: str) -> str:
+    """The command that measures (and commits) the ``kind`` floor of ``phase``."""
+    return (f"python -m weight_sync_bench.tolerance {kind}"
+            + (f" --phase {phase}" if phase != "1a" else "") + " --write")
 
 
 def load(path: Path | None = None, phase: str = "1a", kind: str = "training") -> dict[str, Any]:
@@ -187,8 +227,8 @@ def load(path: Path | None = None, phase: str = "1a", kind: str = "training") ->
     try:
         artifact = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ToleranceMismatch(f"{path}: no training tolerance; measure it with "
-                                "`python -m weight_sync_bench.training_tolerance`") from None
+        raise ToleranceMismatch(f"{path}: no {kind} tolerance; measure it with "
+                                f"`{measure_command(kind, phase)}`") from None
     except json.JSONDecodeError as exc:
         raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
     if artifact.get("schema") != SCHEMA or artifact.get("kind") != kind:
@@ -210,11 +250,58 @@ def thresholds_from(artifact: dict[str, Any], regime: str = "plain") -> dict[str
     return {q: derive_threshold(artifact["regimes"][regime][q]["worst"]) for q in QUANTITIES}
 
 
+# a cell's case: "<config> <batch or adversary> seed=<s> <mesh>", the mesh as Mesh.__str__
+_CELL = re.compile(r"^(?P<config>\S+) .* (?P<mesh>dp=\d+ tp=\d+(?: sp)?(?: cp=\d+)?)$")
+
+
+def measured_meshes(artifact: dict[str, Any], config: str, regime: str = "plain") -> list[str]:
+    """The meshes (``str(Mesh)``) ``artifact`` measured ``config`` on in ``regime``, in the
+    order first seen (pure)."""
+    seen: dict[str, None] = {}
+    for cell in artifact.get("cells", ()):
+        found = _CELL.match(str(cell.get("case", "")))
+        if found and found["config"] == config and cell.get("regime") == regime:
+            seen.setdefault(found["mesh"], None)
+    return list(seen)
+
+
+def require_mesh(artifact: dict[str, Any], config: ModelConfig, mesh: Mesh,
+                 regime: str = "plain") -> None:
+    """Raise ``FloorNotMeasured`` unless ``artifact`` has a ``regime`` cell of ``config``
+    trained on ``mesh``, as ``check.convert.require_cell`` refuses a conversion its floor
+    never measured: over gloo a mesh sums in an order of its own (gloo's ring all-reduce,
+    not the in-process rank order), so the nearest measured mesh does not judge it. The
+    error names the mesh, its ranks, the meshes the artifact measured for the config, and
+    the command that measures it (``command``)."""
+    if str(mesh) in measured_meshes(artifact, config.name, regime):
+        return
+    kind, phase = str(artifact.get("kind", "training")), str(artifact.get("phase", "1a"))
+    path = artifact_path(phase, kind=kind)
+    ranks = mesh.dp * mesh.cp * mesh.tp
+    had = measured_meshes(artifact, config.name, regime)
+    command = measure_command(kind, phase)
+    why = (f"{config.name}: no measured {kind} floor covers mesh {mesh} ({ranks} ranks, "
+           f"phase {phase}, {regime} regime): {path.name} measured {config.name} at "
+           f"{'; '.join(had) if had else 'no mesh'}; a threshold measured on another mesh "
+           "(another order of the sums) does not judge it")
+    if phase == "1b" and not over_gloo(mesh):
+        why += (f". Phase 1b's domain (training.floor.over_gloo) stops at {GLOO_WORLD} ranks "
+                f"and cp <= {GLOO_MAX_CP}, so no measurement has this cell: widen it "
+                f"(GLOO_WORLD, GLOO_MAX_CP) and measure with `{command}`")
+    else:
+        why += f". Measure it with `{command}`"
+    raise FloorNotMeasured(why, command=command)
+
+
 def thresholds_for(config: ModelConfig, regime: str = "plain",
-                   artifact: dict[str, Any] | None = None, phase: str = "1a"
-                   ) -> dict[str, float]:
-    """The thresholds for a config inside the measured domain; ToleranceMismatch outside."""
+                   artifact: dict[str, Any] | None = None, phase: str = "1a",
+                   mesh: Mesh | None = None) -> dict[str, float]:
+    """The thresholds for a config inside the measured domain; ToleranceMismatch outside.
+    With ``mesh``, a phase 1b artifact (over gloo) must also have a cell of the config on
+    that mesh (``require_mesh``)."""
     artifact = artifact if artifact is not None else load(phase=phase)
+    if mesh is not None and artifact.get("phase") == "1b":
+        require_mesh(artifact, config, mesh, regime)
     measured = artifact["domain"]
     for field, value in domain_of(config).items():
         if value > measured[field]:

@@ -1,9 +1,9 @@
 """The training floors under sequence and context parallelism, measured; thresholds derived.
 
-    python -m weight_sync_bench.sequence_tolerance              # tolerance/sequence.json
-    python -m weight_sync_bench.sequence_tolerance --phase 1b   # tolerance/sequence_1b.json
+    python -m weight_sync_bench.tolerance sequence --write              # tolerance/sequence.json
+    python -m weight_sync_bench.tolerance sequence --phase 1b --write   # sequence_1b.json
 
-The same quantities, deviations and rule as ``training_tolerance`` (the smallest power of
+The same quantities, deviations and rule as ``training.floor`` (the smallest power of
 ten at or above 100x the worst, per quantity and regime), over the meshes that shard the
 sequence: every config of the training domain (TOY, TOY_KV4, TOY with every variant, the
 small variants), unpacked and packed (and the packed batch with a row of padding alone),
@@ -12,8 +12,11 @@ the sequence splits evenly, dp of 1 and 2; the plain DP x TP shapes are training
 The "cancelling" regime repeats the adversarial cancelling partial sums under SP and CP.
 A floor is not reused across meshes that reorder different sums: this artifact is the
 SP / CP one, and ``thresholds_for`` reads it for every mesh with ``sp`` or ``cp > 1``.
-Nor across phases: phase 1b (SP over gloo, one process per TP rank, dp = 1; CP has no gloo
-path) has ``sequence_1b.json``, measured on the same domain's SP meshes with cp = 1.
+Nor across phases: phase 1b (over gloo, one process per rank of dp x cp x tp) has
+``sequence_1b.json``, measured on the same domain's meshes that ``floor.over_gloo`` admits
+(at most ``GLOO_WORLD`` ranks, cp <= ``GLOO_MAX_CP``; the meshes with dp or cp > 1 on the
+first ``GLOO_ADDED_SEEDS`` seeds); a phase 1b mesh it has no cell for is refused
+(``floor.require_mesh``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from weight_sync_bench.training.floor import (
     Groups,
     load,
     measure,
+    over_gloo,
 )
 from weight_sync_bench.training.floor import thresholds_for as _thresholds_for
 from weight_sync_bench.training.mesh import Mesh
@@ -72,21 +76,22 @@ def _groups(repetitions: int, steps: int, phase: str = "1a") -> Groups:
             groups.append(("plain", label,
                            [TrainingCase(config, m, seed, steps, spec, params)
                             for m in sequence_meshes(config, spec.rows, spec.seq_len)
-                            if _over(phase, m)]))
+                            if _over(phase, m, seed)]))
     for config, seed in itertools.product(SMALL_VARIANTS, range(repetitions)):
         spec = default_spec(config, packed=True)
         for t in (d for d in layout_for(config).supported_degrees() if d >= 2 and d % 2 == 0):
             cancel = adversarial.cancelling(config, init_params(config, seed), t)
             ms = [m for m in sequence_meshes(config, spec.rows, spec.seq_len)
-                  if m.tp == t and _over(phase, m)]
+                  if m.tp == t and _over(phase, m, seed)]
             groups.append(("cancelling", f"{config.name} cancelling t={t} seed={seed}",
                            [TrainingCase(config, m, seed, steps, spec, cancel) for m in ms]))
     return groups
 
 
-def _over(phase: str, mesh: Mesh) -> bool:
-    """Whether a phase can train this mesh: all in process; over gloo dp = 1, cp = 1."""
-    return phase == "1a" or (mesh.dp == 1 and mesh.cp == 1)
+def _over(phase: str, mesh: Mesh, seed: int) -> bool:
+    """Whether a phase's domain trains this mesh at this seed: all in process; over gloo,
+    ``floor.over_gloo``'s meshes and seeds."""
+    return phase == "1a" or over_gloo(mesh, seed)
 
 
 def measure_sequence(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a"
@@ -104,8 +109,10 @@ def thresholds_for(config: ModelConfig, mesh: Mesh, regime: str = "plain",
                    ) -> dict[str, float]:
     """The thresholds for a case: from sequence[_1b].json when the mesh shards the sequence
     (sp or cp > 1), else from training[_1b].json; ToleranceMismatch outside the measured
-    domain."""
+    domain, and ``FloorNotMeasured`` for a phase 1b mesh its artifact has no cell for
+    (``floor.require_mesh``)."""
     if not (mesh.sp or mesh.cp > 1):
-        return _thresholds_for(config, regime, artifact, phase=phase)
+        return _thresholds_for(config, regime, artifact, phase=phase, mesh=mesh)
     return _thresholds_for(config, regime,
-                           artifact if artifact is not None else load_sequence(phase=phase))
+                           artifact if artifact is not None else load_sequence(phase=phase),
+                           mesh=mesh)
