@@ -181,7 +181,7 @@ class ReferenceModel:
         layer's ops between it and the next parameter, the residual added where a sublayer's
         last parameter (its weight, or its bias) has been read."""
         c, p = self.config, self.params
-        match name.split(".", 2)[-1] if name.startswith("layers.") else name:
+        match step_of(name)[1]:
             case "attn_norm.weight" | "ffn_norm.weight":
                 state.x = rms_norm(state.h, p[name], c.norm_eps)
             case "qkv.weight":
@@ -230,6 +230,15 @@ class ReferenceState:
     mask: torch.Tensor | None
     x: torch.Tensor | None = None
     y: torch.Tensor | None = None
+
+
+def step_of(name: str) -> tuple[str, str]:
+    """A parameter name as the forward's steps read it: ``(layer prefix, what)``, e.g.
+    ``("layers.3.", "qkv.weight")``; ``("", name)`` outside the layers."""
+    if name.startswith("layers."):
+        i, what = name[len("layers."):].split(".", 1)
+        return f"layers.{i}.", what
+    return "", name
 
 
 def add_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -47,6 +47,7 @@ from weight_sync_bench.model.reference import (
     rms_norm,
     rope_tables,
     split_heads,
+    step_of,
     swiglu,
 )
 
@@ -163,8 +164,7 @@ class ShardedModel:
         where the layout needs them. A row-parallel layer's partial sums are reduced (and its
         bias added, ``reduce_row_parallel``) at its last parameter, the residual then."""
         c, shards = self.config, self.shards
-        pre, what = (name[:-len(name.split(".", 2)[-1])], name.split(".", 2)[-1]
-                     ) if name.startswith("layers.") else ("", name)
+        pre, what = step_of(name)
         match what:
             case "attn_norm.weight" | "ffn_norm.weight":
                 state.x = self.enter_region(

@@ -273,12 +273,12 @@ def require_mesh(artifact: dict[str, Any], config: ModelConfig, mesh: Mesh,
     not the in-process rank order), so the nearest measured mesh does not judge it. The
     error names the mesh, its ranks, the meshes the artifact measured for the config, and
     the command that measures it (``command``)."""
-    if str(mesh) in measured_meshes(artifact, config.name, regime):
+    had = measured_meshes(artifact, config.name, regime)
+    if str(mesh) in had:
         return
     kind, phase = str(artifact.get("kind", "training")), str(artifact.get("phase", "1a"))
     path = artifact_path(phase, kind=kind)
     ranks = mesh.dp * mesh.cp * mesh.tp
-    had = measured_meshes(artifact, config.name, regime)
     command = measure_command(kind, phase)
     why = (f"{config.name}: no measured {kind} floor covers mesh {mesh} ({ranks} ranks, "
            f"phase {phase}, {regime} regime): {path.name} measured {config.name} at "
