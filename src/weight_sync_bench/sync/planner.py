@@ -309,6 +309,7 @@ def _pack(plan: Plan, bucket_bytes: int) -> dict[tuple[int, int], list[Message]]
     bucket = bucket_bytes // ELEMENT_SIZE
     out: dict[tuple[int, int], list[Message]] = defaultdict(list)
     open_: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+    filled: dict[tuple[int, int], int] = defaultdict(int)  # elements in each open message
     for index, t in enumerate(plan.transfers):
         if t.local:
             continue
@@ -320,12 +321,13 @@ def _pack(plan: Plan, bucket_bytes: int) -> dict[tuple[int, int], list[Message]]
                                 f"{t.param} ({row} elements = {row * ELEMENT_SIZE} bytes, "
                                 f"rank {t.src_rank} -> rank {t.dst_rank})")
         while a < b:
-            room = bucket - sum(s.numel for s in open_[pair])
-            rows = min(b - a, room // row)
+            rows = min(b - a, (bucket - filled[pair]) // row)
             if rows == 0:
                 out[pair].append(Message(tuple(open_.pop(pair))))
+                filled[pair] = 0
                 continue
             open_[pair].append(Segment(index, ((a, a + rows), *rest)))
+            filled[pair] += rows * row
             a += rows
     for pair, segments in open_.items():
         if segments:
