@@ -52,6 +52,7 @@ def before(ctx, rank, local, plan):
     """The executor before: the plan's cut into messages made again inside the timed region
     (a plan reached the ranks without it) and a fresh buffer per staged message."""
     plan._messages.clear()
+    plan._local.clear()
     return execute_plan(ctx, rank, local, plan, staging="per_message")
 
 

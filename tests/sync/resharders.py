@@ -51,8 +51,12 @@ def insists_on_in_place(ctx, rank, local, plan):
 
 def insists_on_the_cached_cut(ctx, rank, local, plan):
     """The harness's executor, refusing to run unless the plan arrived with its cut into
-    messages for this bucket already made (by the session, outside the timed region)."""
+    messages for this bucket and its local runs already made (by the session, outside the
+    timed region)."""
     if ctx.bucket_bytes not in plan._messages:
         raise AssertionError(f"rank {rank}: the plan's messages for bucket {ctx.bucket_bytes} "
                              "would be cut inside the timed region")
+    if rank not in plan._local:
+        raise AssertionError(f"rank {rank}: the plan's local runs would be made inside the "
+                             "timed region")
     return execute_plan(ctx, rank, local, plan)

@@ -121,7 +121,7 @@ def test_the_plan_reaches_the_ranks_with_its_messages_already_cut(pool):
     with SyncSession(tiny(4), "megatron:4", "vllm:2", pool=pool, forward=False) as session:
         for into in INTO:  # a copy of the plan each time, never cut before
             plan = session.plan.with_transfers(list(session.plan.transfers), mutation=None)
-            assert not plan._messages
+            assert not plan._messages and not plan._local
             result = session.run(resharders.insists_on_the_cached_cut, plan=plan,
                                  bucket_bytes=BUCKET, into=into)
             assert result.passed, result.summary()

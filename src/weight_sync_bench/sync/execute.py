@@ -30,6 +30,12 @@ rank (an empty dict on a rank past the destination's world).
    (``bench/bench_sync.py``'s profile);
 3. local copies for what stays on the rank, done while the first exchange is on the wire.
 
+Copies (local, packing into staging, unpacking from it) go by runs (``Plan.local_runs``,
+``Message.runs``, made with the plan's cut before the timed region): blocks whose corners
+advance by one step are one strided copy, so a per-row cover (Meta's RoPE rows) costs a
+copy per (head, half), not per row (``bench/bench_sync.py``: megatron:2 -> meta:2, 795
+copies a rank -> 91).
+
 Memory: the staging alive at once is at most one outgoing and one incoming exchange's (the
 two arenas), so the executor's extra memory is at most ``2 * bucket_bytes`` (``Meter``
 counts every buffer it allocates; ``rss_peak`` reads the kernel's high-water mark
@@ -69,7 +75,7 @@ from weight_sync_bench.conventions.maps import gather_canonical
 from weight_sync_bench.errors import InvalidNumber, InvalidShards
 from weight_sync_bench.memory import reset_peak, trim
 from weight_sync_bench.sync.boxes import cover_of
-from weight_sync_bench.sync.planner import ELEMENT_SIZE, Message, Plan
+from weight_sync_bench.sync.planner import ELEMENT_SIZE, Message, Plan, Run
 
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
@@ -402,12 +408,12 @@ def execute_plan(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor],
         raise ValueError(f"execute_plan: staging={staging!r}, expected one of {STAGING}")
     out = (planned_storage(plan, rank, ctx.device) if ctx.destination is None
            else existing_storage(plan, rank, ctx.destination))
-    pending = [plan.local_copies(rank)]  # done while the first exchange is on the wire
+    pending = [plan.local_runs(rank)]  # done while the first exchange is on the wire
 
     def local_copies() -> None:
-        for t in pending.pop() if pending else []:
-            _view(out[t.dst_name], t.dst_at, t.region, t.region).copy_(
-                _view(local[t.src_name], t.src_at, t.region, t.region))
+        for run in pending.pop() if pending else ():
+            _blocks(out[run.dst_name], run.dst_at, run.dst_step, run).copy_(
+                _blocks(local[run.src_name], run.src_at, run.src_step, run))
 
     steps = schedule(plan, rank, bucket)
     arenas: dict[str, torch.Tensor] = {}
@@ -474,25 +480,32 @@ def _region(plan: Plan, message: Message, tensors: Mapping[str, torch.Tensor], s
     return view.view(-1)
 
 
+def _blocks(x: torch.Tensor, at: tuple[int, ...], step: tuple[int, ...], run: Run
+            ) -> torch.Tensor:
+    """``run``'s blocks in ``x`` (block i at local index ``at + i * step``) as one view of
+    shape ``(count, *extents)``, whatever ``x``'s strides."""
+    strides = x.stride()
+    return x.as_strided((run.count, *run.extents),
+                        (sum(d * s for d, s in zip(step, strides)), *strides),
+                        x.storage_offset() + sum(a * s for a, s in zip(at, strides)))
+
+
+def _staged(buf: torch.Tensor, run: Run) -> torch.Tensor:
+    """``run``'s blocks in a message's staging, one after another from ``run.buf_at``."""
+    return buf[run.buf_at:run.buf_at + run.numel].view(run.count, *run.extents)
+
+
 def _pack(plan: Plan, message: Message, local: Mapping[str, torch.Tensor],
           buf: torch.Tensor) -> None:
-    """The message's segments, from the source tensors, one after another into ``buf``."""
-    at = 0
-    for seg in message.segments:
-        t = plan.transfers[seg.index]
-        view = _view(local[t.src_name], t.src_at, seg.region, t.region)
-        buf[at:at + seg.numel].view(view.shape).copy_(view)
-        at += seg.numel
+    """The message's runs, from the source tensors, one after another into ``buf``."""
+    for run in message.runs:
+        _staged(buf, run).copy_(_blocks(local[run.src_name], run.src_at, run.src_step, run))
 
 
 def _unpack(plan: Plan, message: Message, out: Params, buf: torch.Tensor) -> None:
-    """``buf``, received, into the destination tensors, segment after segment."""
-    at = 0
-    for seg in message.segments:
-        t = plan.transfers[seg.index]
-        view = _view(out[t.dst_name], t.dst_at, seg.region, t.region)
-        view.copy_(buf[at:at + seg.numel].view(view.shape))
-        at += seg.numel
+    """``buf``, received, into the destination tensors, run after run."""
+    for run in message.runs:
+        _blocks(out[run.dst_name], run.dst_at, run.dst_step, run).copy_(_staged(buf, run))
 
 
 def gather_scatter(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor], plan: Plan

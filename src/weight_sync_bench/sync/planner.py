@@ -90,8 +90,96 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class Run:
+    """``count`` blocks of shape ``extents`` copied as one strided view on each side: block i
+    from the stored ``src_name`` at local index ``src_at + i * src_step`` into the stored
+    ``dst_name`` at ``dst_at + i * dst_step`` and, in a message, at staging element offset
+    ``buf_at + i * block`` (the staging holds a message's runs one after another).
+
+    A per-row cover (Meta's q and k rows interleave the two halves of each HF head,
+    ``permute`` in transformers' ``convert_llama_weights_to_hf``) makes one transfer per
+    row: hundreds of thousands at a real width, each a Python-level copy. Grouped into runs
+    they are one copy per (head, half)."""
+
+    src_name: str
+    dst_name: str
+    extents: tuple[int, ...]
+    src_at: tuple[int, ...]
+    dst_at: tuple[int, ...]
+    src_step: tuple[int, ...]
+    dst_step: tuple[int, ...]
+    count: int
+    buf_at: int = 0
+
+    @property
+    def block(self) -> int:
+        return int(np.prod(self.extents))
+
+    @property
+    def numel(self) -> int:
+        return self.block * self.count
+
+
+Block = tuple[str, tuple[int, ...], str, tuple[int, ...], tuple[int, ...]]
+# (src name, src local corner, dst name, dst local corner, extents)
+
+
+def runs(blocks: list[Block]) -> tuple[Run, ...]:
+    """``blocks`` grouped into ``Run`` s: in copy order, consecutive blocks of the same source
+    and destination tensors and extents whose corners advance by the same non-negative step
+    on both sides are one run. The copy order is by source tensor and corner when no two
+    destination blocks overlap (then the order of the writes cannot matter), else the given
+    order, kept (a mutated plan's overlapping boxes: the later write wins, as it did block
+    by block). Staging offsets follow the runs."""
+    order = sorted(blocks) if _disjoint(blocks) else blocks
+    out: list[Run] = []
+    buf = 0
+    for src, src_at, dst, dst_at, extents in order:
+        r = out[-1] if out else None
+        if r is not None and (r.src_name, r.dst_name, r.extents) == (src, dst, extents):
+            if r.count == 1:
+                src_step = tuple(b - a for a, b in zip(r.src_at, src_at))
+                dst_step = tuple(b - a for a, b in zip(r.dst_at, dst_at))
+                if min(src_step + dst_step) >= 0 and any(dst_step):
+                    out[-1] = replace(r, src_step=src_step, dst_step=dst_step, count=2)
+                    buf += r.block
+                    continue
+            elif (all(a + r.count * d == b for a, d, b in zip(r.src_at, r.src_step, src_at))
+                  and all(a + r.count * d == b for a, d, b in zip(r.dst_at, r.dst_step, dst_at))):
+                out[-1] = replace(r, count=r.count + 1)
+                buf += r.block
+                continue
+        zero = (0,) * len(extents)
+        out.append(Run(src, dst, extents, src_at, dst_at, zero, zero, 1, buf))
+        buf += int(np.prod(extents))
+    return tuple(out)
+
+
+def _disjoint(blocks: list[Block]) -> bool:
+    """Whether no two blocks write an element of the same destination tensor in common (a
+    sweep along dim 0 per tensor, each block checked only against those still open)."""
+    by_name: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = defaultdict(list)
+    for _, _, dst, at, extents in blocks:
+        if all(extents):
+            by_name[dst].append((at, tuple(a + e for a, e in zip(at, extents))))
+    for boxes in by_name.values():
+        boxes.sort()
+        open_: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for lo, hi in boxes:
+            open_ = [(a, b) for a, b in open_ if b[0] > lo[0]]
+            if any(all(x < d and c < y for x, y, c, d in zip(lo, hi, a, b)) for a, b in open_):
+                return False
+            open_.append((lo, hi))
+    return True
+
+
+@dataclass(frozen=True)
 class Message:
+    """Segments sent as one message, and the ``runs`` the sender packs them by and the
+    receiver unpacks them by (the same object at both ends: the staging layout)."""
+
     segments: tuple[Segment, ...]
+    runs: tuple[Run, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -110,6 +198,8 @@ class Plan:
     mutation: str | None = None
     _messages: dict[int, dict[tuple[int, int], list[Message]]] = field(
         default_factory=dict, repr=False, compare=False)
+    _local: dict[int, tuple[Run, ...]] = field(default_factory=dict, repr=False,
+                                               compare=False)
 
     @property
     def world(self) -> int:
@@ -125,6 +215,21 @@ class Plan:
 
     def local_copies(self, rank: int) -> list[Transfer]:
         return [t for t in self.transfers if t.local and t.dst_rank == rank]
+
+    def local_runs(self, rank: int) -> tuple[Run, ...]:
+        """``rank``'s local copies grouped into runs (``runs``), cached per rank."""
+        if rank not in self._local:
+            self._local[rank] = runs([_block(t, t.region) for t in self.local_copies(rank)])
+        return self._local[rank]
+
+    def prepare(self, bucket_bytes: int) -> Plan:
+        """Make what the executor reads from the plan (``messages(bucket_bytes)`` and every
+        rank's ``local_runs``) now, cached on the plan, so that a plan shipped to the ranks
+        carries it and their timed region does not compute it."""
+        self.messages(bucket_bytes)
+        for rank in range(self.world):
+            self.local_runs(rank)
+        return self
 
     @property
     def bytes_between_ranks(self) -> int:
@@ -160,7 +265,8 @@ class Plan:
 
     def with_transfers(self, transfers: list[Transfer], mutation: str) -> Plan:
         """A copy with other transfers (the planner's mutations), messages recomputed."""
-        return replace(self, transfers=tuple(transfers), mutation=mutation, _messages={})
+        return replace(self, transfers=tuple(transfers), mutation=mutation, _messages={},
+                       _local={})
 
     def summary(self) -> str:
         remote = self.remote()
@@ -323,7 +429,7 @@ def _pack(plan: Plan, bucket_bytes: int) -> dict[tuple[int, int], list[Message]]
         while a < b:
             rows = min(b - a, (bucket - filled[pair]) // row)
             if rows == 0:
-                out[pair].append(Message(tuple(open_.pop(pair))))
+                out[pair].append(_message(plan, open_.pop(pair)))
                 filled[pair] = 0
                 continue
             open_[pair].append(Segment(index, ((a, a + rows), *rest)))
@@ -331,5 +437,17 @@ def _pack(plan: Plan, bucket_bytes: int) -> dict[tuple[int, int], list[Message]]
             a += rows
     for pair, segments in open_.items():
         if segments:
-            out[pair].append(Message(tuple(segments)))
+            out[pair].append(_message(plan, segments))
     return dict(out)
+
+
+def _block(t: Transfer, region: Region) -> Block:
+    """Canonical ``region`` (inside ``t.region``) as a block of ``t``'s stored tensors."""
+    src_at = tuple(at + a - o for at, (a, _), (o, _) in zip(t.src_at, region, t.region))
+    dst_at = tuple(at + a - o for at, (a, _), (o, _) in zip(t.dst_at, region, t.region))
+    return (t.src_name, src_at, t.dst_name, dst_at, tuple(b - a for a, b in region))
+
+
+def _message(plan: Plan, segments: list[Segment]) -> Message:
+    return Message(tuple(segments),
+                   runs([_block(plan.transfers[s.index], s.region) for s in segments]))

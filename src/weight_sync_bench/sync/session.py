@@ -276,8 +276,9 @@ class SyncSession:
         is copied into them, timed, as an engine copies a loaded tensor into its parameter.
         So an element the sync does not write fails the bit-exact check.
 
-        The plan's cut into messages (``Plan.messages(bucket_bytes)``, cached on the plan) is
-        made here, once per plan and bucket, and reaches the ranks with the plan, as a
+        The plan's cut into messages (``Plan.messages(bucket_bytes)``) and each rank's local
+        copy runs (``Plan.local_runs``), cached on the plan (``Plan.prepare``), are made here,
+        once per plan and bucket, and reach the ranks with the plan, as a
         cached plan is reused sync after sync: the ranks' timed region does not recompute
         it (Python, on every rank, of the order of T_min for the larger plans:
         ``bench/bench_sync.py``'s staging table runs with it and without)."""
@@ -288,7 +289,7 @@ class SyncSession:
         plan = plan or self.plan
         run_forward = self.forward if forward is None else (forward and self.forward)
         name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
-        plan.messages(bucket_bytes)  # the plan's cut, cached on it: the ranks get it with it
+        plan.prepare(bucket_bytes)  # the plan's cut and runs, cached on it: the ranks get them
         if into == "existing":
             self.pool.run(existing_task, self.world, kwargs={"key": self.key, "plan": plan,
                                                              "seed": self.seed})
@@ -313,7 +314,7 @@ class SyncSession:
         (``execute.calibrate_pattern``: every rank at once, the executor's shift steps,
         messages and exchanges, warm buffers), beside ``run(calibrate=True)``'s one pair."""
         plan = plan or self.plan
-        plan.messages(bucket_bytes)
+        plan.prepare(bucket_bytes)
         records = self.pool.run(pattern_task, self.world, kwargs={
             "plan": plan, "bucket_bytes": bucket_bytes, "repeats": repeats})
         return PatternBandwidth(records[0]["bandwidth"], records[0]["seconds"],

@@ -104,7 +104,7 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
                                   f"tensors are not made on {device}")
     src, dst = sync_layout(config, src_text, dp=dp), sync_layout(config, dst_text)
     plan = plan_for(src, dst)
-    plan.messages(bucket_bytes)  # the cut, cached on the plan: made here, not in the timed region
+    plan.prepare(bucket_bytes)  # the cut and runs, cached on the plan: made here, not timed
     if world != plan.world:
         raise UnsupportedLauncher(f"{plan.label} runs on {plan.world} ranks; torchrun started "
                                   f"{world} (--nproc-per-node {plan.world})")
