@@ -2,7 +2,8 @@
 the naive gather-then-scatter, wall time against T_min, bytes sent max/mean, plan time,
 memory per rank.
 
-One row per layout pair (TOY-sized geometries, world sizes up to 8): TP a -> b, vLLM's KV
+One row per layout pair (TOY-sized geometries, world sizes up to 8): TP a -> b for a, b in
+1, 2, 4, 8 (8 on 8 KV heads), vLLM's KV
 replication over 1, 2 and 8 KV heads, FSDP ``Shard(0)`` -> TP, DP x TP -> TP, fused
 tensors, Megatron -> vLLM and -> Meta. Each row: ``reps`` interleaved rounds of the
 harness's executor into fresh destination storage, the same into existing storage
@@ -38,7 +39,8 @@ from weight_sync_bench.sync import SyncSession, execute_plan, gather_scatter
 KV1, KV8 = TOY.replace(name="toy_kv1", n_kv_heads=1), TOY.replace(name="toy_kv8", n_kv_heads=8)
 ROWS = (
     [(TOY_KV4, f"plain:{a}", f"plain:{b}", 1) for a in (1, 2, 4) for b in (1, 2, 4) if a != b]
-    + [(KV8, "plain:8", "plain:2", 1), (KV8, "plain:2", "plain:8", 1)]
+    + [(KV8, f"plain:{a}", f"plain:{b}", 1) for a, b in ((8, 1), (8, 2), (8, 4), (1, 8),
+                                                           (2, 8), (4, 8))]
     + [(KV1, "megatron:1", "vllm:4", 1), (TOY, "megatron:2", "vllm:4", 1),
        (TOY, "vllm:8", "megatron:2", 1), (KV8, "megatron:8", "vllm:4", 1)]
     + [(TOY_KV4, "fsdp:4", "vllm:2", 1), (TOY_KV4, "fsdp:8", "megatron:4", 1)]
