@@ -132,6 +132,9 @@ def test_overlapping_destination_blocks_keep_the_given_order():
     assert [r.src_at for r in runs(beside)] == [(0,), (5,)]
     apart_in_columns = [("a", (5, 0), "b", (0, 0), (3, 2)), ("a", (0, 0), "b", (2, 2), (3, 2))]
     assert [r.src_at for r in runs(apart_in_columns)] == [(0, 0), (5, 0)]
+    ending_where_the_other_begins = [("a", (5, 2), "b", (0, 2), (3, 2)),
+                                     ("a", (0, 0), "b", (2, 0), (3, 2))]  # columns 2-3, 0-1
+    assert [r.src_at for r in runs(ending_where_the_other_begins)] == [(0, 0), (5, 2)]
 
 
 def test_overlapping_local_copies_write_as_the_transfers_did():
@@ -162,3 +165,14 @@ def test_overlapping_local_copies_write_as_the_transfers_did():
     t2 = transfers[two]
     assert torch.equal(got[wq][2], _region(local[t2.src_name], t2.src_at, t2.region,
                                            t2.region)[0])  # row 2's own copy won
+
+
+def test_prepare_makes_the_cut_and_every_rank_s_runs_before_the_plan_is_shipped():
+    config = tiny(4)
+    cached = plan_for(sync_layout(config, "megatron:4"), sync_layout(config, "meta:2"))
+    plan = cached.with_transfers(list(cached.transfers), mutation=None)  # nothing made yet
+    assert not plan._messages and not plan._local
+    assert plan.prepare(BUCKET) is plan
+    assert set(plan._messages) == {BUCKET} and set(plan._local) == set(range(plan.world))
+    assert plan._messages[BUCKET] == cached.messages(BUCKET)
+    assert all(plan._local[r] == cached.local_runs(r) for r in range(plan.world))
