@@ -179,7 +179,7 @@ class Message:
     receiver unpacks them by (the same object at both ends: the staging layout)."""
 
     segments: tuple[Segment, ...]
-    runs: tuple[Run, ...] = ()
+    runs: tuple[Run, ...]
 
     @property
     def numel(self) -> int:
