@@ -4,6 +4,7 @@ launcher cannot run; and the same rank side launched by torchrun (gloo, standalo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -95,3 +96,32 @@ def test_pool_only_options_are_refused_under_torchrun(flag, capsys, monkeypatch)
     args = ["sync", "--launcher", "torchrun", flag] + {"--mutation": ["box_overlap"]}.get(flag, [])
     assert main(args) == 2
     assert "run on the rank pool only" in capsys.readouterr().err
+
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "num_hidden_layers": 4, "vocab_size": 512, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+def test_a_users_config_json_syncs_with_the_element_check_and_its_forward_is_refused(
+        tmp_path, capsys):
+    """``--hf-config`` is the geometry the user holds; no phase 1b floor covers it, so the
+    forward is refused before any rank starts (exit 2, naming the geometry, the geometries
+    that have one and ``--no-forward``), and the element check, bytes and memory run with
+    ``--no-forward``."""
+    path = tmp_path / "tiny_llama" / "config.json"  # a geometry is named by its directory
+    path.parent.mkdir()
+    path.write_text(json.dumps(TINY_LLAMA))
+    model = ["--hf-config", str(path), "--layers", "1", "--from", "megatron:2", "--to", "vllm:4"]
+    assert main(["sync", *model, "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "the destination forward of tiny_llama needs a phase 1b floor" in err
+    assert "recorded for toy, toy_kv4 only; --no-forward checks every destination" in err
+    assert main(["sync", *model, "--no-forward", "-q"]) == 0
+    out = capsys.readouterr().out
+    for claim in ("plan megatron:2 -> vllm:4 for tiny_llama: world 4", ": 1.000x",
+                  "100% coverage, bit-exact", "PASS tiny_llama megatron:2 -> vllm:4 (phase 2"):
+        assert claim in out, claim
+    assert main(["sync", *model, "--no-forward", "--mutation", "qk_swapped", "-q"]) == 1
+    assert "FAIL tiny_llama megatron:2 -> vllm:4 (phase 2, " in capsys.readouterr().out

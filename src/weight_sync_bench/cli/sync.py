@@ -3,6 +3,7 @@
     wsb sync --config toy_kv4 --from megatron:4 --to vllm:2 [--dp D] [--seed N]
              [--bucket BYTES] [--no-forward] [--naive] [--transfers] [--mutation NAME]
              [--into fresh|existing]
+    wsb sync --hf-config PATH|NAME --layers N [--vocab V] --no-forward --from ... --to ...
     torchrun --standalone --nproc-per-node N -m weight_sync_bench sync --launcher torchrun \\
              --config toy_kv4 --from megatron:4 --to vllm:2 [--backend gloo|nccl]
 
@@ -11,7 +12,10 @@ naive gather-then-scatter's), the time against ``T_min`` from a gloo bandwidth c
 the same run, the staging peak and the RSS high-water growth of every rank, the element
 check and the verdict. ``--dp D``: the source replicated over D data-parallel groups.
 ``--into existing``: received into destination tensors that exist before the timed region
-(``SyncSession.run(into="existing")``; under torchrun as well, on CPU).
+(``SyncSession.run(into="existing")``; under torchrun as well, on CPU). ``--hf-config``:
+the geometry of a Hugging Face ``config.json`` (or a shipped one), ``--layers`` deep; its
+element check, bytes, time and memory need no floor, its forward does (TOY and TOY_KV4
+only), so it runs with ``--no-forward`` and is refused without it (exit 2).
 Exit status (``output.EXIT_CODES``): 0 when the element check and the forward pass, 1 when
 either fails; under torchrun only rank 0 prints and judges.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from weight_sync_bench.cli.checkpoint import add_model_options, model_of
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
     EXIT_OK,
@@ -31,12 +36,16 @@ from weight_sync_bench.cli.output import (
     count,
     seed,
 )
-from weight_sync_bench.errors import UnsupportedLauncher
-from weight_sync_bench.model.config import CONFIGS, config_by_name
+from weight_sync_bench.errors import (
+    FloorNotMeasured,
+    ToleranceMismatch,
+    UnsupportedLauncher,
+)
 from weight_sync_bench.sync.execute import DEFAULT_BUCKET, gather_scatter
 from weight_sync_bench.sync.mutations import PLAN_MUTATIONS
 from weight_sync_bench.sync.session import INTO, SyncSession
 from weight_sync_bench.sync.torchrun import device_for, run_torchrun
+from weight_sync_bench.tolerance.rules import load_artifact, threshold_for
 
 if TYPE_CHECKING:
     from weight_sync_bench.sync.session import SyncResult
@@ -57,7 +66,17 @@ def _record(result: SyncResult) -> dict[str, Any]:
 
 def cmd_sync(args: argparse.Namespace) -> int:
     out = Output(args)
-    config = config_by_name(args.config)
+    config = model_of(args)
+    if not args.no_forward:
+        try:
+            threshold_for(config, "1b")
+        except ToleranceMismatch:  # before any rank starts
+            recorded = sorted({c["config"] for c in load_artifact("1b")["cells"]})
+            raise FloorNotMeasured(
+                f"the destination forward of {config.name} needs a phase 1b floor, and one is "
+                f"recorded for {', '.join(recorded)} only; --no-forward checks every "
+                "destination element bit for bit, the bytes, the time and each rank's memory "
+                "without one", command="wsb sync ... --no-forward") from None
     results = []
     if args.launcher == "torchrun":
         if args.mutation or args.naive:
@@ -103,7 +122,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p = subparsers.add_parser("sync", help="reshard between two distributed layouts, no full "
                               "tensor anywhere: bytes against B_min, time against T_min, "
                               "memory per rank, element check and forward")
-    p.add_argument("--config", default="toy_kv4", choices=list(CONFIGS))
+    add_model_options(p, default="toy_kv4")
     p.add_argument("--from", dest="src", default="megatron:4",
                    help="source layout: CONVENTION:DEGREE (plain, megatron, vllm, hf, meta) or "
                         "fsdp:D (default megatron:4)")
@@ -126,7 +145,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--into", choices=list(INTO), default="fresh",
                    help="destination storage: fresh (allocated by the sync, timed; the "
                         "default) or existing (the consumer's tensors, allocated and filled "
-                        "with stale values before the timed region; pool only)")
+                        "with stale values before the timed region; the pool, or torchrun "
+                        "on CPU)")
     p.add_argument("--launcher", choices=["pool", "torchrun"], default="pool",
                    help="pool: the harness's rank processes; torchrun: this process is one "
                         "rank of a torchrun job (env:// rendezvous)")
