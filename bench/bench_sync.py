@@ -15,7 +15,8 @@ each storage per row where a phase 1b floor exists (TOY, TOY_KV4). The times tab
 fresh and T existing against the issue's ``T_min`` (one pair's bandwidth) and against
 ``T_min@W`` (the same formula at the pattern's bandwidth), and says which rows meet 1.5x
 under which. The overhead table puts the executor against the executor before (``before``:
-the plan's cut into messages made again on every rank inside the timed region, and
+the plan's cut into messages and its copy runs made again on every rank inside the timed
+region, and
 ``staging="per_message"``, a fresh buffer per staged message), into existing storage, in
 the same rounds. Then ``wire_profile``: raw traffic that shows what
 T holds beside the bytes T_min counts. Prints; asserts only that every run moved exactly B_min.
@@ -51,7 +52,8 @@ FORWARD = (TOY, TOY_KV4)  # the geometries with a measured phase 1b floor
 
 
 def before(ctx, rank, local, plan):
-    """The executor before: the plan's cut into messages made again inside the timed region
+    """The executor before: the plan's cut into messages (and its copy runs) made again inside
+    the timed region
     (a plan reached the ranks without it) and a fresh buffer per staged message."""
     plan._messages.clear()
     plan._local.clear()
@@ -179,7 +181,7 @@ def times(rows: list[dict]) -> str:
         f"{s} storage vs {b}: {n}" for (b, s), n in meets.items()))
     lines.append("")
     lines.append("the executor's own overhead, into existing storage, same rounds: before (the "
-                 "plan's cut into messages made on every rank inside the timed region, a fresh "
+                 "plan's cut into messages and runs made on every rank inside the timed region, a fresh "
                  "buffer per staged message) and after (the cut made once by the session and "
                  "shipped with the plan; two staging arenas per call)")
     lines.append(f"{'layout pair':<36} {'staged MB':>9} {'cut ms':>6} {'T before':>8} "
