@@ -223,7 +223,10 @@ def huge_pages(x: torch.Tensor) -> torch.Tensor:
     on the 2 MiB-aligned part of a fresh CPU tensor) before anything touches it: first-touch
     page faults, which a receive into fresh destination memory pays on every 4 KiB page, come
     512 times fewer (zeroing 38.7 MB of fresh pages: about 4x faster here, ``bench_sync``).
-    A no-op where the call or THP is missing; the values are unaffected either way."""
+    Under ``defrag=madvise`` a process's first huge-page faults wait for the kernel to
+    compact memory (1 GB: 0.7-1.5 s the first time, 0.06-0.13 s after, 0.26-0.35 s without
+    the advice; the README's phase 2 limits). A no-op where the call or THP is missing; the
+    values are unaffected either way."""
     if x.device.type != "cpu" or x.numel() * x.element_size() < 2 * HUGE_PAGE:
         return x
     start = -(-x.data_ptr() // HUGE_PAGE) * HUGE_PAGE
