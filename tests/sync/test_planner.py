@@ -140,3 +140,51 @@ def test_the_sweep_scales_with_the_boxes_not_their_pairs():
     plan = build_plan(src, dst)
     assert plan.build_seconds < 1.0  # all pairs would be millions of intersections
     assert plan.bytes_between_ranks == minimum_bytes(src.layout, dst.layout)
+
+
+def test_the_plan_prints_its_summary_and_its_transfers_as_data():
+    config = tiny(2)
+    plan = plan_for(sync_layout(config, "megatron:2"), sync_layout(config, "vllm:1"))
+    remote = plan.remote()
+    assert (len(plan.transfers), len(remote)) == (21, 9)
+    assert plan.pairs() == {(1, 0): plan.bytes_between_ranks} == {(1, 0): 55296}
+    head, table = plan.summary().split("\n", 1)
+    assert head.startswith("plan megatron:2 -> vllm:1 for tiny_kv2: world 2, 21 transfers "
+                           "(12 local copies, 9 between ranks over 1 rank pairs), 55296 bytes "
+                           "between ranks, built in ")
+    assert table.split("\n") == ["  rank  sent bytes  received bytes  local copy bytes",
+                                 "  0     0           55296           55680",
+                                 "  1     55296       0               0"]
+    assert str(plan) == plan.summary()
+    lines = plan.describe(limit=2).split("\n")
+    assert lines == [
+        "local: tok_embeddings.weight[0-127, 0-31] from embedding.word_embeddings.weight at "
+        "[0, 0] into model.embed_tokens.weight at [0, 0] (4096 elements)",
+        "rank 1 -> rank 0: tok_embeddings.weight[128-255, 0-31] from "
+        "embedding.word_embeddings.weight at [0, 0] into model.embed_tokens.weight at [128, 0] "
+        "(4096 elements)",
+        "... 19 more"]
+    assert len(plan.describe(limit=None).split("\n")) == 21 and "more" not in plan.describe(None)
+
+
+def test_with_transfers_is_a_copy_with_those_transfers_and_that_mutation():
+    config = tiny(2)
+    plan = plan_for(sync_layout(config, "megatron:2"), sync_layout(config, "vllm:1"))
+    fewer = plan.with_transfers(list(plan.transfers[1:]), "dropped")
+    assert fewer.transfers == plan.transfers[1:] and fewer.mutation == "dropped"
+    assert fewer.label == "megatron:2 -> vllm:1 (mutation dropped)"
+    assert (fewer.src, fewer.dst) == (plan.src, plan.dst) and plan.mutation is None
+
+
+def test_building_a_plan_leaves_the_garbage_collector_as_it_found_it():
+    import gc
+
+    config = tiny(2)
+    for enabled in (True, False):
+        (gc.enable if enabled else gc.disable)()
+        try:
+            build_plan(cover_of(sync_layout(config, "megatron:2")),
+                       cover_of(sync_layout(config, "vllm:1")))
+            assert gc.isenabled() == enabled
+        finally:
+            gc.enable()

@@ -66,10 +66,6 @@ class Transfer:
     def numel(self) -> int:
         return int(np.prod([b - a for a, b in self.region]))
 
-    def along(self, shape: tuple[int, ...]) -> list[int]:
-        """The dims along which the region is not the whole tensor."""
-        return [d for d, (a, b) in enumerate(self.region) if (a, b) != (0, shape[d])]
-
     def __str__(self) -> str:
         dims = ", ".join(f"{a}-{b - 1}" for a, b in self.region)
         how = "local" if self.local else f"rank {self.src_rank} -> rank {self.dst_rank}"
