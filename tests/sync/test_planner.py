@@ -158,11 +158,11 @@ def test_the_plan_prints_its_summary_and_its_transfers_as_data():
     assert str(plan) == plan.summary()
     lines = plan.describe(limit=2).split("\n")
     assert lines == [
-        "local: tok_embeddings.weight[0-127, 0-31] from embedding.word_embeddings.weight at "
-        "[0, 0] into model.embed_tokens.weight at [0, 0] (4096 elements)",
-        "rank 1 -> rank 0: tok_embeddings.weight[128-255, 0-31] from "
-        "embedding.word_embeddings.weight at [0, 0] into model.embed_tokens.weight at [128, 0] "
-        "(4096 elements)",
+        ("local: tok_embeddings.weight[0-127, 0-31] from embedding.word_embeddings.weight at "
+         "[0, 0] into model.embed_tokens.weight at [0, 0] (4096 elements)"),
+        ("rank 1 -> rank 0: tok_embeddings.weight[128-255, 0-31] from "
+         "embedding.word_embeddings.weight at [0, 0] into model.embed_tokens.weight at "
+         "[128, 0] (4096 elements)"),
         "... 19 more"]
     assert len(plan.describe(limit=None).split("\n")) == 21 and "more" not in plan.describe(None)
 
