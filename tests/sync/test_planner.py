@@ -188,3 +188,17 @@ def test_building_a_plan_leaves_the_garbage_collector_as_it_found_it():
             assert gc.isenabled() == enabled
         finally:
             gc.enable()
+
+
+def test_a_replicated_segment_goes_in_equal_parts_the_largest_to_the_least_loaded():
+    from weight_sync_bench.sync.boxes import Box
+    from weight_sync_bench.sync.planner import _choose
+
+    holders = [(s, Box(rank, "w", "w", 0, 0, 10, 0)) for s, rank in enumerate((1, 2, 3))]
+    load = {1: 50, 2: 0, 3: 20}
+    parts = _choose(holders, 0, 0, 7, load, 4)  # 7 rows over 3 holders: 3, 2, 2
+    assert parts == [(1, 0, 3), (2, 3, 5), (0, 5, 7)]  # rank 2, then 3, then 1
+    assert load == {1: 58, 2: 12, 3: 28}
+    assert _choose(holders, 0, 0, 1, {1: 5, 2: 5, 3: 0}, 4) == [(2, 0, 1)]  # one row
+    assert _choose(holders, 0, 0, 2, {1: 0, 2: 0, 3: 0}, 4) == [(0, 0, 1), (1, 1, 2)]  # ties
+    assert _choose(holders, 2, 0, 7, load, 4) == [(1, 0, 7)]  # rank 2 holds it: a local copy
