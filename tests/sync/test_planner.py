@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.sync.conftest import tiny
-from weight_sync_bench.errors import UnsupportedLayout
+from weight_sync_bench.errors import InvalidNumber, UnsupportedLayout
 from weight_sync_bench.model.config import TOY, TOY_KV4
 from weight_sync_bench.sync import minimum_bytes, naive_bytes, plan_for, sync_layout
 from weight_sync_bench.sync.boxes import cover_of
@@ -202,3 +202,14 @@ def test_a_replicated_segment_goes_in_equal_parts_the_largest_to_the_least_loade
     assert _choose(holders, 0, 0, 1, {1: 5, 2: 5, 3: 0}, 4) == [(2, 0, 1)]  # one row
     assert _choose(holders, 0, 0, 2, {1: 0, 2: 0, 3: 0}, 4) == [(0, 0, 1), (1, 1, 2)]  # ties
     assert _choose(holders, 2, 0, 7, load, 4) == [(1, 0, 7)]  # rank 2 holds it: a local copy
+
+
+def test_a_bucket_below_one_element_or_one_row_is_refused_naming_the_numbers():
+    plan = plan_for(sync_layout(tiny(2), "megatron:2"), sync_layout(tiny(2), "vllm:1"))
+    for bucket in (0, 3):
+        with pytest.raises(InvalidNumber, match=f"^bucket_bytes must be an int >= 4, got {bucket}$"):
+            plan.with_transfers(list(plan.transfers), None).messages(bucket)
+    with pytest.raises(InvalidNumber, match=r"^bucket_bytes=64 is smaller than one row of "
+                       r"tok_embeddings.weight \(32 elements = 128 bytes, rank 1 -> rank 0\)$"):
+        plan.with_transfers(list(plan.transfers), None).messages(64)
+    assert plan.with_transfers(list(plan.transfers), None).messages(128)  # one row fits
