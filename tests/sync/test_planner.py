@@ -155,7 +155,9 @@ def test_the_plan_prints_its_summary_and_its_transfers_as_data():
     assert table.split("\n") == ["  rank  sent bytes  received bytes  local copy bytes",
                                  "  0     0           55296           55680",
                                  "  1     55296       0               0"]
+    assert head.endswith(f"built in {plan.build_seconds * 1e3:.2f} ms")
     assert str(plan) == plan.summary()
+    assert plan.describe().split("\n")[20:] == ["... 1 more"]  # 20 lines unless told
     lines = plan.describe(limit=2).split("\n")
     assert lines == [
         ("local: tok_embeddings.weight[0-127, 0-31] from embedding.word_embeddings.weight at "
