@@ -91,6 +91,12 @@ def over_gloo(mesh: Mesh, seed: int | None = None) -> bool:
     return seed is None or (mesh.dp == 1 and mesh.cp == 1) or seed < GLOO_ADDED_SEEDS
 
 
+def in_domain(phase: str, mesh: Mesh, seed: int) -> bool:
+    """Whether ``phase``'s domain trains ``mesh`` at ``seed``: every case in process (1a);
+    over gloo (1b), ``over_gloo``'s meshes and seeds."""
+    return phase == "1a" or over_gloo(mesh, seed)
+
+
 def gloo_domain() -> dict[str, Any]:
     """Phase 1b's mesh domain as the artifact records it."""
     return {"max_ranks": GLOO_WORLD, "max_cp": GLOO_MAX_CP,
@@ -155,7 +161,7 @@ def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a
             groups: Groups | None = None, kind: str = "training") -> dict[str, Any]:
     """Run every case of the domain (``groups``, default the DP x TP one) correctly and
     record the worst of each quantity. Phase 1b trains over gloo on a rank pool, on the
-    cases of its domain (``over_gloo``). ``kind`` names the artifact (``sequence_floor``
+    cases of its domain (``in_domain``; a group left empty is skipped). ``kind`` names the artifact (``sequence_floor``
     measures the SP / CP domain into one of its own)."""
     train = _trainer(phase)
     worst = {regime: {q: {"worst": 0.0, "case": "", "where": ""} for q in QUANTITIES}
@@ -163,7 +169,7 @@ def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a
     cells, domain = [], {f: 0 for f in DOMAIN_FIELDS}
     never = dict.fromkeys(QUANTITIES, float("inf"))
     for regime, label, cases in (groups if groups is not None else _cases(repetitions, steps)):
-        cases = [c for c in cases if phase == "1a" or over_gloo(c.mesh, c.seed)]
+        cases = [c for c in cases if in_domain(phase, c.mesh, c.seed)]
         if not cases:
             continue
         reference = cases[0].reference()

@@ -15,7 +15,8 @@ SP / CP one, and ``thresholds_for`` reads it for every mesh with ``sp`` or ``cp 
 Nor across phases: phase 1b (over gloo, one process per rank of dp x cp x tp) has
 ``sequence_1b.json``, measured on the same domain's meshes that ``floor.over_gloo`` admits
 (at most ``GLOO_WORLD`` ranks, cp <= ``GLOO_MAX_CP``; the meshes with dp or cp > 1 on the
-first ``GLOO_ADDED_SEEDS`` seeds); a phase 1b mesh it has no cell for is refused
+first ``GLOO_ADDED_SEEDS`` seeds; ``floor.in_domain``); a phase 1b mesh it has no cell for
+is refused
 (``floor.require_mesh``).
 """
 
@@ -39,7 +40,6 @@ from weight_sync_bench.training.floor import (
     Groups,
     load,
     measure,
-    over_gloo,
 )
 from weight_sync_bench.training.floor import thresholds_for as _thresholds_for
 from weight_sync_bench.training.mesh import Mesh
@@ -64,7 +64,9 @@ def sequence_meshes(config: ModelConfig, rows: int, seq_len: int,
     return out
 
 
-def _groups(repetitions: int, steps: int, phase: str = "1a") -> Groups:
+def _groups(repetitions: int, steps: int) -> Groups:
+    """Every phase's cases; ``measure`` keeps those of its phase's domain
+    (``floor.in_domain``)."""
     groups: Groups = []
     for config in (TOY, TOY_KV4, TOY_VARIANTS, *SMALL_VARIANTS):
         specs = [default_spec(config, packed=False), default_spec(config, packed=True)]
@@ -75,29 +77,20 @@ def _groups(repetitions: int, steps: int, phase: str = "1a") -> Groups:
             label = f"{config.name} {'packed' if spec.packed else 'unpacked'} seed={seed}"
             groups.append(("plain", label,
                            [TrainingCase(config, m, seed, steps, spec, params)
-                            for m in sequence_meshes(config, spec.rows, spec.seq_len)
-                            if _over(phase, m, seed)]))
+                            for m in sequence_meshes(config, spec.rows, spec.seq_len)]))
     for config, seed in itertools.product(SMALL_VARIANTS, range(repetitions)):
         spec = default_spec(config, packed=True)
         for t in (d for d in layout_for(config).supported_degrees() if d >= 2 and d % 2 == 0):
             cancel = adversarial.cancelling(config, init_params(config, seed), t)
-            ms = [m for m in sequence_meshes(config, spec.rows, spec.seq_len)
-                  if m.tp == t and _over(phase, m, seed)]
+            ms = [m for m in sequence_meshes(config, spec.rows, spec.seq_len) if m.tp == t]
             groups.append(("cancelling", f"{config.name} cancelling t={t} seed={seed}",
                            [TrainingCase(config, m, seed, steps, spec, cancel) for m in ms]))
     return groups
 
 
-def _over(phase: str, mesh: Mesh, seed: int) -> bool:
-    """Whether a phase's domain trains this mesh at this seed: all in process; over gloo,
-    ``floor.over_gloo``'s meshes and seeds."""
-    return phase == "1a" or over_gloo(mesh, seed)
-
-
 def measure_sequence(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a"
                      ) -> dict[str, Any]:
-    groups = [g for g in _groups(repetitions, steps, phase) if g[2]]
-    return measure(repetitions, steps, phase, groups=groups, kind=KIND)
+    return measure(repetitions, steps, phase, groups=_groups(repetitions, steps), kind=KIND)
 
 
 def load_sequence(path: Path | None = None, phase: str = "1a") -> dict[str, Any]:
