@@ -55,6 +55,20 @@ def _destinations(plan: Plan, rank: int) -> dict[str, torch.Tensor]:
             for name, piece in plan.dst.pieces[rank].items()} if rank < plan.dst.world else {}
 
 
+def _copy_by_transfers(plan: Plan, rank: int, local, out) -> None:
+    """The oracle: ``rank``'s local copies, one transfer after another, in plan order."""
+    for t in plan.local_copies(rank):
+        _region(out[t.dst_name], t.dst_at, t.region, t.region).copy_(
+            _region(local[t.src_name], t.src_at, t.region, t.region))
+
+
+def _copy_by_runs(plan: Plan, rank: int, local, out) -> None:
+    """What ``execute_plan``'s local copies do: ``rank``'s runs."""
+    for run in plan.local_runs(rank):
+        _blocks(out[run.dst_name], run.dst_at, run.dst_step, run).copy_(
+            _blocks(local[run.src_name], run.src_at, run.src_step, run))
+
+
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided-source"])
 @pytest.mark.parametrize(("config", "src", "dst"), PAIRS, ids=[f"{s}->{d}" for _, s, d in PAIRS])
 def test_copying_by_runs_writes_what_copying_transfer_by_transfer_writes(config, src, dst,
@@ -64,12 +78,8 @@ def test_copying_by_runs_writes_what_copying_transfer_by_transfer_writes(config,
     for rank in range(plan.world):
         local = _sources(plan, rank, strided=strided)
         want, got = _destinations(plan, rank), _destinations(plan, rank)
-        for t in plan.local_copies(rank):
-            _region(want[t.dst_name], t.dst_at, t.region, t.region).copy_(
-                _region(local[t.src_name], t.src_at, t.region, t.region))
-        for run in plan.local_runs(rank):  # what execute_plan's local copies do
-            _blocks(got[run.dst_name], run.dst_at, run.dst_step, run).copy_(
-                _blocks(local[run.src_name], run.src_at, run.src_step, run))
+        _copy_by_transfers(plan, rank, local, want)
+        _copy_by_runs(plan, rank, local, got)
         assert all(torch.equal(want[n], got[n]) for n in want), f"rank {rank}: local copies"
         for (frm, to), pair in messages.items():  # every message sent by this rank, received
             if frm != rank:
@@ -155,12 +165,8 @@ def test_overlapping_local_copies_write_as_the_transfers_did():
     longer = plan.with_transfers(transfers, "local_overlap")
     local = _sources(longer, 0, strided=False)
     want, got = _destinations(longer, 0), _destinations(longer, 0)
-    for t in longer.local_copies(0):
-        _region(want[t.dst_name], t.dst_at, t.region, t.region).copy_(
-            _region(local[t.src_name], t.src_at, t.region, t.region))
-    for run in longer.local_runs(0):
-        _blocks(got[run.dst_name], run.dst_at, run.dst_step, run).copy_(
-            _blocks(local[run.src_name], run.src_at, run.src_step, run))
+    _copy_by_transfers(longer, 0, local, want)
+    _copy_by_runs(longer, 0, local, got)
     assert all(torch.equal(want[n], got[n]) for n in want)
     t2 = transfers[two]
     assert torch.equal(got[wq][2], _region(local[t2.src_name], t2.src_at, t2.region,
