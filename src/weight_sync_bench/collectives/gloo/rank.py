@@ -131,7 +131,7 @@ def rank_main(rank: int, world: int, directory: Path, conn: Connection, pg_timeo
             result = task(ctx, **kwargs)
             data = dumps(("ok", task_id, tracer.crumb.seq, result))
         except Exception as exc:  # noqa: BLE001 - every failure goes to the parent
-            data = dumps(("error", task_id, tracer.crumb.seq, _error_payload(exc, tracer)))
+            data = dumps(("error", task_id, tracer.crumb.seq, error_payload(exc, tracer)))
         tracer.mark("idle", task=task_id)
         conn.send_bytes(data)
 
@@ -149,7 +149,10 @@ def _join(rank: int, world: int, directory: Path, conn: Connection, pg_timeout: 
     return groups
 
 
-def _error_payload(exc: BaseException, tracer: Tracer) -> dict[str, Any]:
+def error_payload(exc: BaseException, tracer: Tracer) -> dict[str, Any]:
+    """What a rank sends its parent about an exception its task raised: the type, message
+    and traceback as text, the exception pickled where it round-trips, and where the tracer
+    was (a pool rank and a torchrun rank report the same way)."""
     try:
         pickled = pickle.dumps(exc)
         pickle.loads(pickled)

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
-from weight_sync_bench.collectives.gloo.rank import RankContext, _error_payload
+from weight_sync_bench.collectives.gloo.rank import RankContext, error_payload
 from weight_sync_bench.errors import RankFailure, RankTimeout, UnsupportedLauncher
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ class TorchrunRanks:
                      task(ctx, **kwargs, **mine))
         except Exception as exc:  # noqa: BLE001 - every failure goes to rank 0
             reply = ("error", self.tracer.crumb.seq, str(self.tracer.crumb),
-                     _error_payload(exc, self.tracer))
+                     error_payload(exc, self.tracer))
         finally:
             faulthandler.cancel_dump_traceback_later()
         self.tracer.mark("idle", task=task_id)
