@@ -15,7 +15,7 @@ the worst deviation seen before shrinking. The runner is a generator of progress
 only the CLI prints. Phase 1b plugs in by passing its ``forward`` (the rank pool's).
 
 A rank fault (``RankFailure``: a rank killed, stopped, stalled or raising) is a fault of the
-harness, not a counterexample: the property body turns it into ``_HarnessAbort``, a
+harness, not a counterexample: the property body turns it into ``HarnessAbort``, a
 ``BaseException`` that is not an ``Exception``, which Hypothesis lets through at once instead
 of shrinking it as a failure. ``run_property`` records it on the tally (``HarnessFault``) and
 re-raises the typed ``RankFailure``; ``fuzz`` records it in the report, lets the pool
@@ -136,7 +136,7 @@ class HarnessFault:
                 + (f"\n  case: {self.case}" if self.case else ""))
 
 
-class _HarnessAbort(BaseException):
+class HarnessAbort(BaseException):
     """Carries a ``RankFailure`` out of a Hypothesis test body. A ``BaseException`` that is
     not an ``Exception``: Hypothesis neither shrinks it nor reports it as a failure."""
 
@@ -243,7 +243,7 @@ def property_test(prop: str, mutation: str | None, tally: Tally, *, phase: str =
         try:
             outcome = case_runner(case, forward=forward, threshold_rule=threshold_rule)
         except RankFailure as error:  # the harness failed, not the property: do not shrink
-            raise _HarnessAbort(error, case) from error
+            raise HarnessAbort(error, case) from error
         tally.add(outcome)
         identity = case.identity_reason()
         event(f"t={case.src}->{case.dst}" + (" identity" if identity else ""))
@@ -296,7 +296,7 @@ def run_property(prop: str, mutation: str | None = None, *, profile: str | None 
     test = settings(PROFILES[name], **overrides)(test)
     try:
         test()
-    except _HarnessAbort as abort:
+    except HarnessAbort as abort:
         tally.faults.append(HarnessFault(tally.label, abort.case, abort.error))
         abort.error.add_note(f"a harness fault during {tally.label} on {abort.case}: not a "
                              "counterexample, not shrunk, not written to the corpus")

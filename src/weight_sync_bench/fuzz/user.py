@@ -72,9 +72,9 @@ from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain
 from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.fuzz.runner import (
     FuzzReport,
+    HarnessAbort,
     PropertyFailed,
     Tally,
-    _HarnessAbort,
     property_test,
     run_property,
 )
@@ -571,7 +571,7 @@ def user_property(function: UserFunction, *, domain: FuzzDomain = DOMAIN,
             inner = settings(inner)
         try:
             inner()
-        except _HarnessAbort as abort:
+        except HarnessAbort as abort:
             raise abort.error from None
         except PropertyFailed as failure:
             _record(failure, tally, function, corpus_path)
