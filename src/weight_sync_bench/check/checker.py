@@ -25,7 +25,7 @@ import torch
 
 from weight_sync_bench.check.diagnosis import _bit_equal, diagnose, mismatching
 from weight_sync_bench.check.floor import computing, measure_geometry
-from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.check.forwards import BACKENDS, inprocess_forward
 from weight_sync_bench.check.user_code import call_user
 from weight_sync_bench.errors import FloorNotMeasured, InvalidNumber, InvalidShards
 from weight_sync_bench.layout.reshard import (
@@ -284,8 +284,6 @@ def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:
     degrees = layout.supported_degrees()
     return [(s, d) for s in degrees for d in degrees]
 
-
-BACKENDS = ("inprocess", "gloo")
 
 
 def checker_for(config: ModelConfig, *, seed: int = 0, backend: str = "inprocess",

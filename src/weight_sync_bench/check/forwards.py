@@ -53,6 +53,10 @@ Params = dict[str, torch.Tensor]
 # reference. Not the collective (it differs between the phases by design) and not torch.
 FORWARD_MODULES = ("weight_sync_bench.model.sharded", "weight_sync_bench.model.reference")
 
+# Where a check's sharded forward runs: every rank in this process (``inprocess_forward``,
+# phase 1a) or one process per rank over gloo (``gloo_forward``, phase 1b).
+BACKENDS = ("inprocess", "gloo")
+
 
 @dataclass(frozen=True)
 class Phase1bResult:

@@ -56,7 +56,7 @@ import torch
 from weight_sync_bench.check.checker import Verdict, environment_notes, resolve_floor
 from weight_sync_bench.check.diagnosis import _bit_equal, diagnose
 from weight_sync_bench.check.floor import computing
-from weight_sync_bench.check.forwards import gloo_forward
+from weight_sync_bench.check.forwards import BACKENDS, gloo_forward
 from weight_sync_bench.check.user_code import call_user, describe
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
@@ -88,7 +88,6 @@ if TYPE_CHECKING:
     from weight_sync_bench.conventions.reading import ReadingPlan
 
 PER = ("layer", "parameter")
-BACKENDS = ("inprocess", "gloo")
 Params = dict[str, torch.Tensor]
 # (a stage's full parameters, degree) -> per rank, that stage's shards; or
 # (per rank, a stage's shards at src, dst) -> per rank, its shards at dst

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from weight_sync_bench.check.checker import BACKENDS
 from weight_sync_bench.check.convert import verify_checkpoint
+from weight_sync_bench.check.forwards import BACKENDS
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
     EXIT_OK,

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 
 from weight_sync_bench.cli.output import EXIT_OK
-from weight_sync_bench.collectives.gloo.torchrun import device_for
+from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS, device_for
 from weight_sync_bench.errors import UnsupportedLauncher
 
 LAUNCHERS = ("pool", "torchrun")
@@ -49,7 +49,7 @@ def launched(fn: Callable[[argparse.Namespace], int], *, pool_default: str = "in
                                           "pool runs gloo on CPU)")
             args.backend = backend or pool_default
             return fn(args)
-        if backend not in (None, "gloo", "nccl"):
+        if backend is not None and backend not in TORCHRUN_BACKENDS:
             raise UnsupportedLauncher(f"--backend {backend} runs every rank in this process; "
                                       "under --launcher torchrun the ranks are the job's "
                                       "processes: --backend gloo (the default) or nccl")

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 
 from weight_sync_bench.check.checker import (
-    BACKENDS,
     Verdict,
     check_reshard,
     check_split,
@@ -45,6 +44,7 @@ from weight_sync_bench.check.checker import (
 )
 from weight_sync_bench.check.convert import check_convert
 from weight_sync_bench.check.floor import measure_geometry
+from weight_sync_bench.check.forwards import BACKENDS
 from weight_sync_bench.check.stream import PER, stream_check
 from weight_sync_bench.check.user_code import frame_error
 from weight_sync_bench.cli.checkpoint import (
@@ -77,6 +77,7 @@ from weight_sync_bench.cli.output import (
 from weight_sync_bench.cli.launch import add_launcher_option, launched
 from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.cli.sync import register as register_sync
+from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS
 from weight_sync_bench.conventions import convention_by_name, endpoint, render
 from weight_sync_bench.errors import (
     FloorNotMeasured,
@@ -443,7 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--src", type=int, default=None, help="source degree (default: every supported)")
     check.add_argument("--dst", type=int, default=None, help="destination degree (default: every supported)")
     check.add_argument("--seed", type=seed, default=0, help="parameter seed (0..2^63-1)")
-    check.add_argument("--backend", choices=[*BACKENDS, "nccl"], default=None,
+    check.add_argument("--backend", choices=list(dict.fromkeys((*BACKENDS, *TORCHRUN_BACKENDS))),
+                       default=None,
                        help="inprocess: every rank in this process (phase 1a, the default); "
                             "gloo: one process per rank over gloo (phase 1b, the default under "
                             "--launcher torchrun); nccl: torchrun only, where CUDA is available")

@@ -44,7 +44,7 @@ from weight_sync_bench.errors import (
 from weight_sync_bench.sync.execute import DEFAULT_BUCKET, gather_scatter
 from weight_sync_bench.sync.mutations import PLAN_MUTATIONS
 from weight_sync_bench.sync.session import INTO, SyncSession
-from weight_sync_bench.sync.torchrun import device_for, run_torchrun
+from weight_sync_bench.sync.torchrun import TORCHRUN_BACKENDS, device_for, run_torchrun
 from weight_sync_bench.tolerance.rules import load_artifact, threshold_for
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--launcher", choices=["pool", "torchrun"], default="pool",
                    help="pool: the harness's rank processes; torchrun: this process is one "
                         "rank of a torchrun job (env:// rendezvous)")
-    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo",
+    p.add_argument("--backend", choices=list(TORCHRUN_BACKENDS), default="gloo",
                    help="nccl: torchrun only, and only where CUDA is available")
     add_output_options(p)
     add_deadline_option(p)

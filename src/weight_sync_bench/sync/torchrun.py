@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from weight_sync_bench.collectives.gloo.rank import RankContext
 from weight_sync_bench.collectives.gloo.torchrun import (
-    BACKENDS,
+    TORCHRUN_BACKENDS,
     TorchrunRanks,
     device_for,
     torchrun_env,
@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     from weight_sync_bench.model.config import ModelConfig
     from weight_sync_bench.sync.layouts import SyncLayout
 
-__all__ = ["BACKENDS", "device_for", "run_torchrun", "torchrun_env"]
+__all__ = ["TORCHRUN_BACKENDS", "device_for", "run_torchrun", "torchrun_env"]
 
 
 def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int = 1,

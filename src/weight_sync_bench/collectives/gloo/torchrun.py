@@ -58,7 +58,9 @@ if TYPE_CHECKING:
 
     from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
 
-BACKENDS = ("gloo", "nccl")
+# The process-group backends a torchrun job's ranks run on (where a check's forward runs
+# under the rank pool or in process: check.forwards.BACKENDS)
+TORCHRUN_BACKENDS = ("gloo", "nccl")
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 CONTROL_TIMEOUT = timedelta(days=1)  # rank 0 between tasks: a reference forward, user code
 
@@ -86,7 +88,8 @@ def device_for(backend: str, local_rank: int) -> str:
                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); "
                 "use --backend gloo")
         return f"cuda:{local_rank}"
-    raise UnsupportedLauncher(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+    raise UnsupportedLauncher(f"unknown backend {backend!r}; known: "
+                              f"{', '.join(TORCHRUN_BACKENDS)}")
 
 
 class TorchrunRanks:
