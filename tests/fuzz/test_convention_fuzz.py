@@ -23,8 +23,9 @@ from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTA
 from weight_sync_bench.conventions.mutations import Conversion
 from weight_sync_bench.errors import CorruptCorpusEntry
 from weight_sync_bench.fuzz.case import ConversionCase, run_case
-from weight_sync_bench.fuzz.corpus import load_entry, replay
+from weight_sync_bench.fuzz.corpus import load_entry
 from weight_sync_bench.fuzz.domain import DOMAIN
+from weight_sync_bench.fuzz.replay import replay
 from weight_sync_bench.fuzz.runner import PropertyFailed, fuzz, run_property, targets
 
 GENERATES = Phase.generate in settings().phases  # False under wsb-replay (corpus only)

@@ -16,11 +16,11 @@ from weight_sync_bench.fuzz.corpus import (
     load_corpus,
     load_entry,
     make_entry,
-    replay,
     versions,
     write_entry,
 )
 from weight_sync_bench.fuzz.domain import DOMAIN
+from weight_sync_bench.fuzz.replay import replay
 from weight_sync_bench.fuzz.runner import corpus_examples, run_property
 
 # Names, not paths: the session's corpus copy is made per pytest session (conftest), and a

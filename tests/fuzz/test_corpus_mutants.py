@@ -54,12 +54,12 @@ from weight_sync_bench.fuzz.corpus import (
     load_corpus,
     load_entry,
     make_entry,
-    replay,
     scan_corpus,
     versions,
     write_entry,
 )
 from weight_sync_bench.fuzz.domain import DOMAIN
+from weight_sync_bench.fuzz.replay import replay
 from weight_sync_bench.model.config import ModelConfig
 
 # the smallest geometry with two kv heads: layout degrees 1 and 2; cost 60160 B, 1813536 flops
@@ -606,7 +606,7 @@ def _entry(data: dict, name: str = "e.json", directory: Path = Path("/corpus")) 
 
 
 def test_replay_of_a_user_entry_needs_load_and_hands_it_everything(monkeypatch):
-    from weight_sync_bench.fuzz import user as user_module
+    from weight_sync_bench.fuzz import replay as replay_module
 
     user = {"role": "resharder", "function": "mod:fn"}
     first = _entry(_layout_entry() | {"user": user}, "a.json")
@@ -616,7 +616,7 @@ def test_replay_of_a_user_entry_needs_load_and_hands_it_everything(monkeypatch):
     assert str(err.value) == ("/corpus/a.json: a user function's entry (mod:fn): replay needs "
                               "load=")
     calls = []
-    monkeypatch.setattr(user_module, "replay_entry", lambda entry, **kw: calls.append(
+    monkeypatch.setattr(replay_module, "replay_entry", lambda entry, **kw: calls.append(
         (entry, kw)) or f"replayed {entry.path.name}")
 
     def load(function, role):

@@ -17,8 +17,8 @@ from weight_sync_bench.fuzz.corpus import (
     entry_paths,
     load_entry,
     origin_of,
-    replay,
 )
+from weight_sync_bench.fuzz.replay import replay
 from weight_sync_bench.fuzz.runner import PropertyFailed, find_smallest, run_property
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.paths import checkout

@@ -27,10 +27,10 @@ from weight_sync_bench.fuzz.runner import (
     corpus_examples,
     profile_name,
 )
+from weight_sync_bench.fuzz.replay import replay_entry
 from weight_sync_bench.fuzz.user import (
     UserFunction,
     real_geometries,
-    replay_entry,
     user_property,
 )
 from weight_sync_bench.model.config import HF_CONFIGS

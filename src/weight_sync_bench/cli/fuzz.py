@@ -409,7 +409,8 @@ def _replay_record(r: Any) -> dict[str, Any]:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     from weight_sync_bench.cli.main import load_function  # a user function's entries
-    from weight_sync_bench.fuzz.corpus import GIB, ReplayLimits, format_replay, replay, scan_corpus
+    from weight_sync_bench.fuzz.corpus import GIB, ReplayLimits, format_replay, scan_corpus
+    from weight_sync_bench.fuzz.replay import replay
 
     out = Output(args)
     limits = ReplayLimits(max_bytes=int(args.max_gib * GIB), max_flops=args.max_gflop * 1e9)

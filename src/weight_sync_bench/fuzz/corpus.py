@@ -9,8 +9,8 @@ that shrink to the same case write one file; writes are atomic and never overwri
 
 An entry is born failing: ``invariant`` failed (the check failed on it; with a mutation,
 that is the mutation detected, found at its smallest geometry) or ``kill`` failed (a
-mutation slipped under the margin). ``replay`` re-measures and classifies each entry; it
-never deletes or rewrites one.
+mutation slipped under the margin). ``fuzz.replay`` re-measures and classifies each entry
+(``classify``); it never deletes or rewrites one.
 
 Each entry records its ``origin``, so the corpus keeps real discoveries apart from planted
 bugs: ``seeded`` is a mutation planted on purpose and found by the invariant at its smallest
@@ -35,7 +35,7 @@ import math
 import os
 import platform
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -44,8 +44,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from weight_sync_bench.check.checker import Forward, ThresholdRule
-from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import mutation_by_name
 from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
 from weight_sync_bench.errors import (
@@ -63,7 +61,6 @@ from weight_sync_bench.fuzz.case import (
     ConversionCase,
     Outcome,
     footprint,
-    run_case,
 )
 from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
 from weight_sync_bench.model.plan import layout_for
@@ -441,25 +438,6 @@ def classify(entry: Entry, outcome: Outcome, running: dict[str, Any] | None = No
     if any(then.get(k) != running.get(k) for k in _VERSION_KEYS):
         return "environment changed"
     return "drifted"
-
-
-def replay(entries: Iterable[Entry], *, forward: Forward = inprocess_forward,
-           threshold_rule: ThresholdRule | None = None,
-           load: Callable[[str, str], Callable[..., Any]] | None = None) -> Iterator[Replayed]:
-    """Re-measure each entry and classify it. Reads only: nothing is deleted or rewritten. A
-    user function's entry is re-run against that function, imported by ``load(import path,
-    role)`` (the CLI's ``load_function``; ``fuzz.user.replay_entry``)."""
-    for entry in entries:
-        if entry.user:
-            from weight_sync_bench.fuzz.user import replay_entry
-
-            if load is None:
-                raise InvalidConfig(f"{entry.path}: a user function's entry "
-                                    f"({entry.user.get('function')}): replay needs load=")
-            yield replay_entry(entry, load=load, forward=forward, threshold_rule=threshold_rule)
-            continue
-        outcome = run_case(entry.case, forward=forward, threshold_rule=threshold_rule)
-        yield Replayed(entry, outcome, classify(entry, outcome))
 
 
 def format_replay(results: list[Replayed]) -> str:

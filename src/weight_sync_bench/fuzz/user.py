@@ -19,8 +19,8 @@ of the layout, is a counterexample too, shrunk like any other.
   Hypothesis does not shrink an explicit example, so a failure there is held back while
   random draws look for a smaller one, and raised at the end only if they found none;
 - a shrunk failure is written to the corpus like the harness's, plus a ``user`` block: the
-  role, the import path, the source file and its sha256 (``replay_entry`` re-runs it and says
-  when the source changed).
+  role, the import path, the source file and its sha256 (``fuzz.replay.replay_entry``
+  re-runs it and says when the source changed).
 
 The Hypothesis test is the runner's (``runner.property_test`` / ``run_property``) with this
 module's case runner: the same profiles, budgets, progress and corpus as ``wsb fuzz``.
@@ -62,8 +62,6 @@ from weight_sync_bench.errors import (
 from weight_sync_bench.fuzz.case import Case, ConversionCase, Outcome, make_checker
 from weight_sync_bench.fuzz.corpus import (
     Entry,
-    Replayed,
-    classify,
     load_corpus,
     make_entry,
     write_entry,
@@ -609,32 +607,3 @@ def _record(failure: PropertyFailed, tally: Tally, function: UserFunction,
     failure.entry = path
     failure.args = (f"{failure.args[0]}\n  corpus entry: {path}"
                     f"{'' if created else ' (already there)'}",)
-
-
-# -- replay
-
-
-def replay_entry(entry: Entry, *, load: Callable[[str, str], Callable[..., Any]],
-                 forward: Forward = inprocess_forward,
-                 threshold_rule: ThresholdRule | None = None) -> Replayed:
-    """Re-run a user function's corpus entry against that function (``load(import path,
-    role)`` imports it: the CLI's ``load_function``), classified as the harness's entries
-    are; the note says when its source file changed since the entry was written, or that the
-    function now declines the case."""
-    user, case = entry.data["user"], entry.case
-    fn = load(user["function"], user["role"])
-    ends = ((case.src_convention, case.dst_convention) if isinstance(case, ConversionCase)
-            else (None, None))
-    function = UserFunction(fn, user["role"], src=ends[0], dst=ends[1], name=user["function"])
-    outcome = run_user_case(function, entry.case, forward=forward, threshold_rule=threshold_rule)
-    notes = []
-    path, digest = function.source()
-    if user.get("source_sha256") and digest != user["source_sha256"]:
-        notes.append(f"the source of {user['function']} ({path}) changed since the entry was "
-                     f"written (sha256 {user['source_sha256'][:12]} -> {(digest or '?')[:12]})")
-    if outcome.declined is not None:
-        notes.append(f"{user['function']} now declines the case (Unsupported: "
-                     f"{outcome.declined})")
-        return Replayed(entry, outcome, "declined", note="; ".join(notes))
-    return Replayed(entry, outcome, classify(entry, outcome), note="; ".join(notes) or None)
-
