@@ -435,16 +435,15 @@ def test_the_public_checks_pass_their_options_to_the_checker_and_the_users_call(
     if which == "split":
         v = check_split(lambda full, t: split(full, LAYOUT, t), TOY, 2, seed=6, threshold=0.5,
                         dtype="fp16", measure_floor=True)
-        role, call, src = "splitter", "fn(full, degree)", None
-        during = "while splitting toy for t=2"
+        role, src, during = "splitter", None, "while splitting toy for t=2"
     else:
         v = check_reshard(lambda shards, t: split(gather(shards, LAYOUT), LAYOUT, t), TOY, 2,
                           1, seed=6, threshold=0.5, dtype="fp16", measure_floor=True)
-        role, call, during, src = "resharder", "fn(shards, dst)", "while resharding toy 2 -> 1", 2
+        role, during, src = "resharder", "while resharding toy 2 -> 1", 2
     assert made == [{"seed": 6, "threshold": 0.5, "backend": "inprocess", "dtype": "fp16",
                          "measure_floor": True}]
     layout = called[0].pop("layout")
-    assert called == [{"role": role, "call": call, "during": during, "degree": v.dst,
+    assert called == [{"role": role, "config": TOY, "during": during, "degree": v.dst,
                            "dtypes": dict.fromkeys(LAYOUT.names, torch.float16)}]
     assert layout.names == LAYOUT.names
     assert v.passed and (v.src, v.threshold, v.dtype) == (src, 0.5, "fp16")

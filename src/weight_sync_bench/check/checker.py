@@ -349,7 +349,7 @@ def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
     checker = checker_for(config, seed=seed, threshold=threshold, backend=backend, dtype=dtype,
                           measure_floor=measure_floor)
     full = {name: t.clone() for name, t in checker.full.items()}
-    shards = call_user(fn, (full, degree), role="splitter", call="fn(full, degree)",
+    shards = call_user(fn, (full, degree), role="splitter", config=config,
                        during=f"while splitting {config.name} for t={degree}",
                        layout=checker.layout, degree=degree, dtypes=_dtypes(checker))
     return checker.verdict(shards, dst=degree)
@@ -375,7 +375,7 @@ def check_reshard(fn: ReshardFn, config: ModelConfig, src: int, dst: int, *, see
     checker = checker_for(config, seed=seed, threshold=threshold, backend=backend, dtype=dtype,
                           measure_floor=measure_floor)
     source = [{n: t.clone() for n, t in params.items()} for params in checker.declared(src)]
-    shards = call_user(fn, (source, dst), role="resharder", call="fn(shards, dst)",
+    shards = call_user(fn, (source, dst), role="resharder", config=config,
                        during=f"while resharding {config.name} {src} -> {dst}",
                        layout=checker.layout, degree=dst, dtypes=_dtypes(checker))
     return checker.verdict(shards, src=src, dst=dst)

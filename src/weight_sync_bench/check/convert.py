@@ -74,7 +74,7 @@ from weight_sync_bench.check.floor import (
     forward_of,
     measured_degrees,
 )
-from weight_sync_bench.check.user_code import check_signature, frame_error
+from weight_sync_bench.check.user_code import call
 from weight_sync_bench.check.user_code import describe as describe_fn
 from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.conventions import (
@@ -254,13 +254,8 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     checker = ConversionChecker(config, seed=seed, backend=backend, threshold=threshold,
                                 dtype=dtype, measure_floor=measure_floor)
     checker.require(target)  # refused before the user's code runs
-    args = (checker.source(source), target.degree)
-    check_signature(fn, args, role="converter", call="fn(shards, degree)")
-    try:
-        out = fn(*args)
-    except Exception as exc:
-        raise frame_error(exc, role="converter", function=describe_fn(fn),
-                          during=f"while converting {config.name} {source} -> {target}") from exc
+    out = call(fn, (checker.source(source), target.degree), role="converter", config=config,
+               during=f"while converting {config.name} {source} -> {target}")
     return checker.verdict(out, src=source, dst=target)
 
 
@@ -413,7 +408,6 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
     draws = iter_params(config, seed, dtype=weights)
     differ: list[str] = []
     diagnosis: list[str] = []
-    signed = False
     started, steps = time.perf_counter(), stages(config)
     with torch.no_grad():
         for k, (label, names) in enumerate(steps):
@@ -431,17 +425,10 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
                     del full[n]  # so the peak is 3x the parameter, not 4x (fn's own copies)
                 want = [{n: p for n, p in rank.items() if p.source in sources}
                         for rank in dst_pieces]
-                args = (given, t)
-                if not signed:
-                    check_signature(fn, args, role="converter", call="fn(shards, degree)")
-                    signed = True
                 versions = [x._version for rank in given for x in rank.values()]
-                try:
-                    out = fn(*args)
-                except Exception as exc:
-                    raise frame_error(exc, role="converter", function=describe_fn(fn),
-                                      during=f"while converting {config.name} {source} -> "
-                                             f"{target} ({', '.join(group)})") from exc
+                out = call(fn, (given, t), role="converter", config=config,
+                           during=f"while converting {config.name} {source} -> {target} "
+                                  f"({', '.join(group)})")
                 if [x._version for rank in given for x in rank.values()] != versions:
                     raise UserCodeError(
                         f"your converter `{describe_fn(fn)}` wrote into the tensors it was "
@@ -464,7 +451,7 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
                                                             [w[stored] for w in want],
                                                             [r[stored] for r in out]))
                             del canon
-                del given, args  # args holds given too
+                del given
                 inputs = [{c: selections[c].apply(out[rank]) for c in group}
                           for rank, selections in enumerate(plan.ranks)]  # upcast as read
                 del out

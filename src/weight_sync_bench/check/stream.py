@@ -477,8 +477,7 @@ def _stage_shards(fn: StageFn | None, config: ModelConfig, layout: LayoutTable, 
         inputs = list(given.values()) if isinstance(given, dict) else [
             x for g in given for x in g.values()]
         versions = [x._version for x in inputs]  # fn gets the harness's tensors, not copies
-        result = call_user(fn, (given, dst), role=role,
-                           call="fn(full, degree)" if src is None else "fn(shards, dst)",
+        result = call_user(fn, (given, dst), role=role, config=config,
                            during=f"while {what} {config.name} ({', '.join(group)})",
                            layout=sub, degree=dst, dtypes=weights)
         changed = [x._version for x in inputs] != versions

@@ -1,16 +1,36 @@
-"""The user's own functions, called as the user's: a failure of theirs is framed as theirs.
+"""The user's own functions, called as the user's: the one place the harness calls user code.
 
-``call_user`` checks that a resharder or splitter can be called the way the harness calls it,
-calls it, turns an exception it raises into ``UserCodeError`` ("your resharder `mod:fn`
-raised ValueError while resharding toy 1 -> 2: ...", quoting the user's frames of the
-traceback, not the harness's), and checks that what came back is shards: a list of dicts of
-``str`` -> CPU tensors that fit the layout (``InvalidUserShards``, naming the rank and the
-parameter). A ``KeyboardInterrupt`` is not the user's code failing, and passes through.
+Every caller goes through here: ``check_split`` / ``check_reshard`` / ``check_convert`` (whole
+or streamed), ``wsb check``, ``wsb fuzz`` and ``weight_sync_bench.testing`` (``fuzz.user``),
+and ``wsb replay`` of a user function's corpus entry.
+
+- ``load_function("module:function", role)`` imports it as ``python -m`` would find it (the
+  current directory, then ``PYTHONPATH``). One rule for what is whose: a ``module:function``
+  that names nothing (a malformed spec, a module not found, no callable of that name) is bad
+  input, ``WsbError`` (exit 2), with a hint where the module is not importable from here; a
+  module that raises while importing is the user's code, ``UserCodeError`` (exit 4), framed
+  with their frames of the traceback.
+- ``call`` checks that the function can be called the way the harness calls it (``CALLS``,
+  plus the geometry keywords it accepts), passes the geometry where the signature takes it
+  (``config=`` the ``ModelConfig``, and for a converter ``hf_config=`` its ``config.json``
+  dict, ``ModelConfig.to_hf_config``: what a real converter reads), calls it and turns an
+  exception it raises into ``UserCodeError`` ("your resharder `mod:fn` raised ValueError
+  while resharding toy 1 -> 2: ...", quoting the user's frames, not the harness's).
+- ``call_user`` is ``call`` whose result is checked as shards of a layout: a list of dicts of
+  ``str`` -> CPU tensors of the layout's names, shapes and dtypes (``InvalidUserShards``,
+  ``WrongUserShard``, naming the rank and the parameter). A converter's output is checked
+  against its convention by the conversion check (``check.convert``), in that convention's
+  words.
+
+A ``KeyboardInterrupt`` is not the user's code failing, and passes through.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
+import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,13 +45,22 @@ from weight_sync_bench.errors import (
     UserCodeError,
     WrongShardShape,
     WrongUserShard,
+    WsbError,
 )
 from weight_sync_bench.layout.reshard import validate_shards
 
 if TYPE_CHECKING:
     from weight_sync_bench.layout.table import LayoutTable
+    from weight_sync_bench.model.config import ModelConfig
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # src/weight_sync_bench
+
+# How the harness calls each role's function, positionally; then, by name, the geometry
+# keywords of ``GEOMETRY`` that its signature accepts.
+CALLS = {"splitter": "fn(full, degree)", "resharder": "fn(shards, dst)",
+         "converter": "fn(shards, degree)"}
+GEOMETRY = {"splitter": ("config",), "resharder": ("config",),
+            "converter": ("config", "hf_config")}
 
 
 def describe(fn: object) -> str:
@@ -39,6 +68,158 @@ def describe(fn: object) -> str:
     module = getattr(fn, "__module__", None) or "?"
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
     return f"{module}:{name}"
+
+
+# -- loading ``module:function``
+
+
+def load_function(spec: str, role: str) -> Callable[..., Any]:
+    """``module:function`` imported as ``python -m`` would find it (the current directory
+    first). A spec that names no module or no callable is bad input (``WsbError``, exit 2);
+    a module that raises while importing is the user's code (``UserCodeError``, exit 4)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise WsbError(f"expected module:function, got {spec!r}")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a user's module beside them, as `python -m` would find it
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise WsbError(f"cannot import {module_name!r} (from {spec!r}): {exc}. "
+                           f"{_import_hint(module_name)}") from None
+        raise frame_error(exc, role=role, function=spec, during="at import") from exc
+    except Exception as exc:  # noqa: BLE001 - whatever the user's module raises is theirs
+        raise frame_error(exc, role=role, function=spec, during="at import") from exc
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise WsbError(f"{spec}: {module_name} has no callable {attr!r}")
+    return fn
+
+
+def _import_hint(module_name: str) -> str:
+    """Where the import looked, and the two ways to make the module importable from here."""
+    top = module_name.split(".")[0]
+    path = os.environ.get("PYTHONPATH")
+    return (f"It is imported as `python -m` would: from the current directory ({os.getcwd()}), "
+            f"then PYTHONPATH ({path if path else 'not set'}) and the installed packages. Run "
+            f"from the directory that holds {top}.py (or the package {top}/), or add that "
+            "directory to PYTHONPATH")
+
+
+# -- calling
+
+
+def accepts(fn: Callable[..., Any], keyword: str) -> bool:
+    """Whether ``fn``'s signature accepts ``keyword=`` (by name, or ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind in (
+        p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) for p in params)
+
+
+def geometry_keywords(fn: Callable[..., Any], role: str) -> tuple[str, ...]:
+    """The geometry keywords (``GEOMETRY[role]``) that ``fn`` accepts, in that order."""
+    return tuple(k for k in GEOMETRY[role] if accepts(fn, k))
+
+
+def geometry(fn: Callable[..., Any], role: str, config: ModelConfig | None
+             ) -> dict[str, Any]:
+    """The keyword arguments the harness passes ``fn`` for ``config``: ``config=`` and, for a
+    converter, ``hf_config=`` (``config.to_hf_config()``), each where the signature accepts
+    it; none without a config."""
+    if config is None:
+        return {}
+    values = {"config": lambda: config, "hf_config": config.to_hf_config}
+    return {k: values[k]() for k in geometry_keywords(fn, role)}
+
+
+def require_callable(fn: object, role: str) -> None:
+    if not callable(fn):
+        raise UserCodeError(f"your {role} {fn!r} is not callable", role=role, function=repr(fn))
+
+
+def check_signature(fn: Callable[..., Any], args: Sequence[object], *, role: str,
+                    keywords: Sequence[str] = ()) -> None:
+    """Refuse a function that cannot take ``args`` and ``keywords`` (the harness calls it as
+    ``CALLS[role]``, with those keywords)."""
+    require_callable(fn, role)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: no signature to read, calling it will tell
+    try:
+        signature.bind(*args, **dict.fromkeys(keywords))
+    except TypeError as exc:
+        call = CALLS[role]
+        if keywords:
+            call = f"{call[:-1]}, {', '.join(f'{k}={k}' for k in keywords)})"
+        raise UserCodeError(f"your {role} `{describe(fn)}` has the wrong signature: it is "
+                            f"{fn.__name__ if hasattr(fn, '__name__') else fn}{signature}, the "
+                            f"harness calls it as {call} ({exc})", role=role,
+                            function=describe(fn)) from None
+
+
+def call(fn: Callable[..., Any], args: Sequence[object], *, role: str, during: str,
+         config: ModelConfig | None = None, name: str | None = None) -> Any:
+    """``fn(*args, **geometry(fn, role, config))``, its signature checked first, what it
+    raises framed as the user's (``name``, default ``describe(fn)``, names it)."""
+    kwargs = geometry(fn, role, config)
+    check_signature(fn, args, role=role, keywords=tuple(kwargs))
+    try:
+        return fn(*args, **kwargs)
+    except Exception as exc:
+        raise frame_error(exc, role=role, function=name or describe(fn), during=during) from exc
+
+
+def call_user(fn: Callable[..., Any], args: Sequence[object], *, role: str, during: str,
+              layout: LayoutTable, degree: int,
+              dtypes: torch.dtype | Mapping[str, torch.dtype] = torch.float32,
+              config: ModelConfig | None = None, name: str | None = None
+              ) -> list[dict[str, torch.Tensor]]:
+    """``call``, its result checked as shards of ``layout`` at ``degree``."""
+    result = call(fn, args, role=role, during=during, config=config, name=name)
+    function = name or describe(fn)
+    _check_container(result, degree, role=role, function=function)
+    try:
+        validate_shards(result, layout, degree, dtypes)
+    except WrongShardShape as exc:  # the rank, name and expected / actual shape or dtype kept
+        raise WrongUserShard(f"your {role} `{function}` returned shards that do not fit the "
+                             f"layout: {exc}", role=role, function=function, rank=exc.rank,
+                             name=exc.name, expected=exc.expected, actual=exc.actual,
+                             expected_dtype=exc.expected_dtype,
+                             actual_dtype=exc.actual_dtype) from None
+    except InvalidShards as exc:
+        raise InvalidUserShards(f"your {role} `{function}` returned shards that do not fit the "
+                                f"layout: {exc}", role=role, function=function) from None
+    return list(result)
+
+
+def _check_container(result: object, degree: int, *, role: str, function: str) -> None:
+    """A list of ``degree`` dicts of str -> CPU tensors (validate_shards says the rest)."""
+    def refuse(what: str) -> InvalidUserShards:
+        return InvalidUserShards(f"your {role} `{function}` returned {what}", role=role,
+                                 function=function)
+
+    if not isinstance(result, Sequence) or isinstance(result, (str, bytes)):
+        raise refuse(f"a {type(result).__name__}, expected a list of {degree} rank dicts")
+    for rank, params in enumerate(result):
+        if not isinstance(params, Mapping):
+            continue  # validate_shards names it
+        odd = [k for k in params if not isinstance(k, str)]
+        if odd:
+            raise refuse(f"a dict with non-string keys at rank {rank} "
+                         f"({', '.join(repr(k) for k in odd[:3])}{', ...' if len(odd) > 3 else ''}"
+                         "): keys are the harness's parameter names, e.g. 'norm.weight'")
+        for name, x in params.items():
+            if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+                raise refuse(f"rank {rank} {name} on the {x.device.type} device: the check "
+                             "compares values, so return CPU tensors holding them")
+
+
+# -- framing what the user's code raised
 
 
 def _harness(filename: str) -> bool:
@@ -68,69 +249,3 @@ def frame_error(exc: BaseException, *, role: str, function: str, during: str) ->
     error = UserCodeError(message, role=role, function=function, user_traceback=frames or None)
     error.__cause__ = exc
     return error
-
-
-def check_signature(fn: Callable[..., Any], args: Sequence[object], *, role: str, call: str
-                    ) -> None:
-    """Refuse a function that cannot take ``args`` (the harness calls ``call``)."""
-    if not callable(fn):
-        raise UserCodeError(f"your {role} {fn!r} is not callable", role=role, function=repr(fn))
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin or C function: no signature to read, calling it will tell
-    try:
-        signature.bind(*args)
-    except TypeError as exc:
-        raise UserCodeError(f"your {role} `{describe(fn)}` has the wrong signature: it is "
-                            f"{fn.__name__ if hasattr(fn, '__name__') else fn}{signature}, the "
-                            f"harness calls it as {call} ({exc})", role=role,
-                            function=describe(fn)) from None
-
-
-def _check_container(result: object, degree: int, *, role: str, function: str) -> None:
-    """A list of ``degree`` dicts of str -> CPU tensors (validate_shards says the rest)."""
-    def refuse(what: str) -> InvalidUserShards:
-        return InvalidUserShards(f"your {role} `{function}` returned {what}", role=role,
-                                 function=function)
-
-    if not isinstance(result, Sequence) or isinstance(result, (str, bytes)):
-        raise refuse(f"a {type(result).__name__}, expected a list of {degree} rank dicts")
-    for rank, params in enumerate(result):
-        if not isinstance(params, Mapping):
-            continue  # validate_shards names it
-        odd = [k for k in params if not isinstance(k, str)]
-        if odd:
-            raise refuse(f"a dict with non-string keys at rank {rank} "
-                         f"({', '.join(repr(k) for k in odd[:3])}{', ...' if len(odd) > 3 else ''}"
-                         "): keys are the harness's parameter names, e.g. 'norm.weight'")
-        for name, x in params.items():
-            if isinstance(x, torch.Tensor) and x.device.type != "cpu":
-                raise refuse(f"rank {rank} {name} on the {x.device.type} device: the check "
-                             "compares values, so return CPU tensors holding them")
-
-
-def call_user(fn: Callable[..., Any], args: Sequence[object], *, role: str, call: str,
-              during: str, layout: LayoutTable, degree: int,
-              dtypes: torch.dtype | Mapping[str, torch.dtype] = torch.float32
-              ) -> list[dict[str, torch.Tensor]]:
-    """``fn(*args)``, framed as the user's code, its result checked as shards at ``degree``."""
-    check_signature(fn, args, role=role, call=call)
-    function = describe(fn)
-    try:
-        result = fn(*args)
-    except Exception as exc:
-        raise frame_error(exc, role=role, function=function, during=during) from exc
-    _check_container(result, degree, role=role, function=function)
-    try:
-        validate_shards(result, layout, degree, dtypes)
-    except WrongShardShape as exc:  # the rank, name and expected / actual shape or dtype kept
-        raise WrongUserShard(f"your {role} `{function}` returned shards that do not fit the "
-                             f"layout: {exc}", role=role, function=function, rank=exc.rank,
-                             name=exc.name, expected=exc.expected, actual=exc.actual,
-                             expected_dtype=exc.expected_dtype,
-                             actual_dtype=exc.actual_dtype) from None
-    except InvalidShards as exc:
-        raise InvalidUserShards(f"your {role} `{function}` returned shards that do not fit the "
-                                f"layout: {exc}", role=role, function=function) from None
-    return list(result)

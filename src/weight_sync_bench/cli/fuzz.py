@@ -24,6 +24,7 @@ from typing import Any
 from weight_sync_bench.check.checker import Forward
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
+from weight_sync_bench.check.user_code import load_function
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
@@ -213,7 +214,6 @@ def _end(text: str) -> tuple[str, int | None]:
 def _cmd_fuzz_user(args: argparse.Namespace, out: Output) -> int:
     """``wsb fuzz --splitter | --resharder | --converter mod:fn``: the user's function over
     the (narrowed) fuzz domain, on the same runner, profiles and budgets as ``wsb fuzz``."""
-    from weight_sync_bench.cli.main import load_function
     from weight_sync_bench.fuzz.strategies.user import narrow
     from weight_sync_bench.fuzz.user import UserFunction, UserStats, fuzz_run, user_report
 
@@ -408,7 +408,6 @@ def _replay_record(r: Any) -> dict[str, Any]:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from weight_sync_bench.cli.main import load_function  # a user function's entries
     from weight_sync_bench.fuzz.corpus import GIB, ReplayLimits, format_replay, scan_corpus
     from weight_sync_bench.fuzz.replay import replay
 

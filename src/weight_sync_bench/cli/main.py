@@ -21,7 +21,6 @@ checks found, and ``exit_code`` maps whatever it raises.
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata
 import os
 import platform
@@ -46,7 +45,7 @@ from weight_sync_bench.check.convert import check_convert
 from weight_sync_bench.check.floor import measure_geometry
 from weight_sync_bench.check.forwards import BACKENDS
 from weight_sync_bench.check.stream import PER, stream_check
-from weight_sync_bench.check.user_code import frame_error
+from weight_sync_bench.check.user_code import load_function
 from weight_sync_bench.cli.checkpoint import (
     add_model_options,
     hf_model,
@@ -150,28 +149,6 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace, pro
 
 
 # -- wsb check
-
-
-def load_function(spec: str, role: str) -> Callable[..., Any]:
-    """``module:function`` imported as ``python -m`` would find it. A module that is not
-    there is bad input (2); a module that raises while importing is the user's code (4)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise WsbError(f"expected module:function, got {spec!r}")
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())  # a user's module beside them, as `python -m` would find it
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise WsbError(f"cannot import {module_name!r} (from {spec!r}): {exc}") from None
-        raise frame_error(exc, role=role, function=spec, during="at import") from exc
-    except Exception as exc:  # noqa: BLE001 - whatever the user's module raises is theirs
-        raise frame_error(exc, role=role, function=spec, during="at import") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise WsbError(f"{spec}: {module_name} has no callable {attr!r}")
-    return fn
 
 
 def _models(args: argparse.Namespace) -> list[ModelConfig]:

@@ -2,14 +2,16 @@
 
 ``wsb fuzz --resharder mod:fn`` and ``weight_sync_bench.testing.reshard_property(fn)`` both
 come here. A case is a ``Case`` (geometry, degrees, seed; a split's source degree is 1, the
-full model; a converter's degrees are its conventions'); ``run_user_case`` gives the user's
-function what ``check_split`` / ``check_reshard`` / ``check_convert`` give it, plus the
-geometry, which changes from example to example: ``config=`` (the ``ModelConfig``) when the
-signature accepts it, and for a converter ``hf_config=`` too (``ModelConfig.to_hf_config``,
-what a real converter reads from ``config.json``). The verdict is the fixed checks': the
-shards byte for byte against the declared layout, then the forward within the fuzz threshold
-rule (``floor.fuzz_threshold_rule``). What the function raises, or returns that is not shards
-of the layout, is a counterexample too, shrunk like any other.
+full model; a converter's degrees are its conventions'); ``run_user_case`` calls the user's
+function as ``check_split`` / ``check_reshard`` / ``check_convert`` do, through
+``check.user_code.call``, with the geometry, which here changes from example to example:
+``config=`` (the ``ModelConfig``) when the signature accepts it, and for a converter
+``hf_config=`` too (``ModelConfig.to_hf_config``, what a real converter reads from
+``config.json``). ``UserFunction`` is the fuzz's record of the function (role, import path,
+conventions, source file); it binds and calls nothing itself. The verdict is the fixed
+checks': the shards byte for byte against the declared layout, then the forward within the
+fuzz threshold rule (``floor.fuzz_threshold_rule``). What the function raises, or returns
+that is not shards of the layout, is a counterexample too, shrunk like any other.
 
 - ``Unsupported`` raised by the function declines the case: counted (``UserStats``), the
   smallest declined case kept, never a pass, never a failure;
@@ -46,10 +48,12 @@ from weight_sync_bench.check.checker import Checker, Forward, ThresholdRule, Ver
 from weight_sync_bench.check.convert import ConversionChecker, measure_threshold
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.user_code import (
+    call,
     call_user,
     check_signature,
     describe,
-    frame_error,
+    geometry_keywords,
+    require_callable,
 )
 from weight_sync_bench.conventions import CONVENTIONS, Endpoint
 from weight_sync_bench.errors import (
@@ -85,8 +89,6 @@ from weight_sync_bench.fuzz.strategies.user import (
 from weight_sync_bench.model.config import HF_CONFIGS, ModelConfig, shipped_hf_config
 from weight_sync_bench.model.plan import layout_for
 
-CALLS = {"splitter": "fn(full, degree)", "resharder": "fn(shards, dst)",
-         "converter": "fn(shards, degree)"}
 REAL_SHRINK = 16  # shipped geometries reduced: hidden, intermediate, head_dim / 16
 REAL_VOCAB = 520  # 8 x 65: every degree up to 8 divides it, and 64 does not
 
@@ -106,9 +108,7 @@ class UserFunction:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise InvalidConfig(f"unknown role {self.role!r}; known: {', '.join(ROLES)}")
-        if not callable(self.fn):
-            raise UserCodeError(f"your {self.role} {self.fn!r} is not callable", role=self.role,
-                                function=repr(self.fn))
+        require_callable(self.fn, self.role)
         if (self.role == "converter") != (self.src is not None and self.dst is not None):
             raise InvalidConfig("a converter needs src and dst conventions, and only a "
                                 f"converter has them (role={self.role}, src={self.src}, "
@@ -135,41 +135,11 @@ class UserFunction:
         ends = f" {self.src} -> {self.dst}" if self.conventions else ""
         return f"{self.role} {self.name}{ends}"
 
-    def takes(self, keyword: str) -> bool:
-        """Whether the function's signature accepts ``keyword=`` (by name, or ``**kwargs``)."""
-        try:
-            params = inspect.signature(self.fn).parameters.values()
-        except (TypeError, ValueError):
-            return False
-        return any(p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind in (
-            p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) for p in params)
-
-    def bound(self, config: ModelConfig) -> Callable[..., Any]:
-        """The function with the geometry given as the keywords it accepts (``config``, and
-        for a converter ``hf_config``); its name and signature stay the user's, less those."""
-        kwargs: dict[str, Any] = {}
-        if self.takes("config"):
-            kwargs["config"] = config
-        if self.role == "converter" and self.takes("hf_config"):
-            kwargs["hf_config"] = config.to_hf_config()
-        if not kwargs:
-            return self.fn
-        fn = self.fn
-
-        def call(*args: Any) -> Any:
-            return fn(*args, **kwargs)
-
-        functools.update_wrapper(call, fn)
-        del call.__wrapped__  # type: ignore[attr-defined]  # the signature below, not fn's
-        sig = inspect.signature(fn)
-        call.__signature__ = sig.replace(  # type: ignore[attr-defined]
-            parameters=[p for p in sig.parameters.values() if p.name not in kwargs])
-        return call
-
     def check_callable(self) -> None:
-        """Refuse, before any example runs, a function the harness cannot call."""
-        check_signature(self.bound(DOMAIN.smallest()), (None, None), role=self.role,
-                        call=CALLS[self.role])
+        """Refuse, before any example runs, a function the harness cannot call (as every
+        case calls it: ``check.user_code.call``, with the geometry keywords it accepts)."""
+        check_signature(self.fn, (None, None), role=self.role,
+                        keywords=geometry_keywords(self.fn, self.role))
 
     def source(self) -> tuple[str | None, str | None]:
         """The function's source file and the sha256 of its bytes (None where there is none)."""
@@ -325,19 +295,19 @@ def run_user_case(function: UserFunction, case: Case, *, forward: Forward = inpr
     ``error``; ``Unsupported`` is ``declined``."""
     checker = _checker(function, case, forward, threshold_rule)
     assert checker.threshold is not None
-    config, fn, role = case.config, function.bound(case.config), function.role
+    config, fn, role, name = case.config, function.fn, function.role, function.name
     dtypes = {n: x.dtype for n, x in checker.full.items()}
     common = {"case": case, "threshold": checker.threshold, "function": function}
     try:
         if role == "splitter":
             full = {n: t.clone() for n, t in checker.full.items()}
-            shards = call_user(fn, (full, case.dst), role=role, call=CALLS[role],
+            shards = call_user(fn, (full, case.dst), role=role, config=config, name=name,
                                during=f"while splitting {config.name} for t={case.dst}",
                                layout=checker.layout, degree=case.dst, dtypes=dtypes)
             verdict = checker.verdict(shards, dst=case.dst)
         elif role == "resharder":
             source = [{n: t.clone() for n, t in p.items()} for p in checker.declared(case.src)]
-            shards = call_user(fn, (source, case.dst), role=role, call=CALLS[role],
+            shards = call_user(fn, (source, case.dst), role=role, config=config, name=name,
                                during=f"while resharding {config.name} {case.src} -> {case.dst}",
                                layout=checker.layout, degree=case.dst, dtypes=dtypes)
             verdict = checker.verdict(shards, src=case.src, dst=case.dst)
@@ -346,14 +316,8 @@ def run_user_case(function: UserFunction, case: Case, *, forward: Forward = inpr
             conv = _FuzzConversionChecker(config, seed=case.seed, given=checker)
             src = Endpoint(CONVENTIONS[function.src], case.src)
             dst = Endpoint(CONVENTIONS[function.dst], case.dst)
-            args = (conv.source(src), case.dst)
-            check_signature(fn, args, role=role, call=CALLS[role])
-            try:
-                out = fn(*args)
-            except Exception as exc:
-                raise frame_error(exc, role=role, function=function.name,
-                                  during=f"while converting {config.name} {src} -> {dst}"
-                                  ) from exc
+            out = call(fn, (conv.source(src), case.dst), role=role, config=config, name=name,
+                       during=f"while converting {config.name} {src} -> {dst}")
             verdict = conv.verdict(out, src=src, dst=dst)
     except UserCodeError as err:
         if isinstance(err.__cause__, Unsupported):
