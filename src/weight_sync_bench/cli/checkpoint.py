@@ -29,6 +29,7 @@ from weight_sync_bench.cli.output import (
     count,
     seed,
 )
+from weight_sync_bench.cli.records import verdict_record
 from weight_sync_bench.conventions import CONVENTIONS, endpoint, shards_for
 from weight_sync_bench.conventions.checkpoint import write_checkpoint
 from weight_sync_bench.errors import FloorNotMeasured, WsbError
@@ -78,16 +79,35 @@ def hf_model(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConf
     if need_layers and args.layers is None:
         raise WsbError(f"--hf-config {args.hf_config} needs --layers N: the file's full depth "
                        "would build every layer of the real model")
+    return ModelConfig.from_hf_config(_hf_path(args), n_layers=args.layers, vocab=args.vocab)
+
+
+def _hf_path(args: argparse.Namespace) -> Path:
+    """``--hf-config``'s file: the path given, else the shipped config of that name."""
     path = Path(args.hf_config)
     if not path.exists() and args.hf_config in HF_CONFIGS:
         path = hf_config_path(args.hf_config)
-    return ModelConfig.from_hf_config(path, n_layers=args.layers, vocab=args.vocab)
+    return path
 
 
 def model_of(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConfig:
     """The one geometry of a command that checks one (not ``all``)."""
     return hf_model(args, need_layers=need_layers) or config_by_name(
         args.config or args.config_default)
+
+
+def phase_of(args: argparse.Namespace) -> str:
+    """The phase whose floor judges a check: 1b over gloo, else 1a."""
+    return "1b" if args.backend == "gloo" else "1a"
+
+
+def floor_command(args: argparse.Namespace, config: ModelConfig) -> str:
+    """The command that measures an ``--hf-config`` geometry's floor, as the user named it."""
+    phase = phase_of(args)
+    return (f"python -m weight_sync_bench.tolerance geometry --hf-config {_hf_path(args)} "
+            f"--layers {config.n_layers}" + (f" --vocab {args.vocab}" if args.vocab else "")
+            + (f" --phase {phase}" if phase != "1a" else "")
+            + (f" --dtype {args.dtype}" if args.dtype != "fp32" else ""))
 
 
 # -- wsb emit
@@ -113,11 +133,6 @@ def cmd_emit(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from weight_sync_bench.cli.main import (  # main registers this
-        floor_command,
-        verdict_record,
-    )
-
     out = Output(args)
     apply_deadline(args.deadline, args.backend == "gloo")
     config = model_of(args)

@@ -27,7 +27,6 @@ import platform
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,11 +47,14 @@ from weight_sync_bench.check.stream import PER, stream_check
 from weight_sync_bench.check.user_code import load_function
 from weight_sync_bench.cli.checkpoint import (
     add_model_options,
+    floor_command,
     hf_model,
     model_of,
+    phase_of,
 )
 from weight_sync_bench.cli.checkpoint import register as register_checkpoint
 from weight_sync_bench.cli.fuzz import register as register_fuzz
+from weight_sync_bench.cli.launch import add_launcher_option, launched
 from weight_sync_bench.cli.output import (
     ENVIRONMENT,
     EXIT_BROKEN_PIPE,
@@ -73,9 +75,9 @@ from weight_sync_bench.cli.output import (
     seed,
     signals_raise,
 )
-from weight_sync_bench.cli.launch import add_launcher_option, launched
-from weight_sync_bench.cli.train import register as register_train
+from weight_sync_bench.cli.records import verdict_record
 from weight_sync_bench.cli.sync import register as register_sync
+from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS
 from weight_sync_bench.conventions import convention_by_name, endpoint, render
 from weight_sync_bench.errors import (
@@ -88,14 +90,7 @@ from weight_sync_bench.errors import (
     UserCodeError,
     WsbError,
 )
-from weight_sync_bench.model.config import (
-    CONFIGS,
-    DTYPES,
-    HF_CONFIGS,
-    ModelConfig,
-    config_by_name,
-    hf_config_path,
-)
+from weight_sync_bench.model.config import CONFIGS, DTYPES, ModelConfig, config_by_name
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.rules import floor_for
 
@@ -170,21 +165,6 @@ def _pairs(args: argparse.Namespace, degrees: list[int]) -> list[tuple[int, int]
 Job = Callable[[Callable[..., None] | None], Verdict]
 
 
-def _phase(args: argparse.Namespace) -> str:
-    return "1b" if args.backend == "gloo" else "1a"
-
-
-def floor_command(args: argparse.Namespace, config: ModelConfig) -> str:
-    """The command that measures an ``--hf-config`` geometry's floor, as the user named it."""
-    path = Path(args.hf_config)
-    if not path.exists() and args.hf_config in HF_CONFIGS:
-        path = hf_config_path(args.hf_config)
-    return (f"python -m weight_sync_bench.tolerance geometry --hf-config {path} --layers "
-            f"{config.n_layers}" + (f" --vocab {args.vocab}" if args.vocab else "")
-            + (f" --phase {_phase(args)}" if _phase(args) != "1a" else "")
-            + (f" --dtype {args.dtype}" if args.dtype != "fp32" else ""))
-
-
 def ensure_floor(args: argparse.Namespace, config: ModelConfig, line: ProgressLine) -> None:
     """Before anything of ``config`` is drawn: the floor its checks will read exists
     (``floor_for``: a committed floor that records the geometry, else the per-geometry one
@@ -193,7 +173,7 @@ def ensure_floor(args: argparse.Namespace, config: ModelConfig, line: ProgressLi
     ``--measure-floor`` measures it now (phase 1a here, with a progress line; phase 1b by
     the checker, over the gloo forward) and caches it with its provenance, so the next run
     reads it; without, ``FloorNotMeasured`` naming the command (exit 2)."""
-    phase = _phase(args)
+    phase = phase_of(args)
     try:
         floor_for(config, phase, args.dtype)
         return
@@ -307,14 +287,6 @@ def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool,
             fn, c, str(src), str(dst), seed=args.seed, backend=args.backend, dtype=args.dtype,
             measure_floor=args.measure_floor, stream=args.stream, progress=progress)))
     return jobs, skipped
-
-
-def verdict_record(v: Verdict) -> dict[str, Any]:
-    return {"config": v.config, "phase": v.phase, "src": v.src, "dst": v.dst,
-            "mutation": v.mutation, "max_abs_error": v.max_abs_error, "threshold": v.threshold,
-            "ratio": v.ratio, "forward": "own" if v.own_forward else "declared",
-            "passed": v.passed, "first_mismatch": v.first_mismatch,
-            "mismatches": list(v.mismatches)}
 
 
 def cmd_check(args: argparse.Namespace) -> int:
