@@ -65,6 +65,9 @@ def model(tmp_path, monkeypatch):
             if QKV_PROJ in out[0]:
                 out[0][QKV_PROJ], out[1][QKV_PROJ] = out[1][QKV_PROJ], out[0][QKV_PROJ]
             return out
+
+        def crashes(*args, **kwargs):  # written for another geometry, as found at its first call
+            raise ValueError("shape mismatch: built for 4096 rows")
     """))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -115,6 +118,29 @@ def test_an_unmeasured_geometry_is_refused_naming_the_command_then_measured_once
         records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
         assert records[0]["threshold"] == artifact["threshold"]
     assert list((tolerance / "geometry").iterdir()) == [cached]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--dst", "2", "--splitter"],
+    ["--src", "2", "--dst", "1", "--resharder"],
+    ["--src", "2", "--dst", "1", "--backend", "gloo", "--resharder"],  # phase 1b's floor
+    ["--from", "hf", "--to", "vllm:4", "--converter"],
+    ["--from", "hf", "--to", "vllm:4", "--stream", "layer", "--converter"],
+], ids=lambda argv: " ".join(argv[:-1]))
+def test_a_function_that_crashes_does_so_before_its_geometrys_floor_is_measured(
+        model, tolerance, monkeypatch, capsys, argv):
+    no_measuring(monkeypatch)  # the floor is not measured before the function's first call
+    assert main(["check", *model, "--measure-floor", *argv, f"{MODULE}:crashes"]) == 4
+    err = capsys.readouterr().err
+    assert f"`{MODULE}:crashes` raised ValueError while " in err
+    assert "shape mismatch: built for 4096 rows" in err
+    assert not (tolerance / "geometry").exists()
+    # the twin: a function that works is called, then the floor is measured (here refused
+    # by the stand-in: a bug of the harness, exit 3), so the order above is not vacuous
+    working = {"--splitter": "split", "--resharder": "reshard", "--converter": "hf_to_vllm"}
+    assert main(["check", *model, "--measure-floor", *argv,
+                 f"{MODULE}:{working[argv[-1]]}"]) == 3
+    assert "measured a floor that is cached" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stream", ["layer", "parameter"])

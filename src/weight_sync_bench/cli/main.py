@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import os
 import platform
 import sys
@@ -161,18 +162,33 @@ def _pairs(args: argparse.Namespace, degrees: list[int]) -> list[tuple[int, int]
     return [(s, d) for s in srcs for d in dsts]
 
 
-# A check to run: called with the progress callback of a streamed check (None: none shown).
-Job = Callable[[Callable[..., None] | None], Verdict]
+# A check to run: called with the progress callback of a streamed check (None: none shown),
+# and, for a user's function, keywords that override the check's own (``FIRST_CALL``).
+Job = Callable[..., Verdict]
+# A user function's check run once before its geometry's floor is measured, judged by
+# nothing (its verdict is dropped): in this process, with no floor to read or measure.
+FIRST_CALL: dict[str, Any] = {"threshold": math.inf, "backend": "inprocess",
+                              "measure_floor": False}
 
 
-def ensure_floor(args: argparse.Namespace, config: ModelConfig, line: ProgressLine) -> None:
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keywords every check of a user's function takes from the command line."""
+    return {"seed": args.seed, "backend": args.backend, "dtype": args.dtype,
+            "measure_floor": args.measure_floor, "stream": args.stream}
+
+
+def ensure_floor(args: argparse.Namespace, config: ModelConfig, line: ProgressLine,
+                 first: tuple[str, Job] | None = None) -> None:
     """Before anything of ``config`` is drawn: the floor its checks will read exists
     (``floor_for``: a committed floor that records the geometry, else the per-geometry one
     cached under ``tolerance_dir()/geometry/``). Every check of a geometry (split, reshard,
     the invariant, a conversion) reads its threshold from that one place. With none:
     ``--measure-floor`` measures it now (phase 1a here, with a progress line; phase 1b by
     the checker, over the gloo forward) and caches it with its provenance, so the next run
-    reads it; without, ``FloorNotMeasured`` naming the command (exit 2)."""
+    reads it; without, ``FloorNotMeasured`` naming the command (exit 2). ``first``: the
+    geometry's first check of a user's function, run once before the measurement
+    (``FIRST_CALL``), so that what the function raises or returns wrong shows in seconds,
+    not after minutes of measuring."""
     phase = phase_of(args)
     try:
         floor_for(config, phase, args.dtype)
@@ -188,6 +204,11 @@ def ensure_floor(args: argparse.Namespace, config: ModelConfig, line: ProgressLi
                    "this check with --measure-floor")
             raise FloorNotMeasured(f"{exc}.\nFrom the command line: {how}",
                                    command=command) from None
+    if first is not None:
+        label, job = first
+        line.show(f"calling your function once ({label}) before measuring the floor of "
+                  f"{config.name} ...")
+        job(None, **FIRST_CALL)
     if phase == "1a":
         line.show(f"measuring the floor of {config.name} (once; cached) ...")
         measure_geometry(config, phase=phase, dtype=args.dtype,
@@ -221,19 +242,22 @@ def _plan(args: argparse.Namespace, line: ProgressLine | None = None
             skipped.append(f"skipped {name}: {exc}")  # --config all: check where it applies
             continue
         degrees = layout.supported_degrees()
+        common = _options(args)
+        if fn is not None:
+            theirs: list[tuple[str, Job]] = (
+                [(f"{name} split -> {dst}", lambda progress, c=config, d=dst, **over:
+                  check_split(fn, c, d, progress=progress, **{**common, **over}))
+                 for dst in ([args.dst] if args.dst is not None else degrees)]
+                if args.splitter else
+                [(f"{name} {src} -> {dst}", lambda progress, c=config, s=src, d=dst, **over:
+                  check_reshard(fn, c, s, d, progress=progress, **{**common, **over}))
+                 for src, dst in _pairs(args, degrees)])
+            # the one floor every check of this geometry reads; the function called first
+            ensure_floor(args, config, line, first=theirs[0])
+            jobs += theirs
+            continue
         ensure_floor(args, config, line)  # the one floor every check of this geometry reads
-        common: dict[str, Any] = {"seed": args.seed, "backend": args.backend,
-                                  "dtype": args.dtype, "measure_floor": args.measure_floor}
-        if args.splitter:
-            for dst in ([args.dst] if args.dst is not None else degrees):
-                jobs.append((f"{name} split -> {dst}", lambda progress, c=config, d=dst, k=common:
-                             check_split(fn, c, d, stream=args.stream, progress=progress, **k)))
-        elif args.resharder:
-            for src, dst in _pairs(args, degrees):
-                jobs.append((f"{name} {src} -> {dst}", lambda progress, c=config, s=src, d=dst,
-                             k=common: check_reshard(fn, c, s, d, stream=args.stream,
-                                                     progress=progress, **k)))
-        elif args.stream is not None:  # the invariant streamed: the declared split at src,
+        if args.stream is not None:  # the invariant streamed: the declared split at src,
             pairs = _pairs(args, degrees) if (args.src or args.dst) else degree_pairs(layout)
             jobs += [(f"{name} {s} -> {d}",  # resharded per parameter, each pair a pass
                       lambda progress, c=config, s=s, d=d: stream_check(
@@ -280,12 +304,14 @@ def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool,
                 raise
             skipped.append(f"skipped {config.name}: {exc}")
             continue
+        common = _options(args)
+        job = (f"{config.name} {src} -> {dst}", lambda progress, c=config, **over: check_convert(
+            fn, c, str(src), str(dst), progress=progress, **{**common, **over}))
         # The geometry's phase floor, as for a split (``check.convert``'s docstring says why
-        # it covers a conversion's forward): never a threshold measured for this run alone.
-        ensure_floor(args, config, line)
-        jobs.append((f"{config.name} {src} -> {dst}", lambda progress, c=config: check_convert(
-            fn, c, str(src), str(dst), seed=args.seed, backend=args.backend, dtype=args.dtype,
-            measure_floor=args.measure_floor, stream=args.stream, progress=progress)))
+        # it covers a conversion's forward): never a threshold measured for this run alone;
+        # the converter called once before it is measured.
+        ensure_floor(args, config, line, first=job)
+        jobs.append(job)
     return jobs, skipped
 
 
