@@ -1,9 +1,12 @@
 """The user's code fails as the user's code: a resharder or splitter that raises, has the
 wrong signature, fails at import, returns meta tensors or non-string keys gets a framed
-error (exit 4) with the user's frames of the traceback, not the harness's."""
+error (exit 4) with the user's frames of the traceback, not the harness's. ``wsb check`` and
+``wsb fuzz`` call a converter the same way, the geometry given as ``config=``."""
 
 from __future__ import annotations
 
+import json
+import sys
 import textwrap
 
 import pytest
@@ -11,6 +14,7 @@ import pytest
 from weight_sync_bench.check.checker import check_reshard, check_split
 from weight_sync_bench.cli import main
 from weight_sync_bench.errors import InvalidShards, InvalidUserShards, UserCodeError
+from weight_sync_bench.fuzz.user import real_geometries
 from weight_sync_bench.layout.reshard import reshard, split
 from weight_sync_bench.model.config import TOY
 from weight_sync_bench.model.plan import layout_for
@@ -127,3 +131,44 @@ def test_a_keyboard_interrupt_in_user_code_is_not_framed_as_theirs():
 
     with pytest.raises(KeyboardInterrupt):
         check_split(interrupted, TOY, 2)
+
+
+CONVERTER = """
+    from weight_sync_bench import convert
+
+    SEEN = []  # (command, the geometry, whether hf_config is that geometry's config.json)
+
+    def megatron_to_vllm(shards, degree, *, config, hf_config):
+        # a converter that knows no geometry of its own: it reads config, as the issue's
+        # Llama-3-8B converter should have; called without it, it cannot run
+        SEEN.append((config, hf_config == config.to_hf_config()))
+        return convert(shards, "megatron", f"vllm:{degree}", config)
+"""
+
+
+def test_check_and_fuzz_call_a_converter_that_needs_its_config_the_same_way(
+        tmp_path, monkeypatch, tolerance, capsys):
+    (tmp_path / "needs_config.py").write_text(textwrap.dedent(CONVERTER))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "needs_config", raising=False)
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path / "corpus"))
+    # the shipped Llama-3-8B geometry as the fuzz runs it (sizes / 16, 1 layer, vocab 520),
+    # given to wsb check as a config.json: the same geometry through both commands
+    (llama,) = (g for g in real_geometries() if g.name == "llama3_8b")
+    path = tmp_path / "llama3_8b" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(llama.to_hf_config()))
+    ends = ["--from", "megatron:2", "--to", "vllm:2", "--converter",
+            "needs_config:megatron_to_vllm"]
+    assert main(["check", "--hf-config", str(path), "--layers", "1", "--vocab", "520",
+                 "--measure-floor", *ends]) == 0
+    assert "llama3_8b  megatron:2 -> vllm:2" in capsys.readouterr().out
+    seen = sys.modules["needs_config"].SEEN
+    assert seen == [(llama, True)] * 2  # once before the floor is measured, once checked
+    seen.clear()
+    assert main(["fuzz", "--examples", "3", "--seed", "1", *ends]) == 0
+    out = capsys.readouterr().out
+    assert "llama3_8b megatron:2 -> vllm:2 PASS" in out
+    assert (llama, True) in seen  # the same geometry, handed over the same way
+    assert all(ok for _, ok in seen) and len({c for c, _ in seen}) > 1  # and the drawn ones
