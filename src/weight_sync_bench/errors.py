@@ -194,9 +194,11 @@ class InvalidNumber(WsbError, ValueError):
 
 
 class UserCodeError(WsbError):
-    """The user's own code failed as code: a resharder or splitter (``--resharder``,
-    ``--splitter``, the function given to ``check_split`` / ``check_reshard``) raised, could
-    not be imported, or has a signature the harness cannot call. The message frames it
+    """The user's own code failed as code: a resharder, splitter or converter
+    (``--resharder``, ``--splitter``, ``--converter``, the function given to ``check_split``
+    / ``check_reshard`` / ``check_convert``) raised, raised while its module was imported, or
+    has a signature the harness cannot call (a module or function that does not exist is
+    not the user's code failing: ``WsbError``, bad input). The message frames it
     ("your resharder `mod:fn` raised ValueError ...") and quotes the user's frames of the
     traceback, not the harness's (``user_traceback``); ``__cause__`` is the original."""
 

@@ -6,8 +6,10 @@ error (exit 4) with the user's frames of the traceback, not the harness's. ``wsb
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,7 @@ from weight_sync_bench.model.config import TOY
 from weight_sync_bench.model.plan import layout_for
 
 LAYOUT = layout_for(TOY)
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 SOURCE = """
     import torch
@@ -98,6 +101,39 @@ def test_a_module_that_does_not_exist_is_bad_input_not_user_code(user_module, ca
     code, out = _check("imports_missing:f", capsys)  # the module is there; its import is not
     assert code == 4 and "raised ModuleNotFoundError at import" in out.err
     assert 'imports_missing.py", line 1' in out.err
+
+
+def _meanings(rows: list[tuple[str, str]]) -> dict[int, str]:
+    """Exit code -> what it means, in one line, without markup."""
+    return {int(code): " ".join(text.replace("`", "").split()) for code, text in rows}
+
+
+# Each outcome of a user's function, as both the help and the README name it, and a command
+# that ends in it. The phrase must name one code in each: the one the command exits with.
+OUTCOMES = [
+    ("a MODULE:FUNCTION that does not exist", "no_such_module_anywhere:f"),
+    ("no function of that name in it", "mine:no_such_function"),
+    ("raised while its module was imported", "broken_at_import:f"),
+    ("has a signature the harness cannot call", "mine:one_arg"),
+    ("returned something that is not shards of the layout", "mine:meta"),
+    ("your code failed", "mine:boom"),
+]
+
+
+@pytest.mark.parametrize(("phrase", "name"), OUTCOMES, ids=[p for p, _ in OUTCOMES])
+def test_help_readme_and_code_give_each_user_code_outcome_one_exit_code(user_module, capsys,
+                                                                         phrase, name):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    help_codes = _meanings(re.findall(r"^    (\d+) +(.*(?:\n {9}.*)*)", text, re.M))
+    section = README.read_text().split("## Exit codes and machine-readable output")[1]
+    readme_codes = _meanings(re.findall(r"^\| `(\d+)` \| (.*) \|$", section, re.M))
+    assert set(help_codes) >= {0, 1, 2, 3, 4} and set(readme_codes) >= {0, 1, 2, 3, 4}
+    in_help = [code for code, meaning in help_codes.items() if phrase in meaning]
+    in_readme = [code for code, meaning in readme_codes.items() if phrase in meaning]
+    code, _ = _check(name, capsys)
+    assert in_help == in_readme == [code], (phrase, in_help, in_readme, code)
 
 
 def test_the_api_frames_the_users_split_and_keeps_the_original_as_cause():

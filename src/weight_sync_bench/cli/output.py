@@ -37,13 +37,15 @@ exit status (the same for every subcommand):
          entry whose claim no longer holds)
     2    bad input or usage: argparse's errors, a typed error about the input (a bad
          number, an unsupported degree, a corrupt or oversized corpus file, a tolerance
-         artifact that does not cover the check, an artifact --write/--force protects), or
-         a run that checked nothing
+         artifact that does not cover the check, an artifact --write/--force protects), a
+         MODULE:FUNCTION that does not exist (no module of that name importable from here,
+         or no function of that name in it), or a run that checked nothing
     3    a harness fault: a rank crashed, stopped or timed out (RankFailure), the committed
          artifacts cannot be found (MissingArtifacts), or a bug of the harness itself
-    4    your code failed: a --resharder / --splitter (or the function given to check_split /
-         check_reshard) raised, could not be imported or called, or returned something that
-         is not shards of the layout
+    4    your code failed: a --resharder / --splitter / --converter (or the function given
+         to check_split / check_reshard / check_convert) raised, raised while its module was
+         imported, has a signature the harness cannot call, or returned something that is
+         not shards of the layout
     130  interrupted (Ctrl-C), after the partial summary; 143 terminated (SIGTERM)
     when several apply: 1 before 3 before 2 (a counterexample is a result whatever else
     happened)"""
