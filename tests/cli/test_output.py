@@ -1,21 +1,29 @@
 """What a user of pytest, Hypothesis and torch.distributed expects of the output: ``--json``
-(one object per check, stable keys, a summary last), ``-q``, a periodic progress line when
+(one object per check, stable keys, a summary last; one schema, the README's table, carrying
+what the text says), ``-q``, a periodic progress line when
 stderr is not a terminal (not one line per event), legends for ``wsb layout``'s ``-`` and
 ``wsb check``'s ``forward`` column, and the README's gloo example guarded by ``__main__``."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import textwrap
 from pathlib import Path
 
+import pytest
+
+from weight_sync_bench.check import checker as checker_module
 from weight_sync_bench.cli import main
 from weight_sync_bench.cli.main import FORWARD_LEGEND, LAYOUT_LEGEND
-from weight_sync_bench.cli.output import ProgressLine
+from weight_sync_bench.cli.output import Output, ProgressLine
+from weight_sync_bench.cli.records import KEYS, SUMMARY_KEYS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-CHECK_KEYS = ["kind", "config", "phase", "src", "dst", "mutation", "max_abs_error", "threshold",
-              "ratio", "forward", "passed", "first_mismatch", "mismatches"]
+CHECK_KEYS = ["kind", "config", "phase", "conventions", "src", "dst", "dtype", "mutation",
+              "named_mutation", "max_abs_error", "threshold", "ratio", "forward", "passed",
+              "first_mismatch", "mismatches", "diagnosis", "notes", "directory"]
 
 
 def _records(text):
@@ -29,9 +37,87 @@ def test_check_json_is_one_object_per_check_with_stable_keys_then_a_summary(caps
     assert len(checks) == 4 and all(list(c) == CHECK_KEYS for c in checks)
     assert [(c["src"], c["dst"]) for c in checks] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert all(c["passed"] and c["forward"] == "declared" for c in checks)
+    assert all(c["conventions"] is None and c["dtype"] == "fp32" and c["diagnosis"] == []
+               and c["named_mutation"] is None and c["directory"] is None for c in checks)
     assert summary == {"kind": "summary", "command": "check", "exit_code": 0, "checks": 4,
-                       "ran": 4, "passed": 4, "failed": 0, "interrupted": False}
+                       "ran": 4, "passed": 4, "failed": 0, "interrupted": False, "skipped": []}
     assert "check 1/4" in err  # progress still goes to stderr
+
+
+def _readme_schema() -> dict[str, list[str]]:
+    """The README's JSON table: kind (a summary: ``summary COMMAND``) -> its keys."""
+    section = README.read_text().split("## Exit codes and machine-readable output")[1]
+    table: dict[str, list[str]] = {}
+    for kinds, origin, keys in re.findall(r"^\| (`[a-z_]+`(?: / `[a-z_]+`)?) \| (.*?) \| (.*) \|$",
+                                          section, re.M):
+        names = [k.strip().strip("`") for k in kinds.split("/")]
+        keys = [k.strip() for k in re.sub(r"\([^)]*\)", "", keys).split(",")]
+        if names == ["summary"]:
+            names = [f"summary {command.strip()}" for command in origin.split(",")]
+        for name in names:
+            assert name not in table, name
+            table[name] = keys
+    return table
+
+
+def test_the_readme_json_table_is_the_schema_every_record_follows():
+    schema = {**{kind: list(keys) for kind, keys in KEYS.items()},
+              **{f"summary {command}": ["command", "exit_code", *keys]
+                 for command, keys in SUMMARY_KEYS.items()}}
+    assert _readme_schema() == schema
+
+
+def test_a_record_without_its_kinds_keys_is_refused_whether_or_not_it_prints():
+    for json_flag in (False, True):
+        out = Output(argparse.Namespace(json=json_flag, quiet=False, command="check"))
+        with pytest.raises(AssertionError, match="bandwidth"):  # a key that is not a check's
+            out.record("check", **dict.fromkeys(KEYS["check"]), bandwidth=1.0)
+        with pytest.raises(AssertionError, match="notes"):  # one of its keys left out
+            out.record("check", **dict.fromkeys(k for k in KEYS["check"] if k != "notes"))
+        with pytest.raises(AssertionError, match="skipped"):  # a summary is its command's
+            out.summary(0, checks=1, ran=1, passed=1, failed=0, interrupted=False)
+    Output(argparse.Namespace(json=False, command="check")).record(
+        "check", **dict.fromkeys(KEYS["check"]))  # the twin: exactly its keys
+
+
+SWAPPED = """
+    from weight_sync_bench import TOY_KV4, convert
+
+    def swapped(shards, degree):  # ranks 0 and 1 exchange their qkv_proj
+        out = convert(shards, "megatron", f"vllm:{degree}", TOY_KV4)
+        name = "model.layers.0.self_attn.qkv_proj.weight"
+        out[0][name], out[1][name] = out[1][name], out[0][name]
+        return out
+"""
+
+
+def test_a_failed_checks_json_carries_what_its_text_says(tmp_path, monkeypatch, capsys):
+    (tmp_path / "wsb_json_swapped.py").write_text(textwrap.dedent(SWAPPED))
+    # a note on how this machine differs from the floor's, whether or not it does
+    monkeypatch.setattr(checker_module, "environment_notes",
+                        lambda *args: ("the floor was measured under another torch (planted)",))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["check", "--config", "toy_kv4", "--from", "megatron:4", "--to", "vllm:2",
+            "--dtype", "bf16", "--converter", "wsb_json_swapped:swapped"]
+    assert main(argv) == 1
+    text = capsys.readouterr().out
+    assert main([*argv, "--json"]) == 1
+    (record, summary) = _records(capsys.readouterr().out)
+    assert record["conventions"] == {"src": "megatron", "dst": "vllm"}
+    assert (record["src"], record["dst"], record["dtype"]) == (4, 2, "bf16")
+    assert "toy_kv4  megatron:4 -> vllm:2" in text and "bf16 weights" in text
+    assert record["first_mismatch"] == "model.layers.0.self_attn.qkv_proj.weight"
+    assert len(record["diagnosis"]) == 2  # a line per rank that holds the wrong heads
+    for line in record["diagnosis"]:  # each as the text writes it, indented under the verdict
+        assert f"\n    {line}\n" in text
+    assert record["diagnosis"][0] == (
+        "rank 0 model.layers.0.self_attn.qkv_proj.weight holds Q heads 4-7, K heads 2-3, "
+        "V heads 2-3; declared Q heads 0-3, K heads 0-1, V heads 0-1")
+    assert record["notes"] == ["the floor was measured under another torch (planted)"]
+    assert "note: the floor was measured under another torch (planted)" in text
+    assert record["named_mutation"] is None and record["passed"] is False
+    assert summary["exit_code"] == 1 and summary["failed"] == 1
 
 
 def test_an_error_under_json_is_a_record_too(capsys):

@@ -122,3 +122,19 @@ def test_an_empty_corpus_checks_nothing_and_says_so(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path))
     assert main(["replay"]) == 2
     assert "no corpus entries to replay: nothing was checked" in capsys.readouterr().out
+
+
+def test_a_replayed_conversion_entry_names_its_conventions_in_json_as_its_row_does(
+        tmp_path, capsys):
+    (path,) = [p for p in entry_paths() if "conventions" in json.loads(p.read_text())["case"]][:1]
+    shutil.copy(path, tmp_path)
+    case = json.loads(path.read_text())["case"]
+    assert main(["replay", str(tmp_path)]) in (0, 1)
+    text = capsys.readouterr().out
+    main(["replay", str(tmp_path), "--json"])
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+                 if json.loads(line)["kind"] == "replay"]
+    assert record["conventions"] == case["conventions"]
+    route = (f"{record['conventions']['src']}:{record['src']} -> "
+             f"{record['conventions']['dst']}:{record['dst']}")
+    assert f"{path.name}  " in text and route in text

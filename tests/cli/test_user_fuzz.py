@@ -56,6 +56,18 @@ def test_a_planted_bug_is_reported_shrunk_with_the_geometry_and_the_rows_exit_1(
     (entry,) = (user_module / "corpus").glob("*.json")
     assert json.loads(entry.read_text())["user"]["function"] == \
         "my_functions:reshard_wrong_for_mha"
+    # --json carries what the text says: the same counterexample (its corpus entry runs
+    # first), its degrees and the diagnosis lines, each as the text wrote it
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", "--json")
+    records = [json.loads(line) for line in out.out.splitlines()]
+    (failure,) = [r for r in records if r["kind"] == "counterexample"]
+    assert code == 1 and failure["property"] == "invariant" and failure["error"] is None
+    assert failure["conventions"] is None
+    assert f"degrees: t={failure['src']} -> t={failure['dst']}; " in text
+    assert failure["first_mismatch"] == "layers.0.qkv.weight"
+    assert "rank 0 layers.0.qkv.weight holds rows 0-1, 6-7, 2-3, 8-9, 4-5, 10-11" in \
+        failure["diagnosis"][0]
+    assert all(f"    {line}\n" in text for line in failure["diagnosis"])
 
 
 def test_the_correct_resharder_passes_exit_0(user_module, capsys):

@@ -87,6 +87,8 @@ class Verdict:
     # (``tolerance.rules.check_environment``); empty when it is the same.
     notes: tuple[str, ...] = ()
     dtype: str = "fp32"  # the synced weights' dtype, in which the shards were compared
+    # The catalogued mutation the shards equal bit for bit, where the diagnosis finds one.
+    named_mutation: str | None = None
 
     @property
     def finite(self) -> bool:

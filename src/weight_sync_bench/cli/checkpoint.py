@@ -149,12 +149,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         raise FloorNotMeasured(f"{exc}.\nFrom the command line: `{floor_command(args, config)}` "
                                "(once), or rerun this verify with --measure-floor",
                                command=floor_command(args, config)) from None
-    out.record("check", directory=str(args.directory), **verdict_record(verdict))
+    out.record("check", **verdict_record(verdict, directory=str(args.directory)))
     out.text(str(verdict))
     code = EXIT_OK if verdict.passed else EXIT_FAILED
     out.text(f"\n{int(verdict.passed)} passed, {int(not verdict.passed)} failed")
     out.summary(code, checks=1, ran=1, passed=int(verdict.passed),
-                failed=int(not verdict.passed), interrupted=False)
+                failed=int(not verdict.passed), interrupted=False, skipped=[])
     return code
 
 

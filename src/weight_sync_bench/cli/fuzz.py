@@ -44,6 +44,7 @@ from weight_sync_bench.cli.output import (
     seed,
     side_by_side,
 )
+from weight_sync_bench.cli.records import FUZZ_SUMMARY, counterexample_record, replay_record
 from weight_sync_bench.errors import RankFailure, WsbError
 from weight_sync_bench.tolerance.artifacts import PHASES, artifact_path, write_artifact
 
@@ -89,8 +90,9 @@ def _tally_record(t: Any) -> dict[str, Any]:
 
 
 def _fault_record(f: Any) -> dict[str, Any]:
-    return {"property": f.label, "type": type(f.error).__name__, "rank": f.rank, "how": f.how,
-            "breadcrumb": f.error.breadcrumb, "case": str(f.case) if f.case else None,
+    return {"property": f.label, "entry": None, "type": type(f.error).__name__, "rank": f.rank,
+            "how": f.how, "breadcrumb": f.error.breadcrumb,
+            "case": str(f.case) if f.case else None,
             "message": str(f.error).splitlines()[0] if str(f.error) else ""}
 
 
@@ -121,9 +123,7 @@ def _finish(report: Any, out: Output, *, failed: bool, matrix: bool,
     for t in report.tallies:
         out.record(kind, **_tally_record(t))
     for failure in report.failures:
-        out.record("counterexample", property=failure.prop, case=str(failure.outcome.case),
-                   deviation=failure.outcome.deviation, threshold=failure.outcome.threshold,
-                   ratio=failure.outcome.ratio, message=str(failure))
+        out.record("counterexample", **counterexample_record(failure))
     for fault in report.faults:
         out.record("harness_fault", **_fault_record(fault))
     out.text(format_report(report, matrix=matrix))
@@ -152,7 +152,8 @@ def _finish(report: Any, out: Output, *, failed: bool, matrix: bool,
                 harness_faults=len(report.faults), elapsed=report.elapsed,
                 profile=report.profile, master_seed=report.master_seed,
                 corpus=report.corpus, new_entries=[str(p) for p in report.new_entries],
-                stopped=report.stopped, summary_file=str(summary) if summary else None)
+                stopped=report.stopped, summary_file=str(summary) if summary else None,
+                found=None)
     return code
 
 
@@ -174,7 +175,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             out.text(f"{name}: {failure}")
             out.record("smallest", mutation=name, case=str(failure.outcome.case),
                        message=str(failure))
-        out.summary(EXIT_OK, found=len(args.find_smallest))
+        out.summary(EXIT_OK, **{**dict.fromkeys(FUZZ_SUMMARY), "found": len(args.find_smallest)})
         return EXIT_OK
 
     budget = ({"examples": args.examples} if args.examples is not None
@@ -397,16 +398,6 @@ def _write_floor(artifact: dict[str, Any], path: Path, old: dict[str, Any] | Non
     return EXIT_OK
 
 
-def _replay_record(r: Any) -> dict[str, Any]:
-    case = r.entry.case
-    return {"entry": str(r.entry.path), "property": r.entry.prop, "mutation": case.mutation,
-            "phase": case.phase, "src": case.src, "dst": case.dst,
-            "deviation": r.outcome.deviation, "threshold": r.outcome.threshold,
-            "ratio": r.outcome.ratio, "status": r.status, "claim_holds": r.claim_holds,
-            "origin": r.entry.origin, "origin_note": r.entry.origin_note,
-            "user": r.entry.user, "note": r.note}
-
-
 def cmd_replay(args: argparse.Namespace) -> int:
     from weight_sync_bench.fuzz.corpus import GIB, ReplayLimits, format_replay, scan_corpus
     from weight_sync_bench.fuzz.replay import replay
@@ -432,12 +423,13 @@ def cmd_replay(args: argparse.Namespace) -> int:
                     (result,) = replay([entry], forward=forward, load=load_function)
                 except RankFailure as exc:  # a harness fault, not the entry's verdict
                     faults.append((entry, exc))
-                    out.record("harness_fault", entry=str(entry.path), type=type(exc).__name__,
-                               rank=exc.rank, breadcrumb=exc.breadcrumb,
+                    out.record("harness_fault", property=None, entry=str(entry.path),
+                               type=type(exc).__name__, rank=exc.rank, how=None,
+                               breadcrumb=exc.breadcrumb, case=None,
                                message=str(exc).splitlines()[0])
                     continue
                 results.append(result)
-                out.record("replay", **_replay_record(result))
+                out.record("replay", **replay_record(result))
     finally:
         line.close()
     if results:

@@ -12,8 +12,9 @@
     wsb verify --convention vllm:2 --config NAME DIR
     wsb --version
 
-Every subcommand takes ``-q``; check, fuzz, mutants, replay and train-check take ``--json``;
-gloo runs take ``--deadline SECONDS``. One exit-code contract for all of them
+Every subcommand takes ``-q``; check, verify, fuzz, mutants, replay, train-check and sync take
+``--json`` (one schema: ``records``); gloo runs take ``--deadline SECONDS``. One exit-code
+contract for all of them
 (``output.EXIT_CODES``), applied here once: a subcommand returns 0, 1 or 2 for what its
 checks found, and ``exit_code`` maps whatever it raises.
 """
@@ -364,12 +365,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         out.text(f"\ninterrupted after {len(verdicts)} of {len(jobs)} checks: {tally}; not run: "
                  + ", ".join(label for label, _ in jobs[len(verdicts):]))
         out.summary(code, checks=len(jobs), ran=len(verdicts), passed=len(verdicts) - len(failed),
-                    failed=len(failed), interrupted=True)
+                    failed=len(failed), interrupted=True, skipped=skipped)
         return code
     out.text(f"\n{tally}")
     code = EXIT_FAILED if failed else EXIT_OK
     out.summary(code, checks=len(jobs), ran=len(verdicts), passed=len(verdicts) - len(failed),
-                failed=len(failed), interrupted=False)
+                failed=len(failed), interrupted=False, skipped=skipped)
     return code
 
 

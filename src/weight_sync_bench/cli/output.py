@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from weight_sync_bench.cli.records import keys_of
 from weight_sync_bench.errors import ArtifactProtected, InvalidNumber, WsbError
 
 EXIT_OK = 0
@@ -200,6 +201,10 @@ class Output:
             print(line, flush=True)
 
     def record(self, kind: str, **fields: Any) -> None:
+        """One ``--json`` record; its keys are its kind's (``records.KEYS``), whether or not
+        this run prints it."""
+        keys = keys_of(kind, self.command)
+        assert sorted(fields) == sorted(keys), (kind, sorted(set(fields) ^ set(keys)))
         if self.json:
             print(json.dumps(_plain({"kind": kind, **fields}), allow_nan=False), flush=True)
 

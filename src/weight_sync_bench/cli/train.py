@@ -142,9 +142,9 @@ def format_matrix(rows: Sequence[MatrixRow]) -> str:
     return _table(out)
 
 
-def _report_record(report: TrainingReport) -> dict[str, object]:
+def _report_record(report: TrainingReport, phase: str) -> dict[str, object]:
     return {"config": report.config, "mesh": str(report.mesh), "packed": report.packed,
-            "passed": report.passed,
+            "phase": phase, "passed": report.passed,
             "comparisons": [{"quantity": c.quantity, "deviation": c.deviation,
                              "threshold": c.threshold, "ratio": c.ratio, "where": c.where or None,
                              "passed": c.passed} for c in report.comparisons]}
@@ -212,7 +212,8 @@ def cmd_train_check(args: argparse.Namespace) -> int:
         out.text(f"\n{len(ran) - len(missed)} of {len(ran)} detected, "
                  f"{len(rows) - len(ran)} identity cells skipped")
         code = EXIT_FAILED if missed else (EXIT_OK if ran else EXIT_USAGE)
-        out.summary(code, cells=len(rows), ran=len(ran), missed=len(missed))
+        out.summary(code, cells=len(rows), ran=len(ran), missed=len(missed), checks=None,
+                    passed=None, failed=None, phase=phase, steps=args.steps, seed=args.seed)
         return code
     train = _gloo_trainer(cases) if args.gloo else (lambda case: None)
     reports = []
@@ -220,7 +221,7 @@ def cmd_train_check(args: argparse.Namespace) -> int:
         for i, case in enumerate(cases):
             line.show(f"train-check {i + 1}/{len(cases)}: {_label(case)} (phase {phase})")
             reports.append(case.check(thresholds(case), trained=train(case)))
-            out.record("train", **_report_record(reports[-1]))
+            out.record("train", **_report_record(reports[-1], phase))
     finally:
         line.close()
     failed = [r for r in reports if not r.passed]
@@ -231,7 +232,7 @@ def cmd_train_check(args: argparse.Namespace) -> int:
              f"(steps={args.steps}, seed={args.seed}, phase {phase})")
     code = EXIT_FAILED if failed else EXIT_OK
     out.summary(code, checks=len(reports), passed=len(reports) - len(failed), failed=len(failed),
-                phase=phase, steps=args.steps, seed=args.seed)
+                phase=phase, steps=args.steps, seed=args.seed, cells=None, ran=None, missed=None)
     return code
 
 
