@@ -14,9 +14,8 @@
 
 Every subcommand takes ``-q``; check, verify, fuzz, mutants, replay, train-check and sync take
 ``--json`` (one schema: ``records``); gloo runs take ``--deadline SECONDS``. One exit-code
-contract for all of them
-(``output.EXIT_CODES``), applied here once: a subcommand returns 0, 1 or 2 for what its
-checks found, and ``exit_code`` maps whatever it raises.
+contract for all of them (``output.EXIT_CODES``), applied here once: a subcommand returns 0,
+1 or 2 for what its checks found, and ``exit_code`` maps whatever it raises.
 """
 
 from __future__ import annotations
