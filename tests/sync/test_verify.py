@@ -63,9 +63,13 @@ def test_a_resharder_that_returns_the_wrong_names_or_raises_is_framed_as_the_use
         run_distributed_reshard(resharders.drops_a_name, tiny(2), "megatron:2", "megatron:2",
                                 pool=pool, forward=False)
     with pytest.raises(UserCodeError, match=r"raised on rank 0 during megatron:2 -> vllm:1: "
-                                            r"ValueError: rank 0 cannot reshard"):
+                                            r"ValueError: rank 0 cannot reshard") as err:
         run_distributed_reshard(resharders.raises, tiny(2), "megatron:2", "vllm:1", pool=pool,
                                 forward=False)
+    # with the user's frames of the traceback only, as check.user_code frames them
+    assert 'resharders.py", line 28, in raises' in err.value.user_traceback
+    assert "weight_sync_bench" not in err.value.user_traceback
+    assert "Traceback (most recent call last)" not in str(err.value)
 
 
 def test_generated_values_are_a_function_of_seed_parameter_and_index_alone():

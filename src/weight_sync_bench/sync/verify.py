@@ -21,7 +21,6 @@ degree (the pool's prefix group). The functions run under ``torchrun`` as well
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from weight_sync_bench.check.convert import describe
+from weight_sync_bench.check.user_code import user_frames
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.conventions import reading_plan
 from weight_sync_bench.memory import rss
@@ -182,7 +182,7 @@ def run_fn(fn: ReshardFn, ctx: SyncContext, rank: int, local: Mapping[str, torch
     try:
         out = fn(ctx, rank, local, plan)
     except Exception as exc:  # noqa: BLE001 - the user's code: reported, framed, by the parent
-        out, error = None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        out, error = None, f"{type(exc).__name__}: {exc}\n{user_frames(exc.__traceback__)}"
     seconds = time.perf_counter() - started
     after = rss()
     held = sum(x.numel() * x.element_size() for x in out.values()
