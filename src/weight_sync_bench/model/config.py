@@ -49,23 +49,103 @@ class ModelConfig:
     # q/k/v biases only (``qkv_bias``), HF Llama ``attention_bias`` q/k/v and o_proj biases.
     qkv_bias: bool = False
     o_bias: bool = False
+    # Qwen3's per-head RMSNorm of q and k before RoPE (``q_norm`` / ``k_norm``, one weight of
+    # head_dim shared by every head), MoE or not.
+    qk_norm: bool = False
+    # Mixture-of-Experts (``n_experts`` > 0; every field below defaults to off, a dense model).
+    # Layers ``dense_layers..n_layers-1`` replace the SwiGLU MLP by: a router ``[E, d]``,
+    # ``top_k`` of ``n_experts`` SwiGLU experts of width ``expert_ffn`` chosen per token, and
+    # optionally a shared expert of width ``shared_ffn`` that every token goes through (Qwen2-MoE
+    # gates it by ``sigmoid(x @ shared_gate)``, DeepSeek does not). See ``model.routing``.
+    n_experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    router: str = "softmax"  # "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk: bool = False  # renormalise the chosen experts' weights to sum to one
+    router_bias: bool = False  # a selection-only score bias (DeepSeek-V3 e_score_correction_bias)
+    n_groups: int = 1  # group-limited routing: experts in n_groups groups, topk_groups chosen
+    topk_groups: int = 1
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    dense_layers: int = 0  # first_k_dense_replace: the first layers keep the dense MLP
+    # Which family's names the checkpoints use (names only, never the math): "qwen" (Qwen2-MoE,
+    # Qwen3-MoE, DeepSeek: mlp.gate, mlp.experts.{e}.gate_proj) or "mixtral"
+    # (block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 / w3 / w2).
+    moe_style: str = "qwen"
 
     def __post_init__(self) -> None:
         for field in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                      "ffn", "batch", "seq_len", "vocab_multiple"):
+                      "ffn", "batch", "seq_len", "vocab_multiple", "n_groups", "topk_groups"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidConfig(f"{self.name}: {field} must be a positive int, got {value!r}")
-        for field in ("tie_embeddings", "bias", "qkv_bias", "o_bias"):
+        for field in ("n_experts", "top_k", "expert_ffn", "shared_ffn", "dense_layers"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidConfig(f"{self.name}: {field} must be a non-negative int, "
+                                    f"got {value!r}")
+        for field in ("tie_embeddings", "bias", "qkv_bias", "o_bias", "qk_norm", "norm_topk",
+                      "router_bias", "shared_gate"):
             if not isinstance(getattr(self, field), bool):
                 raise InvalidConfig(f"{self.name}: {field} must be a bool, "
                                     f"got {getattr(self, field)!r}")
+        self._check_moe()
         if self.n_heads % self.n_kv_heads:
             raise InvalidConfig(
                 f"{self.name}: GQA needs n_heads % n_kv_heads == 0 "
                 f"(n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads})")
         if self.head_dim % 2:
             raise InvalidConfig(f"{self.name}: RoPE needs an even head_dim (head_dim={self.head_dim})")
+
+    def _check_moe(self) -> None:
+        """The MoE fields: all at their defaults for a dense model, else consistent."""
+        if not self.n_experts:
+            odd = [f"{f}={getattr(self, f)!r}" for f in MOE_FIELDS
+                   if f != "n_experts" and getattr(self, f) != _MOE_DEFAULTS[f]]
+            if odd:
+                raise InvalidConfig(f"{self.name}: {', '.join(odd)} without experts "
+                                    "(n_experts=0): MoE fields need n_experts >= 1")
+            return
+        e, k = self.n_experts, self.top_k
+        rules = [
+            (1 <= k <= e, f"1 <= top_k <= n_experts (top_k={k}, n_experts={e})"),
+            (self.expert_ffn >= 1, f"expert_ffn >= 1 (expert_ffn={self.expert_ffn})"),
+            (self.router in ROUTERS, f"router in {ROUTERS} (router={self.router!r})"),
+            (self.moe_style in MOE_STYLES, f"moe_style in {MOE_STYLES} "
+                                           f"(moe_style={self.moe_style!r})"),
+            (not self.router_bias or self.router == "sigmoid",
+             "router_bias only with router='sigmoid' (DeepSeek-V3's e_score_correction_bias)"),
+            (e % self.n_groups == 0, f"n_experts % n_groups == 0 (n_experts={e}, "
+                                     f"n_groups={self.n_groups})"),
+            (self.topk_groups <= self.n_groups, f"topk_groups <= n_groups (topk_groups="
+                                                f"{self.topk_groups}, n_groups={self.n_groups})"),
+            (self.n_groups == 1 or e // self.n_groups >= 2,
+             f"at least 2 experts per group (a group scores by its top 2: n_experts={e}, "
+             f"n_groups={self.n_groups})"),
+            (k <= self.topk_groups * (e // self.n_groups),
+             f"top_k <= topk_groups * n_experts / n_groups (top_k={k}, topk_groups="
+             f"{self.topk_groups}, n_experts={e}, n_groups={self.n_groups})"),
+            (not self.shared_gate or self.shared_ffn >= 1,
+             "shared_gate needs a shared expert (shared_ffn >= 1)"),
+            (self.dense_layers <= self.n_layers, f"dense_layers <= n_layers (dense_layers="
+                                                 f"{self.dense_layers}, n_layers={self.n_layers})"),
+        ]
+        for ok, rule in rules:
+            if not ok:
+                raise InvalidConfig(f"{self.name}: MoE needs {rule}")
+
+    @property
+    def moe(self) -> bool:
+        """Whether any layer is a Mixture-of-Experts layer."""
+        return self.n_experts > 0 and self.dense_layers < self.n_layers
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer keeps the dense SwiGLU MLP of width ``ffn``."""
+        return not self.n_experts or self.dense_layers > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_experts > 0 and i >= self.dense_layers
 
     @property
     def q_rows(self) -> int:
@@ -106,12 +186,28 @@ class ModelConfig:
 
     @property
     def layer_suffixes(self) -> tuple[str, ...]:
-        """A layer's parameters (``layers.{i}.`` + each), in the order its forward reads them:
-        each of ``ReferenceModel.step`` and ``ShardedModel.step`` consumes one."""
-        return ("attn_norm.weight", "qkv.weight", *(("qkv.bias",) if self.has_qkv_bias else ()),
-                "o_proj.weight", *(("o_proj.bias",) if self.has_o_bias else ()),
-                "ffn_norm.weight", "gate_up.weight", "down.weight",
-                *(("down.bias",) if self.has_down_bias else ()))
+        """A dense layer's parameters (``layers.{i}.`` + each), in the order its forward reads
+        them: each of ``ReferenceModel.step`` and ``ShardedModel.step`` consumes one. An MoE
+        layer's are ``suffixes_of(i)``."""
+        return self.suffixes_of(0) if not self.is_moe_layer(0) else self._suffixes(False)
+
+    def suffixes_of(self, i: int) -> tuple[str, ...]:
+        """Layer ``i``'s parameters, in the order its forward reads them."""
+        return self._suffixes(self.is_moe_layer(i))
+
+    def _suffixes(self, moe: bool) -> tuple[str, ...]:
+        attention = ("attn_norm.weight", "qkv.weight",
+                     *(("qkv.bias",) if self.has_qkv_bias else ()),
+                     *(("q_norm.weight", "k_norm.weight") if self.qk_norm else ()),
+                     "o_proj.weight", *(("o_proj.bias",) if self.has_o_bias else ()),
+                     "ffn_norm.weight")
+        if not moe:
+            return (*attention, "gate_up.weight", "down.weight",
+                    *(("down.bias",) if self.has_down_bias else ()))
+        return (*attention, "router.weight", *(("router.bias",) if self.router_bias else ()),
+                "experts.gate_up.weight", "experts.down.weight",
+                *(("shared.gate_up.weight", "shared.down.weight") if self.shared_ffn else ()),
+                *(("shared_gate.weight",) if self.shared_gate else ()))
 
     @property
     def head_params(self) -> tuple[str, ...]:
@@ -121,15 +217,23 @@ class ModelConfig:
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's full shape, in the order the forward consumes them."""
-        d = self.d_model
+        d, e, f, fs = self.d_model, self.n_experts, self.expert_ffn, self.shared_ffn
         local = {"attn_norm.weight": (d,), "qkv.weight": (self.qkv_rows, d),
-                 "qkv.bias": (self.qkv_rows,), "o_proj.weight": (d, self.q_rows),
+                 "qkv.bias": (self.qkv_rows,), "q_norm.weight": (self.head_dim,),
+                 "k_norm.weight": (self.head_dim,), "o_proj.weight": (d, self.q_rows),
                  "o_proj.bias": (d,), "ffn_norm.weight": (d,), "gate_up.weight": (2 * self.ffn, d),
-                 "down.weight": (d, self.ffn), "down.bias": (d,)}
+                 "down.weight": (d, self.ffn), "down.bias": (d,),
+                 # The experts side by side: expert x's [gate_x | up_x] rows are rows
+                 # [2Fx, 2F(x+1)) of experts.gate_up, its down columns [Fx, F(x+1)) of
+                 # experts.down: one dense-like MLP over E*F features, each token using its own.
+                 "router.weight": (e, d), "router.bias": (e,),
+                 "experts.gate_up.weight": (e * 2 * f, d), "experts.down.weight": (d, e * f),
+                 "shared.gate_up.weight": (2 * fs, d), "shared.down.weight": (d, fs),
+                 "shared_gate.weight": (1, d)}
         head = {"norm.weight": (d,), "lm_head.weight": (self.padded_vocab, d)}
         shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (self.padded_vocab, d)}
         for i in range(self.n_layers):
-            for suffix in self.layer_suffixes:
+            for suffix in self.suffixes_of(i):
                 shapes[f"layers.{i}.{suffix}"] = local[suffix]
         for name in self.head_params:
             shapes[name] = head[name]
@@ -157,12 +261,22 @@ class ModelConfig:
         config without variants records exactly the geometry it always did.
         """
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "name" and f.name not in VARIANT_FIELDS
+               if f.name != "name" and f.name not in VARIANT_FIELDS + MOE_FIELDS
                and isinstance(getattr(self, f.name), int)}
         for f in dataclasses.fields(self):
             if f.name in VARIANT_FIELDS and getattr(self, f.name) != f.default:
                 out[f.name] = int(getattr(self, f.name))
+        if self.n_experts:  # every MoE field, so a recorded MoE geometry reads on its own
+            for name in MOE_FIELDS:
+                value = getattr(self, name)
+                out[name] = value if isinstance(value, str) else int(value)
         return out
+
+    @classmethod
+    def from_geometry(cls, geometry: Mapping[str, Any], name: str) -> ModelConfig:
+        """The config a recorded ``geometry()`` names (the inverse: bools written as 0/1)."""
+        fields = {k: bool(v) if k in BOOL_FIELDS else v for k, v in geometry.items()}
+        return cls(name=name, **fields)
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -282,7 +396,14 @@ class ModelConfig:
 
 _REQUIRED = object()
 
-VARIANT_FIELDS = ("vocab_multiple", "tie_embeddings", "bias", "qkv_bias", "o_bias")
+VARIANT_FIELDS = ("vocab_multiple", "tie_embeddings", "bias", "qkv_bias", "o_bias", "qk_norm")
+# Recorded together whenever n_experts > 0 (``geometry``): the MoE block's shape and routing.
+MOE_FIELDS = ("n_experts", "top_k", "expert_ffn", "router", "norm_topk", "router_bias",
+              "n_groups", "topk_groups", "shared_ffn", "shared_gate", "dense_layers", "moe_style")
+_MOE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in MOE_FIELDS}
+BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.type in (bool, "bool"))
+ROUTERS = ("softmax", "sigmoid")
+MOE_STYLES = ("qwen", "mixtral")
 
 # The Hugging Face config.json files shipped with the package (model/hf_configs/), as on the
 # Hub for these revisions. The Hub was not reachable when they were written: values come from
