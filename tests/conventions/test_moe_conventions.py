@@ -256,3 +256,18 @@ def test_every_moe_mutation_applies_somewhere_in_the_matrix():
                if not (m.not_applicable(Conversion(c, endpoint(a), endpoint(b)))
                        or m.identity_reason(Conversion(c, endpoint(a), endpoint(b))))}
     assert applied == {m.name for m in MOE_MUTATIONS}
+
+
+@pytest.mark.parametrize("where", ["megatron:tp=2,ep=4", "vllm:tp=2,ep=2", "hf",
+                                   "hf:experts=fused"])
+def test_moe_checkpoints_round_trip_through_their_files(tmp_path, where):
+    from weight_sync_bench.conventions.checkpoint import read_checkpoint, write_checkpoint
+
+    ep = endpoint(where)
+    declared = shards_for(QWEN3, where)
+    write_checkpoint(tmp_path / "ckpt", declared, ep, QWEN3)
+    back = read_checkpoint(tmp_path / "ckpt", ep, QWEN3)
+    assert len(back.shards) == ep.world
+    for got, want in zip(back.shards, declared):
+        assert list(sorted(got)) == list(sorted(want))
+        assert all(torch.equal(got[n], want[n]) for n in want)
