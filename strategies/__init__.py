@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from weight_sync_bench.check.mutations import mutation_by_name
 from weight_sync_bench.fuzz.case import Case
-from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain, IntRange
+from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN, FuzzDomain, IntRange, MoeDomain
 from weight_sync_bench.model.config import ModelConfig
 from weight_sync_bench.model.plan import layout_for
 
-__all__ = ["Rejection", "cases", "degree_pairs", "geometries", "in_range", "rejected_layouts",
-           "seeds"]
+__all__ = ["Rejection", "cases", "degree_pairs", "geometries", "in_range", "moe_geometries",
+           "rejected_layouts", "seeds"]
 
 
 @functools.cache  # one strategy per range: building it on every draw costs more than the draw
@@ -135,3 +135,38 @@ def rejected_layouts(draw: st.DrawFn) -> Rejection:
                        "ffn": ("layers.0.gate_up.weight", "first % t == 0"),
                        "vocab": ("tok_embeddings.weight", "shape[0] % t == 0")}[broken]
     return Rejection(config, t, parameter, rule)
+
+
+@st.composite
+def moe_geometries(draw: st.DrawFn, domain: FuzzDomain = DOMAIN,
+                   moe: MoeDomain = MOE_DOMAIN) -> ModelConfig:
+    """An MoE ModelConfig inside ``domain`` and ``moe``: a dense geometry (``geometries``,
+    at least one layer MoE), then the experts: their number, ``top_k`` at most that, the router
+    (softmax; or sigmoid, with a selection bias or not), its groups (a divisor of the experts
+    with two or more each, ``topk_groups`` of them kept, enough experts for ``top_k``),
+    renormalisation, the experts' and a shared expert's widths (multiples of ``n_kv_heads``),
+    the shared expert's gate, q/k norms, and Mixtral's names where its block allows. Drawn in
+    that order, each from what the earlier draws allow: nothing is rejected.
+
+    Shrinks toward two experts, top-1, softmax, no groups, no shared expert, no q/k norms."""
+    config = draw(geometries(domain))
+    e = draw(in_range(moe.n_experts))
+    top_k = draw(st.integers(moe.top_k.lo, min(moe.top_k.top, e)))
+    router = draw(st.sampled_from(("softmax", "sigmoid")))
+    groups = [g for g in range(1, e + 1) if e % g == 0 and (g == 1 or e // g >= 2)]
+    n_groups = draw(st.sampled_from(groups))
+    keep = [k for k in range(1, n_groups + 1) if top_k <= k * (e // n_groups)]
+    topk_groups = draw(st.sampled_from(keep)) if n_groups > 1 else 1
+    kv = config.n_kv_heads
+    shared = kv * draw(in_range(moe.shared_ffn_per_kv_head))
+    qk_norm = draw(st.booleans())
+    dense = draw(st.integers(moe.dense_layers.lo, min(moe.dense_layers.top, config.n_layers - 1)))
+    fields = dict(n_experts=e, top_k=top_k, router=router, n_groups=n_groups,
+                  topk_groups=topk_groups, norm_topk=draw(st.booleans()),
+                  router_bias=router == "sigmoid" and draw(st.booleans()),
+                  expert_ffn=kv * draw(in_range(moe.expert_ffn_per_kv_head)), shared_ffn=shared,
+                  shared_gate=shared > 0 and draw(st.booleans()), qk_norm=qk_norm,
+                  dense_layers=dense)
+    mixtral_ok = not (shared or qk_norm or dense or router != "softmax" or n_groups > 1)
+    fields["moe_style"] = "mixtral" if mixtral_ok and draw(st.booleans()) else "qwen"
+    return config.replace(name="fuzz_moe", **fields)

@@ -61,14 +61,17 @@ def endpoint(text: str | Endpoint) -> Endpoint:
     return parse_endpoint(text, CONVENTIONS)
 
 
-def shards_for(config: ModelConfig, convention: str | Convention, degree: int, *,
-               seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """The declared rank-local tensors of ``convention`` at ``degree`` for the parameters
-    ``init_params(config, seed)``: ``result[rank][stored name]``. Raises
-    ``UnsupportedConvention`` naming the rule where the convention cannot store ``config``
-    at ``degree``."""
-    conv = convention_by_name(convention)
-    pieces = conv.pieces(config, degree)
+def shards_for(config: ModelConfig, convention: str | Convention | Endpoint,
+               degree: int | None = None, *, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """The declared rank-local tensors of ``convention`` at ``degree`` (or of an endpoint,
+    ``"megatron:tp=2,ep=4"``) for the parameters ``init_params(config, seed)``:
+    ``result[rank][stored name]``. Raises ``UnsupportedConvention`` naming the rule where the
+    convention cannot store ``config`` there."""
+    if degree is None:
+        pieces = endpoint(convention if not isinstance(convention, Convention)
+                          else convention.name).pieces(config)
+    else:
+        pieces = convention_by_name(convention).pieces(config, degree)
     return materialize(pieces, init_params(config, seed))
 
 
@@ -79,7 +82,7 @@ def convert(shards: Sequence[Mapping[str, torch.Tensor]], src: str | Endpoint,
     and cutting ``dst``'s. Exact: ``convert(shards_for(c, a, s), a, b, c)`` equals
     ``shards_for(c, b, d)`` byte for byte."""
     source = endpoint(src)
-    if source.degree != len(shards):  # "megatron" or "megatron:1" given for 4 shards
-        source = Endpoint(source.convention, len(shards))
+    if source.world != len(shards) and str(source) == f"{source.name}:{source.degree}":
+        source = Endpoint(source.convention, len(shards))  # "megatron" given for 4 shards
     canonical = gather_canonical(shards, source.pieces(config), config.param_shapes())
     return materialize(endpoint(dst).pieces(config), canonical)

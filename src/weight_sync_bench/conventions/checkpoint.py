@@ -47,7 +47,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from weight_sync_bench.errors import CheckpointError, UnsupportedConvention
+from weight_sync_bench.errors import CheckpointError, InvalidConfig, UnsupportedConvention
+from weight_sync_bench.model.config import MOE_FIELDS
 
 if TYPE_CHECKING:
     from weight_sync_bench.conventions.convention import Endpoint
@@ -66,7 +67,8 @@ _RANK_RE = re.compile(r"model-rank-(\d+)-part-(\d+)\.safetensors")
 _META_RE = re.compile(r"consolidated\.(\d{2})\.pth")
 # Of a ModelConfig, the fields a config.json or params.json states (the rest is the check's).
 GEOMETRY = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn",
-            "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias", "o_bias")
+            "rope_theta", "norm_eps", "tie_embeddings", "qkv_bias", "o_bias", "qk_norm",
+            *MOE_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -103,9 +105,9 @@ def write_checkpoint(directory: str | Path, shards: Sequence[Mapping[str, torch.
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: not a new or empty directory (emit does not mix its "
                               "files with others)", path=str(out))
-    if len(shards) != where.degree:
+    if len(shards) != where.world:
         raise CheckpointError(f"{where}: {len(shards)} rank dicts to write, expected "
-                              f"{where.degree}", path=str(out))
+                              f"{where.world}", path=str(out))
     if max_shard_size is not None and (isinstance(max_shard_size, bool) or not isinstance(
             max_shard_size, int) or max_shard_size < 1):
         raise CheckpointError(f"max_shard_size must be an int >= 1 (bytes), got "
@@ -165,34 +167,13 @@ def _write_hf(out: Path, params: Params, described: dict[str, Any],
 
 def hf_config_json(config: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """The HF ``config.json`` ``ModelConfig.from_hf_config`` reads back as ``config`` (its
-    inverse on ``GEOMETRY``): ``LlamaForCausalLM`` (``attention_bias`` biasing q, k, v and
-    o_proj), or ``Qwen2ForCausalLM`` for q, k, v biases alone."""
-    qwen2 = config.qkv_bias and not config.o_bias and not config.bias
-    if config.has_o_bias and not config.has_qkv_bias:
-        raise UnsupportedConvention(f"hf: config.json has no o_proj bias without q/k/v biases "
-                                    f"(attention_bias biases all four; o_bias={config.o_bias})")
-    if config.has_down_bias:
-        raise UnsupportedConvention("hf: config.json's mlp_bias biases gate, up and down "
-                                    f"together; the harness block has a down bias only "
-                                    f"(bias={config.bias})")
-    return {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
-        "hidden_act": "silu",
-        "hidden_size": config.d_model,
-        "intermediate_size": config.ffn,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads,
-        "head_dim": config.head_dim,
-        "num_hidden_layers": config.n_layers,
-        "vocab_size": config.vocab,
-        "rope_theta": config.rope_theta,
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": config.has_o_bias,
-        "mlp_bias": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+    inverse on ``GEOMETRY``): ``ModelConfig.to_hf_config`` (Llama, Qwen2, Qwen3 or an MoE
+    family's) with the weights' ``torch_dtype``."""
+    try:
+        out = config.to_hf_config()
+    except InvalidConfig as exc:  # what HF cannot state, named as the format's refusal
+        raise UnsupportedConvention(f"hf: config.json cannot state it: {exc}") from None
+    return {**out, "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch.")}
 
 
 def meta_ffn(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -272,9 +253,9 @@ def read_checkpoint(directory: str | Path, where: Endpoint, config: ModelConfig)
             shards, files = _read_hf(root)
         case "meta":
             _check_geometry(root / META_PARAMS, _read_meta_params(root / META_PARAMS), config)
-            shards, files = _read_meta(root, where.degree)
+            shards, files = _read_meta(root, where.world)
         case _:
-            shards, files = _read_ranks(root, where.degree)
+            shards, files = _read_ranks(root, where.world)
     checkpoint = Checkpoint(root, shards, files)
     _check_names_and_shapes(checkpoint, where, config)
     return checkpoint
@@ -445,7 +426,7 @@ def _read_ranks(root: Path, degree: int) -> tuple[list[Params], list[dict[str, P
 
 def _check_names_and_shapes(checkpoint: Checkpoint, where: Endpoint, config: ModelConfig
                             ) -> None:
-    shapes = where.convention.local_shapes(config, where.degree)
+    shapes = where.convention.local_shapes(config, where)
     for rank, (params, expected) in enumerate(zip(checkpoint.shards, shapes)):
         rank_files = sorted(set(checkpoint.files[rank].values())) or [checkpoint.directory]
         label = ", ".join(str(p) for p in rank_files)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from weight_sync_bench.errors import (
@@ -35,52 +35,83 @@ if TYPE_CHECKING:
     from weight_sync_bench.layout.table import LayoutTable
     from weight_sync_bench.model.config import ModelConfig
 
+from weight_sync_bench.layout.placements import DataParallel, Experts
+
 
 @dataclass(frozen=True)
 class ForwardLayout:
-    """How a convention's forward reads its tensors at one degree: the forward's config
-    (the canonical one, its vocabulary padded as the convention pads it) and the placement
-    of every canonical parameter it consumes."""
+    """How a convention's forward reads its tensors at one endpoint: the forward's config
+    (the canonical one, its vocabulary padded as the convention pads it), the placement of
+    every canonical parameter it consumes over the endpoint's ``world`` ranks, and its TP
+    degree ``tp`` (0: the world; less where the ranks hold ``world / tp`` data-parallel
+    replicas of the dense layers, Megatron's experts spread over them)."""
 
     config: ModelConfig
     layout: LayoutTable
+    tp: int = 0
 
     @property
     def embedding(self) -> Placement:
-        return self.layout["tok_embeddings.weight"].placement
+        """How each TP group's forward reads the embedding (on each data-parallel replica)."""
+        placement = self.layout["tok_embeddings.weight"].placement
+        return placement.inner if isinstance(placement, DataParallel) else placement
+
+    @property
+    def experts(self) -> Experts | None:
+        """The experts' placement (every MoE layer's is the same), None for a dense model."""
+        for spec in self.layout:
+            if spec.name.endswith("experts.gate_up.weight"):
+                assert isinstance(spec.placement, Experts)
+                return spec.placement
+        return None
 
 
 @dataclass(frozen=True)
 class Convention:
-    """A framework's storage convention for the harness's Llama-style model, as data.
+    """A framework's storage convention for the harness's model, as data.
 
-    ``build(config, t)`` returns the index maps (after checking the framework's rules);
-    ``reads(config, t)`` the forward layout. ``summary`` says in a line what it stores.
+    ``build(config, at)`` returns the index maps at endpoint ``at`` (after checking the
+    framework's rules); ``reads(config, at)`` the forward layout; ``world(at)`` how many
+    ranks store it (the TP degree, unless experts spread over more: Megatron's
+    ``lcm(tp, ep * etp)``). ``options`` names each endpoint option the convention takes and
+    its values, the framework's default first. ``summary`` says in a line what it stores.
     """
 
     name: str
     summary: str
-    build: Callable[[ModelConfig, int], Pieces]
-    reads: Callable[[ModelConfig, int], ForwardLayout]
+    build: Callable[[ModelConfig, Endpoint], Pieces]
+    reads: Callable[[ModelConfig, Endpoint], ForwardLayout]
+    options: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False,
+                                                   compare=False)
+    world: Callable[[Endpoint], int] = field(default=lambda at: at.degree, hash=False,
+                                             compare=False)
 
-    def pieces(self, config: ModelConfig, degree: int) -> Pieces:
-        """Every rank's ``{stored name: Piece}`` at ``degree`` (cached; do not mutate)."""
-        return _pieces(self, config, degree)
+    def at(self, where: int | Endpoint) -> Endpoint:
+        """This convention at a TP degree, or ``where`` itself (an endpoint of it)."""
+        if isinstance(where, Endpoint):
+            return where
+        return Endpoint(self, where)
 
-    def forward_layout(self, config: ModelConfig, degree: int) -> ForwardLayout:
+    def pieces(self, config: ModelConfig, degree: int | Endpoint) -> Pieces:
+        """Every rank's ``{stored name: Piece}`` at a TP degree or an endpoint (cached; do
+        not mutate)."""
+        return _pieces(self, config, self.at(degree))
+
+    def forward_layout(self, config: ModelConfig, degree: int | Endpoint) -> ForwardLayout:
         self.pieces(config, degree)  # the rules first: errors name the stored parameter
-        return _forward_layout(self, config, degree)
+        return _forward_layout(self, config, self.at(degree))
 
-    def names(self, config: ModelConfig, degree: int) -> list[str]:
+    def names(self, config: ModelConfig, degree: int | Endpoint) -> list[str]:
         """The stored names, in forward order (every rank stores the same names)."""
         return list(self.pieces(config, degree)[0])
 
-    def local_shapes(self, config: ModelConfig, degree: int) -> list[dict[str, Shape]]:
+    def local_shapes(self, config: ModelConfig, degree: int | Endpoint
+                     ) -> list[dict[str, Shape]]:
         shapes = config.param_shapes()
         return [{name: piece.local_shape(shapes[piece.source]) for name, piece in rank.items()}
                 for rank in self.pieces(config, degree)]
 
-    def supports(self, config: ModelConfig, degree: int) -> bool:
+    def supports(self, config: ModelConfig, degree: int | Endpoint) -> bool:
         try:
             self.pieces(config, degree)
         except UnsupportedLayout:
@@ -96,37 +127,71 @@ class Convention:
 
 
 @functools.lru_cache(maxsize=512)
-def _pieces(convention: Convention, config: ModelConfig, degree: int) -> Pieces:
-    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
-        raise UnsupportedConvention(f"{convention.name}: degree must be a positive int, "
-                                    f"got t={degree!r}")
-    return convention.build(config, degree)
+def _pieces(convention: Convention, config: ModelConfig, at: Endpoint) -> Pieces:
+    for key, value in (("tp", at.degree), ("ep", at.ep)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UnsupportedConvention(f"{convention.name}: {key} must be a positive int, "
+                                        f"got {key}={value!r}")
+    if not isinstance(at.etp, int) or isinstance(at.etp, bool) or at.etp < 0:
+        raise UnsupportedConvention(f"{convention.name}: etp must be a positive int, "
+                                    f"got etp={at.etp!r}")
+    if not config.n_experts:
+        need(at.ep == 1 and at.etp == 0, convention.name, "the experts", at.degree,
+             "an MoE config for ep or etp (a dense model has no experts)",
+             f"ep={at.ep}, etp={at.etp}")
+    pieces = convention.build(config, at)
+    assert len(pieces) == at.world, (convention.name, at, len(pieces))
+    return pieces
 
 
 @functools.lru_cache(maxsize=512)
-def _forward_layout(convention: Convention, config: ModelConfig, degree: int) -> ForwardLayout:
-    out = convention.reads(config, degree)
-    out.layout.validate(degree)
+def _forward_layout(convention: Convention, config: ModelConfig, at: Endpoint) -> ForwardLayout:
+    out = convention.reads(config, at)
+    out.layout.validate(at.world)
     return out
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    """One side of a conversion: a convention at a degree, written ``"vllm:2"`` (``"hf"``
-    alone means degree 1)."""
+    """One side of a conversion: a convention at its parallel degrees and options, written
+    ``"vllm:2"`` (TP 2; ``"hf"`` alone means 1) or ``"megatron:tp=2,ep=4,etp=1"``,
+    ``"vllm:tp=4,ep=4"``, ``"hf:experts=fused"`` (``parse_endpoint``). ``degree`` is the TP
+    degree, ``ep`` and ``etp`` the expert-parallel and expert-TP degrees of an MoE model's
+    experts (``etp`` 0: the convention's default), ``options`` the convention's own choices
+    (``Convention.options``), as sorted ``(key, value)`` pairs; ``world`` the number of ranks."""
 
     convention: Convention
     degree: int
+    ep: int = 1
+    etp: int = 0
+    options: tuple[tuple[str, str], ...] = ()
 
     @property
     def name(self) -> str:
         return self.convention.name
 
+    @property
+    def tp(self) -> int:
+        return self.degree
+
+    @property
+    def world(self) -> int:
+        """How many ranks store this endpoint (``len(shards)``)."""
+        return self.convention.world(self)
+
+    def option(self, key: str) -> str:
+        """The value of one of the convention's options (its default when not given)."""
+        return dict(self.options).get(key, self.convention.options[key][0])
+
     def pieces(self, config: ModelConfig) -> Pieces:
-        return self.convention.pieces(config, self.degree)
+        return self.convention.pieces(config, self)
 
     def __str__(self) -> str:
-        return f"{self.convention.name}:{self.degree}"
+        if self.ep == 1 and not self.etp and not self.options:
+            return f"{self.convention.name}:{self.degree}"
+        parts = [f"tp={self.degree}"] + ([f"ep={self.ep}"] if self.ep != 1 else []) + (
+            [f"etp={self.etp}"] if self.etp else []) + [f"{k}={v}" for k, v in self.options]
+        return f"{self.convention.name}:{','.join(parts)}"
 
 
 def need(ok: bool, convention: str, name: str, degree: int, rule: str, values: str) -> None:
@@ -157,16 +222,19 @@ def relaid(layout: LayoutTable, placements: dict[str, Placement]) -> LayoutTable
 
 # One canonical parameter stored as several tensors (HF's q/k/v from the fused qkv), or in an
 # order of the convention's own (Megatron's grouped qkv): per stored name template, the
-# canonical indices (along dim 0) rank r holds.
-Cuts = Mapping[str, Sequence[tuple[str, Callable[[int], "torch.Tensor"]]]]
+# canonical indices (along dim 0) rank r holds, or ``(dim, indices[, stack])``.
+Cuts = Mapping[str, Sequence[tuple[str, Callable[[int], "torch.Tensor | tuple"]]]]
 
 
 def renamed(config: ModelConfig, degree: int, layout: LayoutTable, names: Mapping[str, str],
             cuts: Cuts | None = None) -> Pieces:
     """A convention's pieces as data: every canonical parameter (in forward order) stored
-    under ``names[template]`` (templates name layer i as ``{i}``: ``"layers.{i}.qkv.weight"``)
-    as its placement in ``layout`` cuts it, except those in ``cuts``. Rows of ``layout``'s
-    tables past the canonical ones (the convention's vocabulary padding) are zeros."""
+    under ``names[template]`` (templates name layer i as ``{i}``: ``"layers.{i}.qkv.weight"``;
+    an MoE layer's dense-layer names are looked up as ``"moe:" + template`` first) as its
+    placement in ``layout`` cuts it, except those in ``cuts``, on each of ``degree`` ranks.
+    A cut's function gives a rank's canonical rows (dim 0), or ``(dim, indices[, stack])``
+    (``Piece``'s fields: another dim, a stacked tensor). Rows of ``layout``'s tables past the canonical ones (the convention's vocabulary
+    padding) are zeros."""
     from weight_sync_bench.conventions.maps import Piece, placed
 
     cuts = cuts or {}
@@ -179,9 +247,14 @@ def renamed(config: ModelConfig, degree: int, layout: LayoutTable, names: Mappin
             layer = parts[1] if parts[0] == "layers" else None
             template = (".".join(["layers", "{i}", *parts[2:]]) if layer is not None
                         else canonical)
+            if layer is not None and config.is_moe_layer(int(layer)) and (
+                    "moe:" + template in names or "moe:" + template in cuts):
+                template = "moe:" + template
             if template in cuts:
                 for name, idx in cuts[template]:
-                    stored[name.format(i=layer)] = Piece(canonical, 0, idx(rank))
+                    got = idx(rank)  # rows, or (dim, indices[, stack])
+                    stored[name.format(i=layer)] = (Piece(canonical, *got) if isinstance(got, tuple)
+                                                    else Piece(canonical, 0, got))
                 continue
             spec = layout[canonical]
             dim, _ = spec.ranges(degree, rank)
@@ -190,19 +263,63 @@ def renamed(config: ModelConfig, degree: int, layout: LayoutTable, names: Mappin
     return out
 
 
+def replicated(layout: LayoutTable, tp: int) -> LayoutTable:
+    """``layout``'s dense placements over ``world / tp`` data-parallel replicas of the TP
+    group (``DataParallel``), its experts' as they are (they already span every rank)."""
+    from weight_sync_bench.layout.table import LayoutTable, ShardSpec
+
+    return LayoutTable(tuple(
+        s if isinstance(s.placement, Experts) else ShardSpec(s.name, s.shape,
+                                                              DataParallel(s.placement, tp))
+        for s in layout))
+
+
+PARALLEL_KEYS = ("tp", "ep", "etp")
+
+
 def parse_endpoint(text: str | Endpoint, known: dict[str, Convention]) -> Endpoint:
-    """``"megatron:4"`` -> Endpoint(megatron, 4); ``"hf"`` -> degree 1."""
+    """An endpoint from its text: ``"megatron:4"`` (TP 4), ``"hf"`` (TP 1),
+    ``"megatron:tp=2,ep=4,etp=1,experts=sequential"``, ``"vllm:tp=4,ep=4"``: after the
+    convention's name, a TP degree alone or ``key=value`` items, the keys ``tp``, ``ep``,
+    ``etp`` (positive integers) and the convention's options (``Convention.options``)."""
     if isinstance(text, Endpoint):
         return text
     if not isinstance(text, str):
         raise UnknownConvention(f"a conversion endpoint is a 'name:degree' string, got "
                                 f"{type(text).__name__} {text!r}")
-    name, sep, degree_text = text.partition(":")
+    name, sep, spec = text.partition(":")
     if name not in known:
         raise UnknownConvention(f"unknown convention {name!r} in {text!r}; known: "
                                 f"{', '.join(known)}")
+    convention = known[name]
     if not sep:
-        return Endpoint(known[name], 1)
-    if not degree_text.isdigit() or int(degree_text) < 1:
-        raise UnknownConvention(f"{text!r}: the degree after ':' must be a positive integer")
-    return Endpoint(known[name], int(degree_text))
+        return Endpoint(convention, 1)
+    if spec.isdigit() or not spec:
+        if not spec.isdigit() or int(spec) < 1:
+            raise UnknownConvention(f"{text!r}: the degree after ':' must be a positive integer")
+        return Endpoint(convention, int(spec))
+    values: dict[str, str] = {}
+    for item in spec.split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key or not value:
+            raise UnknownConvention(f"{text!r}: after ':' a TP degree alone or key=value items "
+                                    f"(e.g. {name}:tp=4,ep=2), got {item!r}")
+        if key in values:
+            raise UnknownConvention(f"{text!r}: {key} given twice")
+        if key not in PARALLEL_KEYS and key not in convention.options:
+            allowed = [*PARALLEL_KEYS, *convention.options]
+            raise UnknownConvention(f"{text!r}: {name} has no option {key!r}; known: "
+                                    f"{', '.join(allowed)}")
+        if key in convention.options and value not in convention.options[key]:
+            raise UnknownConvention(f"{text!r}: {name} option {key}={value!r}; known: "
+                                    f"{', '.join(convention.options[key])}")
+        values[key] = value
+    degrees = {}
+    for key in PARALLEL_KEYS:
+        if key in values:
+            if not values[key].isdigit() or int(values[key]) < 1:
+                raise UnknownConvention(f"{text!r}: {key} must be a positive integer, got "
+                                        f"{values[key]!r}")
+            degrees[key] = int(values.pop(key))
+    return Endpoint(convention, degrees.get("tp", 1), degrees.get("ep", 1), degrees.get("etp", 0),
+                    tuple(sorted(values.items())))

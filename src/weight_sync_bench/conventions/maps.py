@@ -12,7 +12,15 @@ operations on it are data movement, exact to the bit:
 
 The canonical model is the harness's own parameters (``init_params``): fused qkv stored as
 ``[Q | K | V]`` with rows head-major, fused gate_up as ``[gate | up]``, RoPE rotate-half
-(Hugging Face) order. The row helpers below name its rows.
+(Hugging Face) order, an MoE layer's experts side by side (``experts.gate_up.weight``: expert
+x's ``[gate | up]`` rows at ``[2Fx, 2F(x+1))``; ``experts.down.weight``: its columns at
+``[Fx, F(x+1))``). The row helpers below name its rows.
+
+A piece may *stack* its selection (``stack`` members): the selected dim is cut into
+``stack`` equal runs, stacked along a new leading dim. vLLM's ``w13_weight`` ``[E_local,
+2F/t, d]`` is the rows of a rank's experts, stacked per expert; its ``w2_weight`` ``[E_local,
+d, F/t]`` their down columns, stacked per expert. ``Piece.flat`` is the inverse view, which
+every operation below works on, so a stacked tensor is data movement like any other.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ class Piece:
     source: str
     dim: int
     idx: torch.Tensor
+    stack: int = 1  # members stacked along a new dim 0 (1: the selection as it is)
     # Derived once: where idx is -1, and the contiguous span idx covers (if it is one).
     padding: torch.Tensor | None = field(init=False, repr=False)
     span: tuple[int, int] | None = field(init=False, repr=False)
@@ -47,6 +56,7 @@ class Piece:
     def __post_init__(self) -> None:
         idx = self.idx
         assert idx.dim() == 1 and idx.dtype == torch.int64, (self.source, idx.shape, idx.dtype)
+        assert self.stack >= 1 and idx.numel() % self.stack == 0, (self.source, self.stack)
         pad = (idx < 0).nonzero().flatten()
         object.__setattr__(self, "padding", pad if pad.numel() else None)
         span = None
@@ -55,25 +65,50 @@ class Piece:
             span = (int(idx[0]), int(idx[0]) + idx.numel())
         object.__setattr__(self, "span", span)
 
-    def local_shape(self, full: Shape) -> Shape:
-        """The stored tensor's shape, given its source's full shape."""
+    def flat_shape(self, full: Shape) -> Shape:
+        """The selection's shape before stacking, given its source's full shape."""
         out = list(full)
         out[self.dim] = self.idx.numel()
         return tuple(out)
+
+    def local_shape(self, full: Shape) -> Shape:
+        """The stored tensor's shape, given its source's full shape."""
+        out = list(self.flat_shape(full))
+        if self.stack == 1:
+            return tuple(out)
+        out[self.dim] //= self.stack
+        return (self.stack, *out)
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """The stored tensor, cut from the full canonical tensor (a fresh contiguous copy)."""
         if self.span is not None:
             a, b = self.span
-            return full.narrow(self.dim, a, b - a).clone(memory_format=torch.contiguous_format)
-        out = full.index_select(self.dim, self.idx.clamp(min=0))
-        if self.padding is not None:
-            out.index_fill_(self.dim, self.padding, 0.0)
-        return out
+            out = full.narrow(self.dim, a, b - a)
+            if self.stack == 1:
+                return out.clone(memory_format=torch.contiguous_format)
+        else:
+            out = full.index_select(self.dim, self.idx.clamp(min=0))
+            if self.padding is not None:
+                out.index_fill_(self.dim, self.padding, 0.0)
+        return self.stacked(out)
+
+    def stacked(self, flat: torch.Tensor) -> torch.Tensor:
+        """The stored form of a selection (``flat_shape``): itself, or its ``stack`` runs
+        along ``dim`` stacked along a new dim 0 (a contiguous copy)."""
+        if self.stack == 1:
+            return flat
+        return flat.unflatten(self.dim, (self.stack, -1)).movedim(self.dim, 0).contiguous()
+
+    def flat(self, stored: torch.Tensor) -> torch.Tensor:
+        """The selection a stored tensor holds (``flat_shape``): the inverse of ``stacked``, a
+        view where the stacked dim is 0 (``[S, n, d] -> [S n, d]``), else a copy."""
+        if self.stack == 1:
+            return stored
+        return stored.movedim(0, self.dim).flatten(self.dim, self.dim + 1)
 
     def equals(self, other: Piece) -> bool:
         return (self.source == other.source and self.dim == other.dim
-                and torch.equal(self.idx, other.idx))
+                and self.stack == other.stack and torch.equal(self.idx, other.idx))
 
 
 RankPieces = dict[str, Piece]
@@ -134,6 +169,28 @@ def up_rows(config: ModelConfig) -> torch.Tensor:
     return rows(config.ffn, 2 * config.ffn)
 
 
+# An MoE layer's experts, side by side in the canonical experts.gate_up / experts.down.
+
+def expert_rows(config: ModelConfig, experts: Iterable[int], *, etp: int = 1, etp_rank: int = 0,
+                halves: tuple[str, ...] = ("gate", "up")) -> torch.Tensor:
+    """Canonical ``experts.gate_up`` rows: for each expert in order, chunk ``etp_rank`` of
+    ``etp`` of each of its ``halves`` in the order given (``("gate", "up")``: ``[gate_r |
+    up_r]``, Megatron's fc1 and vLLM's w13; ``("up", "gate")``: FlashInfer's ``[w3; w1]``)."""
+    f = config.expert_ffn
+    at = {"gate": 0, "up": f}
+    return torch.cat([chunk(rows(e * 2 * f + at[h], e * 2 * f + at[h] + f), etp, etp_rank)
+                      for e in experts for h in halves]) if f else rows(0, 0)
+
+
+def expert_cols(config: ModelConfig, experts: Iterable[int], *, etp: int = 1,
+                etp_rank: int = 0) -> torch.Tensor:
+    """Canonical ``experts.down`` columns: for each expert in order, chunk ``etp_rank`` of
+    ``etp`` of its down columns."""
+    f = config.expert_ffn
+    parts = [chunk(rows(e * f, (e + 1) * f), etp, etp_rank) for e in experts]
+    return torch.cat(parts) if parts else rows(0, 0)
+
+
 def materialize(pieces: Pieces, canonical: Mapping[str, torch.Tensor],
                 names: Iterable[str] | None = None) -> list[Params]:
     """Every rank's stored tensors (or only ``names``), cut from the canonical parameters:
@@ -157,7 +214,7 @@ def gather_canonical(shards: Sequence[Mapping[str, torch.Tensor]], pieces: Piece
         for name, piece in pieces[rank].items():
             if piece.source not in full:
                 continue
-            x, target = shards[rank][name], full[piece.source]
+            x, target = piece.flat(shards[rank][name]), full[piece.source]
             if piece.span is not None:
                 a, b = piece.span
                 target.narrow(piece.dim, a, b - a).copy_(x)
@@ -274,14 +331,14 @@ def translate(shards: Sequence[Mapping[str, torch.Tensor]], src: Pieces, dst: Pi
                     fallback.update(gather_canonical(shards, src, shapes, [piece.source]))
                 out[rank][name] = piece.take(fallback[piece.source])
                 continue
-            x = torch.empty(piece.local_shape(shapes[piece.source]), dtype=dtype)
+            x = torch.empty(piece.flat_shape(shapes[piece.source]), dtype=dtype)
             for run in found:
                 part = x.narrow(piece.dim, run.at, run.length)
                 if run.rank is None:
                     part.zero_()
                 else:
                     assert run.name is not None
-                    part.copy_(shards[run.rank][run.name].narrow(piece.dim, run.start,
-                                                                 run.length))
-            out[rank][name] = x
+                    source = src[run.rank][run.name].flat(shards[run.rank][run.name])
+                    part.copy_(source.narrow(piece.dim, run.start, run.length))
+            out[rank][name] = piece.stacked(x)
     return out

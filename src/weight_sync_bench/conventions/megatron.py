@@ -22,6 +22,36 @@ Followed (NVIDIA/Megatron-LM @ d98e8a64; research notes conventions.md section 1
   ``embedding.word_embeddings.weight`` (``gpt_model.py``, ``language_module.py``): no
   ``output_layer.weight`` is stored.
 
+Mixture-of-Experts (Megatron-LM d98e8a64, core 0.20.0; Megatron-Bridge 067f987d,
+``models/qwen/qwen3_moe_bridge.py::Qwen3MoEBridge``):
+
+- experts: ``transformer/moe/experts.py::TEGroupedMLP``, one parameter per local expert j,
+  ``mlp.experts.linear_fc1.weight{j}`` ``[2F/etp, d]`` (``[gate_r | up_r]``, the dense fc1's
+  ``glu`` chunk) and ``mlp.experts.linear_fc2.weight{j}`` ``[d, F/etp]`` (split on its input
+  dim), j LOCAL: global expert ``ep_rank * E/ep + j`` (``moe_layer.py::BaseMoELayer``:
+  ``local_expert_indices``, ``num_moe_experts % ep_size == 0`` asserted); option
+  ``experts=sequential``: ``SequentialMLP``'s ``mlp.experts.local_experts.{j}.linear_fc1.weight``;
+- expert-TP ``etp`` is its own group (``pg_collection.expt_tp``), defaulting to TP
+  (``megatron/training/arguments.py``: ``expert_tensor_parallel_size = tensor_model_parallel_size``
+  when unset); ranks follow ``parallel_state.initialize_model_parallel``'s generators (order
+  "tp-cp-ep-dp-pp", TP fastest): a world of ``lcm(tp, ep * etp)`` ranks, rank g attention TP
+  rank ``g % tp`` (its data-parallel replica ``g // tp``), expert-TP rank ``g % etp``, EP rank
+  ``(g // etp) % ep``. ``megatron:tp=2,ep=4`` is 8 ranks (etp 2: ranks 2k, 2k+1 hold EP rank k);
+  ``megatron:tp=2,ep=4,etp=1`` too (EP rank ``g % 4``, expert-DP 2);
+- router ``mlp.router.weight`` ``[E, d]`` replicated, DeepSeek's selection bias
+  ``mlp.router.expert_bias`` a persistent fp32 **buffer** (``router.py::TopKRouter``): not a
+  parameter, still in the state dict, so it must be moved;
+- the pre-MLP norm of an MoE layer is its own ``pre_mlp_layernorm.weight`` (the experts are
+  not TE layer-norm linears); shared experts ``mlp.shared_experts.linear_fc1.weight`` /
+  ``linear_fc2.weight`` split over the attention TP group (``moe/shared_experts.py``:
+  ``SharedExpertMLP(MLP)``, ``tp_group=pg_collection.tp``), their Qwen2-MoE gate
+  ``mlp.shared_experts.gate_weight`` ``[1, d]`` replicated;
+- Qwen3's q/k norms ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` ``[head_dim]``.
+
+Megatron scores a group by its top ``topk / group_topk`` experts (``group_limited_topk``)
+where HF and vLLM sum the top two: equal for DeepSeek-V3 (8 / 4); the harness's forward is
+one model of the routing math (``model.routing``), whichever framework stores it.
+
 Biases: Megatron Llama/Qwen2 set ``add_bias_linear=False``. ``qkv_bias`` maps to
 ``add_qkv_bias`` (``linear_qkv.bias``, interleaved and split as the weight; Qwen2 bridge).
 An o_proj or down bias (``o_bias``, ``bias``) would need ``add_bias_linear``, which biases
@@ -30,6 +60,7 @@ An o_proj or down bias (``o_bias``, ``bias``) would need ``add_bias_linear``, wh
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,12 +70,16 @@ from weight_sync_bench.conventions.convention import (
     ForwardLayout,
     need,
     need_unpadded,
+    relaid,
     renamed,
+    replicated,
 )
-from weight_sync_bench.conventions.maps import Pieces, chunk, rows
-from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.conventions.maps import Pieces, chunk, expert_cols, expert_rows, rows
+from weight_sync_bench.layout.placements import Experts
+from weight_sync_bench.model.plan import experts_placement, layout_for
 
 if TYPE_CHECKING:
+    from weight_sync_bench.conventions.convention import Endpoint
     from weight_sync_bench.model.config import ModelConfig
 
 NAME = "megatron"
@@ -83,17 +118,47 @@ NAMES = {
     "layers.{i}.down.weight": "decoder.layers.{i}.mlp.linear_fc2.weight",
     "norm.weight": "decoder.final_layernorm.weight",
     "lm_head.weight": "output_layer.weight",
+    "layers.{i}.q_norm.weight": "decoder.layers.{i}.self_attention.q_layernorm.weight",
+    "layers.{i}.k_norm.weight": "decoder.layers.{i}.self_attention.k_layernorm.weight",
+    "moe:layers.{i}.ffn_norm.weight": "decoder.layers.{i}.pre_mlp_layernorm.weight",
+    "layers.{i}.router.weight": "decoder.layers.{i}.mlp.router.weight",
+    "layers.{i}.router.bias": "decoder.layers.{i}.mlp.router.expert_bias",  # a buffer
+    "layers.{i}.shared.gate_up.weight": "decoder.layers.{i}.mlp.shared_experts.linear_fc1.weight",
+    "layers.{i}.shared.down.weight": "decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight",
+    "layers.{i}.shared_gate.weight": "decoder.layers.{i}.mlp.shared_experts.gate_weight",
 }
+OPTIONS = {"experts": ("grouped", "sequential")}  # TEGroupedMLP (the default), SequentialMLP
 
 
-def _reads(config: ModelConfig, degree: int) -> ForwardLayout:
+def expert_tp(at: Endpoint) -> int:
+    """The expert-TP degree: ``etp``, else TP (``expert_tensor_parallel_size`` unset)."""
+    return at.etp or at.degree
+
+
+def _world(at: Endpoint) -> int:
+    return math.lcm(at.degree, at.ep * expert_tp(at)) if at.ep > 1 or at.etp else at.degree
+
+
+def _experts(config: ModelConfig, at: Endpoint, *, down: bool = False) -> Experts:
+    return experts_placement(config, down=down, ep=at.ep, etp=expert_tp(at))
+
+
+def _reads(config: ModelConfig, at: Endpoint) -> ForwardLayout:
     # The forward de-interleaves linear_qkv on each rank (get_query_key_value_tensors) and
     # reads the vocab tables with their padding: the harness forward of the padded config.
+    degree = at.degree
     forward = config.replace(vocab_multiple=MAKE_VOCAB_SIZE_DIVISIBLE_BY * degree)
-    return ForwardLayout(forward, layout_for(forward))
+    layout = layout_for(forward)
+    if config.n_experts:
+        layout = relaid(layout, {s.name: _experts(config, at, down=s.name.endswith("down.weight"))
+                                 for s in layout if isinstance(s.placement, Experts)})
+    if _world(at) > degree:  # the dense layers on each data-parallel replica of the TP group
+        layout = replicated(layout, degree)
+    return ForwardLayout(forward, layout, tp=degree)
 
 
-def _build(config: ModelConfig, t: int) -> Pieces:
+def _build(config: ModelConfig, at: Endpoint) -> Pieces:
+    t = at.degree
     qkv0 = "decoder.layers.0.self_attention.linear_qkv.weight"
     need_unpadded(NAME, "embedding.word_embeddings.weight", config, t)
     need(config.n_heads % t == 0, NAME, qkv0, t, "n_heads % t == 0", f"n_heads={config.n_heads}")
@@ -105,8 +170,8 @@ def _build(config: ModelConfig, t: int) -> Pieces:
     need(config.n_kv_heads % t == 0, NAME, qkv0, t,
          "n_kv_heads % t == 0 (TP > num_query_groups is rejected, as by Megatron-Core before "
          "f7dfb99795)", f"n_kv_heads={config.n_kv_heads}")
-    need(config.ffn % t == 0, NAME, "decoder.layers.0.mlp.linear_fc1.weight", t,
-         "ffn % t == 0", f"ffn={config.ffn}")
+    need(not config.has_dense_mlp or config.ffn % t == 0, NAME,
+         "decoder.layers.0.mlp.linear_fc1.weight", t, "ffn % t == 0", f"ffn={config.ffn}")
     need(not config.has_o_bias, NAME, "decoder.layers.0.self_attention.linear_proj.bias", t,
          "no o_proj bias (a linear_proj bias comes only with add_bias_linear, which also "
          "biases linear_fc1, absent from the harness block)",
@@ -114,14 +179,58 @@ def _build(config: ModelConfig, t: int) -> Pieces:
     need(not config.has_down_bias, NAME, "decoder.layers.0.mlp.linear_fc2.bias", t,
          "no down bias (a linear_fc2 bias comes only with add_bias_linear, which also biases "
          "linear_fc1, absent from the harness block)", f"bias={config.bias}")
+    cuts = {}
+    if config.n_experts:
+        cuts = _expert_cuts(config, at)
     order = grouped_qkv_order(config.n_heads, config.n_kv_heads, config.head_dim)
-    grouped = [(NAMES["layers.{i}.qkv.weight"], lambda r: chunk(order, t, r))]
-    # contiguous row chunk r of the grouped tensor: whole groups (n_kv_heads % t == 0)
-    return renamed(config, t, _reads(config, t).layout, NAMES, {
+    grouped = [(NAMES["layers.{i}.qkv.weight"], lambda r: chunk(order, t, r % t))]
+    # contiguous row chunk r of the grouped tensor: whole groups (n_kv_heads % t == 0); rank r
+    # of a world wider than TP holds TP rank r % t's (its data-parallel replica's)
+    return renamed(config, _world(at), _reads(config, at).layout, NAMES, {
         "layers.{i}.qkv.weight": grouped,
         "layers.{i}.qkv.bias": [("decoder.layers.{i}.self_attention.linear_qkv.bias",
-                                 lambda r: chunk(order, t, r))]})
+                                 lambda r: chunk(order, t, r % t))], **cuts})
+
+
+def _expert_cuts(config: ModelConfig, at: Endpoint) -> dict:
+    """Each rank's experts under their LOCAL index j (global ``ep_rank * E/ep + j``), fc1
+    ``[gate_r | up_r]`` rows and fc2 columns of its expert-TP chunk."""
+    t, etp, e = at.degree, expert_tp(at), config.n_experts
+    need(e % at.ep == 0, NAME, "decoder.layers.0.mlp.experts.linear_fc1.weight0", t,
+         "n_experts % ep == 0 (BaseMoELayer: num_moe_experts % ep_size)",
+         f"n_experts={e}, ep={at.ep}")
+    need(config.expert_ffn % etp == 0, NAME, "decoder.layers.0.mlp.experts.linear_fc1.weight0", t,
+         "expert_ffn % etp == 0 (moe_ffn_hidden_size over the expert-TP group)",
+         f"expert_ffn={config.expert_ffn}, etp={etp}")
+    need(config.shared_ffn % t == 0, NAME, "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+         t, "shared_ffn % t == 0 (shared experts split over the attention TP group)",
+         f"shared_ffn={config.shared_ffn}")
+    placement = _experts(config, at)
+    world = _world(at)
+
+    def mine(rank: int) -> tuple[list[int], int]:
+        etp_rank, ep_rank, _ = placement.coordinates(world, rank)
+        return placement.experts_of(ep_rank), etp_rank
+
+    def fc1(j: int):
+        return lambda r: expert_rows(config, [mine(r)[0][j]], etp=etp, etp_rank=mine(r)[1])
+
+    def fc2(j: int):
+        return lambda r: (1, expert_cols(config, [mine(r)[0][j]], etp=etp, etp_rank=mine(r)[1]))
+
+    local = e // at.ep
+    if at.option("experts") == "sequential":
+        fc1_name = "decoder.layers.{{i}}.mlp.experts.local_experts.{j}.linear_fc1.weight"
+        fc2_name = "decoder.layers.{{i}}.mlp.experts.local_experts.{j}.linear_fc2.weight"
+    else:
+        fc1_name = "decoder.layers.{{i}}.mlp.experts.linear_fc1.weight{j}"
+        fc2_name = "decoder.layers.{{i}}.mlp.experts.linear_fc2.weight{j}"
+    return {"layers.{i}.experts.gate_up.weight": [(fc1_name.format(j=j), fc1(j))
+                                                  for j in range(local)],
+            "layers.{i}.experts.down.weight": [(fc2_name.format(j=j), fc2(j))
+                                               for j in range(local)]}
 
 
 MEGATRON = Convention(NAME, "Megatron-Core GPT, TE spec: linear_qkv interleaved per KV group, "
-                      "linear_fc1 [gate_r | up_r], vocab padded to 128 t", _build, _reads)
+                      "linear_fc1 [gate_r | up_r], vocab padded to 128 t; experts TEGroupedMLP "
+                      "weight{j} with local j", _build, _reads, OPTIONS, _world)

@@ -46,6 +46,7 @@ from weight_sync_bench.layout.placements import Shard
 from weight_sync_bench.model.plan import layout_for
 
 if TYPE_CHECKING:
+    from weight_sync_bench.conventions.convention import Endpoint
     from weight_sync_bench.model.config import ModelConfig
 
 NAME = "meta"
@@ -90,13 +91,17 @@ NAMES = {
 }
 
 
-def _reads(config: ModelConfig, degree: int) -> ForwardLayout:
+def _reads(config: ModelConfig, at: Endpoint) -> ForwardLayout:
     # The forward reads q and k back in rotate-half order (the harness's RoPE) and the
     # embedding as ParallelEmbedding does: a local lookup, then an all-gather of d.
     return ForwardLayout(config, relaid(layout_for(config), {"tok_embeddings.weight": Shard(1)}))
 
 
-def _build(config: ModelConfig, t: int) -> Pieces:
+def _build(config: ModelConfig, at: Endpoint) -> Pieces:
+    t = at.degree
+    need(not config.n_experts and not config.qk_norm, NAME, "layers.0.attention.wq.weight", t,
+         "a dense Llama 2 block (Meta's Llama 2 checkpoints have no experts and no q/k norms)",
+         f"n_experts={config.n_experts}, qk_norm={config.qk_norm}")
     need_unpadded(NAME, "tok_embeddings.weight", config, t)
     need(not config.tie_embeddings, NAME, "output.weight", t,
          "tie_embeddings == False (Meta Llama checkpoints store output separately)",
@@ -120,7 +125,7 @@ def _build(config: ModelConfig, t: int) -> Pieces:
     wq, wk = meta_q_rows(config), meta_k_rows(config)
     wv = v_heads(config, range(config.n_kv_heads))
     gate, up = gate_rows(config), up_rows(config)
-    return renamed(config, t, _reads(config, t).layout, NAMES, {
+    return renamed(config, t, _reads(config, at).layout, NAMES, {
         "layers.{i}.qkv.weight": [("layers.{i}.attention.wq.weight", lambda r: chunk(wq, t, r)),
                                   ("layers.{i}.attention.wk.weight", lambda r: chunk(wk, t, r)),
                                   ("layers.{i}.attention.wv.weight", lambda r: chunk(wv, t, r))],

@@ -31,6 +31,8 @@ import torch
 from weight_sync_bench.conventions.maps import (
     Piece,
     chunk,
+    expert_cols,
+    expert_rows,
     gate_rows,
     gather_canonical,
     k_heads,
@@ -405,6 +407,313 @@ def _no_replication(conversion: Conversion) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- MoE bugs
+
+def _moe(conversion: Conversion) -> str | None:
+    return None if conversion.config.n_experts else "the config has no experts"
+
+
+def _stale(shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """What a destination tensor holds where nothing was written: a previous model's values,
+    drawn independently of every parameter (a fixed generator per name), as ``init_params``
+    draws weights."""
+    gen = torch.Generator().manual_seed(int.from_bytes(name.encode()[-8:].rjust(8, b"\0"),
+                                                       "little") % (2 ** 63))
+    return torch.randn(shape, generator=gen).mul_(0.02)
+
+
+def _per_expert(config: ModelConfig, change: Callable[[torch.Tensor, int], torch.Tensor],
+                down: bool) -> Callable[[Params], Params]:
+    """A canonical change applied to each expert's ``[gate | up]`` rows (or down columns):
+    ``change(block, expert)`` returns the block's replacement."""
+    f = config.expert_ffn
+
+    def run(canonical: Params) -> Params:
+        out = {}
+        for name in _layers(config, "experts.down.weight" if down else "experts.gate_up.weight"):
+            x = canonical[name].clone()
+            for e in range(config.n_experts):
+                block = (x.narrow(1, e * f, f) if down else x.narrow(0, e * 2 * f, 2 * f))
+                block.copy_(change(block.clone(), e))
+            out[name] = x
+        return out
+    return run
+
+
+def _w13_swapped(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """Each expert's gate and up exchanged: ``[w1; w3]`` written where the engine reads
+    ``[w3; w1]`` (or the reverse)."""
+    config, f = conversion.config, conversion.config.expert_ffn
+    names = _layers(config, "experts.gate_up.weight")
+    return _recut(shards, conversion, names, _per_expert(
+        config, lambda block, e: torch.cat([block[f:], block[:f]]), down=False))
+
+
+def _local_expert_ids(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """Each EP rank's local expert j filled from global expert j, not from its own
+    ``experts_of(ep_rank)[j]``: every rank gets EP rank 0's experts."""
+    config, dst = conversion.config, conversion.dst
+    placement = dst.convention.forward_layout(config, dst).experts
+    assert placement is not None
+    world = dst.world
+
+    def remap(rank: int, name: str, piece: Piece) -> Piece | None:
+        if not piece.source.endswith(("experts.gate_up.weight", "experts.down.weight")):
+            return None
+        etp_rank, ep_rank, _ = placement.coordinates(world, rank)
+        mine = placement.experts_of(ep_rank)
+        down = piece.source.endswith("down.weight")
+        # which of the rank's experts this stored tensor holds: all (w13), or one (weight{j})
+        width = config.expert_ffn // placement.expert_tp(world) * (1 if down else 2)
+        held = piece.idx.numel() // width
+        first = mine.index(int(piece.idx[0]) // (config.expert_ffn * (1 if down else 2)))
+        wrong = list(range(first, first + held))
+        etp = placement.expert_tp(world)
+        halves = (("up", "gate") if dict(dst.options).get("kernel") == "flashinfer_cutlass"
+                  else ("gate", "up"))
+        idx = (expert_cols(config, wrong, etp=etp, etp_rank=etp_rank) if down else
+               expert_rows(config, wrong, etp=etp, etp_rank=etp_rank, halves=halves))
+        return Piece(piece.source, piece.dim, idx, piece.stack)
+    return _remap(shards, conversion, remap)
+
+
+def _ep(conversion: Conversion) -> str | None:
+    if conversion.dst.ep == 1:
+        return "ep=1: every rank holds every expert, local ids are global"
+    return None
+
+
+def _ep_remainder_to_last(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """vLLM's expert map as its docstring describes it: the remainder of E % ep to the LAST
+    ranks. The engine's buffers follow the code (the first ranks); each rank's slot k gets the
+    k-th expert the docstring assigns it, and slots it assigns none keep a stale copy."""
+    config, dst = conversion.config, conversion.dst
+    placement = dst.convention.forward_layout(config, dst).experts
+    assert placement is not None
+    e, p = config.n_experts, placement.ep
+    base, rem = divmod(e, p)
+
+    def docstring(ep_rank: int) -> list[int]:
+        extra = ep_rank >= p - rem  # the last rem ranks get one more
+        start = ep_rank * base + max(0, ep_rank - (p - rem))
+        return list(range(start, start + base + (1 if extra else 0)))
+
+    pieces = dst.pieces(config)
+    names = [n for n, pc in pieces[0].items()
+             if pc.source.endswith(("experts.gate_up.weight", "experts.down.weight"))]
+    canonical = gather_canonical(shards, pieces, config.param_shapes(),
+                                 sorted({pieces[0][n].source for n in names}))
+    for rank, params in enumerate(shards):
+        _, ep_rank, _ = placement.coordinates(dst.world, rank)
+        sent = docstring(ep_rank)
+        for name in names:
+            piece = pieces[rank][name]
+            down = piece.source.endswith("down.weight")
+            x = piece.flat(params[name]).clone()  # slot k is the k-th block along the dim
+            width = x.shape[piece.dim] // max(1, len(placement.experts_of(ep_rank)))
+            for k in range(x.shape[piece.dim] // max(1, width)):
+                block = x.narrow(piece.dim, k * width, width)
+                if k < len(sent):
+                    idx = (expert_cols(config, [sent[k]]) if down
+                           else expert_rows(config, [sent[k]]))
+                    block.copy_(canonical[piece.source].index_select(piece.dim, idx))
+                else:
+                    block.copy_(_stale(tuple(block.shape), f"{rank}.{name}.{k}"))
+            params[name] = piece.stacked(x)
+    return shards
+
+
+def _uneven_linear(conversion: Conversion) -> str | None:
+    dst, c = conversion.dst, conversion.config
+    if dst.name != "vllm" or dst.ep == 1 or dst.option("placement") != "linear":
+        return "only vLLM's linear expert map with EP has a remainder rule"
+    return None
+
+
+def _even_experts(conversion: Conversion) -> str | None:
+    if conversion.config.n_experts % conversion.dst.ep == 0:
+        return f"n_experts % ep == 0: no remainder to give to the first or the last ranks"
+    return None
+
+
+def _router_bias(value: Callable[[torch.Tensor], torch.Tensor]) -> Bug:
+    def bug(shards: list[Params], conversion: Conversion) -> list[Params]:
+        names = _layers(conversion.config, "router.bias")
+        return _recut(shards, conversion, names,
+                      lambda c: {n: value(c[n]) for n in names})
+    return bug
+
+
+def _has_router_bias(conversion: Conversion) -> str | None:
+    return None if conversion.config.router_bias else "the router has no selection bias"
+
+
+def _bucket_not_sent(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """The last quarter of the experts (a bucket, rounded up) never sent: their rows and
+    columns keep a stale copy on every rank that holds them."""
+    config = conversion.config
+    e, f = config.n_experts, config.expert_ffn
+    lost = range(e - -(-e // 4), e)
+    names = _layers(config, "experts.gate_up.weight", "experts.down.weight")
+
+    def run(canonical: Params) -> Params:
+        out = {}
+        for name in names:
+            down = name.endswith("down.weight")
+            x = canonical[name].clone()
+            for expert in lost:
+                block = x.narrow(1, expert * f, f) if down else x.narrow(0, expert * 2 * f, 2 * f)
+                block.copy_(_stale(tuple(block.shape), f"bucket.{name}.{expert}"))
+            out[name] = x
+        return out
+    return _recut(shards, conversion, names, run)
+
+
+def _fc1_etp_concat(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """Megatron's expert-TP fc1 shards ``[g_r | u_r]`` concatenated (``[g0 u0 g1 u1]``) and
+    read as ``[gate | up]``, without slime's regroup to ``[g0 g1 | u0 u1]``."""
+    config, f = conversion.config, conversion.config.expert_ffn
+    etp = conversion.src.etp or conversion.src.degree
+    order = torch.cat([torch.cat([chunk(rows(0, f), etp, r), chunk(rows(f, 2 * f), etp, r)])
+                       for r in range(etp)])
+    names = _layers(config, "experts.gate_up.weight")
+    return _recut(shards, conversion, names,
+                  _per_expert(config, lambda block, e: block[order], down=False))
+
+
+def _fc2_wrong_dim(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """Megatron's expert-TP fc2 shards ``[d, F/etp]`` concatenated on dim 0 (the partition
+    dim TEGroupedLinear reports under explicit expert communication) and viewed as ``[d, F]``:
+    what slime forces back with "bug in megatron's grouped moe"."""
+    config = conversion.config
+    etp = conversion.src.etp or conversion.src.degree
+    names = _layers(config, "experts.down.weight")
+
+    def wrong(block: torch.Tensor, e: int) -> torch.Tensor:
+        return torch.cat(list(block.chunk(etp, dim=1)), dim=0).reshape(block.shape)
+    return _recut(shards, conversion, names, _per_expert(config, wrong, down=True))
+
+
+def _megatron_etp(conversion: Conversion) -> str | None:
+    if conversion.src.name != "megatron":
+        return "the source is not megatron: no expert-TP shards to gather"
+    return None
+
+
+def _etp_1(conversion: Conversion) -> str | None:
+    src = conversion.src
+    etp = src.etp or src.degree
+    return "etp=1: one expert-TP shard is the whole expert" if etp == 1 else None
+
+
+def _down_transposed(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """Each expert's down matrix transposed once more than it should be (``[d, F]`` read as
+    ``[F, d]``): shape-preserving only where the expert is square, d_model == expert_ffn."""
+    config = conversion.config
+    names = _layers(config, "experts.down.weight")
+    return _recut(shards, conversion, names,
+                  _per_expert(config, lambda block, e: block.T.contiguous(), down=True))
+
+
+def _square_expert(conversion: Conversion) -> str | None:
+    c = conversion.config
+    if (reason := _moe(conversion)) is not None:
+        return reason
+    if c.expert_ffn != c.d_model:
+        return (f"expert_ffn={c.expert_ffn} != d_model={c.d_model}: a transposed expert has "
+                "another shape (loud)")
+    return None
+
+
+def _shared_gate_dropped(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """The shared expert's gate never written: left at zeros, so ``sigmoid(0) = 0.5`` halves
+    the shared expert for every token."""
+    names = _layers(conversion.config, "shared_gate.weight")
+    return _recut(shards, conversion, names, lambda c: {n: torch.zeros_like(c[n]) for n in names})
+
+
+def _has_shared_gate(conversion: Conversion) -> str | None:
+    return None if conversion.config.shared_gate else "the config has no shared-expert gate"
+
+
+def _qk_norm_shifted(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """Layer i's q_norm and k_norm taken from layer i + 1 (the last from the first)."""
+    config = conversion.config
+    names = _layers(config, "q_norm.weight", "k_norm.weight")
+    n = config.n_layers
+
+    def change(c: Params) -> Params:
+        return {f"layers.{i}.{what}": c[f"layers.{(i + 1) % n}.{what}"].clone()
+                for i in range(n) for what in ("q_norm.weight", "k_norm.weight")}
+    return _recut(shards, conversion, names, change)
+
+
+def _has_qk_norm(conversion: Conversion) -> str | None:
+    return None if conversion.config.qk_norm else "the config has no q/k norms"
+
+
+def _one_layer(conversion: Conversion) -> str | None:
+    return "one layer: its norms are its own" if conversion.config.n_layers == 1 else None
+
+
+def _no_dense_mlp(conversion: Conversion) -> str | None:
+    return None if conversion.config.has_dense_mlp else "every layer is MoE: no dense fc1"
+
+
+MOE_MUTATIONS: tuple[ConversionMutation, ...] = (
+    ConversionMutation(
+        "w13_halves_swapped", "each expert's gate (w1) and up (w3) exchanged in w13",
+        "vLLM #42821: a second load_weights writes [w1; w3] into the FlashInfer CUTLASS "
+        "buffer process_weights_after_loading turned into [w3; w1]",
+        _w13_swapped, _moe, _never),
+    ConversionMutation(
+        "local_expert_id_as_global", "each EP rank's local expert j filled from global expert j",
+        "THUDM/slime PR #1799: the local j of linear_fc1.weight{j} indexed the global fused "
+        "gate_up_proj under EP", _local_expert_ids, _moe, _ep),
+    ConversionMutation(
+        "ep_remainder_to_last", "vLLM's E % ep extra experts placed on the last ranks, not the "
+        "first", "vLLM determine_expert_map: its docstring says the remainder goes to the last "
+        "rank, its code gives it to the first", _ep_remainder_to_last, _uneven_linear,
+        _even_experts),
+    ConversionMutation(
+        "router_bias_not_synced", "the router's selection bias left at its initial zeros",
+        "NVIDIA-NeMo/Megatron-Bridge PR #4657: expert_bias <-> e_score_correction_bias mapped "
+        "for MTP layers only (Kimi-K2 converted with the bias at zero)",
+        _router_bias(torch.zeros_like), _has_router_bias, _never),
+    ConversionMutation(
+        "router_bias_negated", "the router's selection bias written with the wrong sign",
+        "a selection-only bug: only which experts are chosen changes (issue 32, the routing "
+        "check)", _router_bias(torch.neg), _has_router_bias, _never),
+    ConversionMutation(
+        "expert_bucket_not_sent", "the last quarter of the experts never sent: a stale copy",
+        "NovaSky-AI/SkyRL PR #1471: grouped expert export tasks split across buckets, fused "
+        "expert tensors never yielded", _bucket_not_sent, _moe, _never),
+    ConversionMutation(
+        "fc1_etp_rank_concat", "Megatron's expert-TP fc1 shards [g0 u0 g1 u1] read as "
+        "[gate | up]", "slime update_weight/common.py all_gather_param regroups fc1 "
+        "[g0,u0,g1,u1] -> [g0,g1 | u0,u1]; a gather without it", _fc1_etp_concat,
+        _both(_moe, _megatron_etp), _etp_1, "source degree"),
+    ConversionMutation(
+        "fc2_split_on_wrong_dim", "Megatron's expert-TP fc2 shards joined on dim 0, viewed as "
+        "[d, F]", "slime all_gather_param: 'bug in megatron's grouped moe' (TEGroupedLinear "
+        "reports partition_dim 0 for fc2)", _fc2_wrong_dim, _both(_moe, _megatron_etp), _etp_1,
+        "source degree"),
+    ConversionMutation(
+        "expert_transposed_twice", "each expert's down matrix transposed once too often",
+        "ms-swift PR #9828 (UNCONFIRMED); Megatron-Bridge PR #3162 (gpt-oss down_proj "
+        "double-transposed): only a square expert keeps its shape", _down_transposed,
+        _square_expert, _never),
+    ConversionMutation(
+        "shared_gate_dropped", "the shared expert's sigmoid gate never written (zeros)",
+        "Qwen2-MoE shared_expert_gate missing from a mapping (Megatron-Bridge qwen35_bridge "
+        "maps it with a ReplicatedMapping)", _shared_gate_dropped, _has_shared_gate, _never),
+    ConversionMutation(
+        "qk_norm_from_next_layer", "Qwen3's q_norm / k_norm of layer i taken from layer i + 1",
+        "a per-layer name mapped with the wrong layer index (transformers PR #24381's class)",
+        _qk_norm_shifted, _has_qk_norm, _one_layer),
+)
+
+
 CONVERSION_MUTATIONS: tuple[ConversionMutation, ...] = (
     ConversionMutation(
         "tp_rank_defaults_to_0", "every rank loads rank 0's shard of the fused qkv and gate_up",
@@ -428,7 +737,8 @@ CONVERSION_MUTATIONS: tuple[ConversionMutation, ...] = (
         "megatron_fc1_rank_concat",
         "Megatron's rank-local [gate_r | up_r] fc1 shards concatenated and read as [gate | up]",
         "SwiGLU [W; V] swizzle across TP shards (Megatron-LM #2769, PR #5714; Megatron-Bridge "
-        "PR #5376)", _fc1_rank_concat, _only("megatron", "src"), _src_t1, "source degree"),
+        "PR #5376)", _fc1_rank_concat, _only("megatron", "src"), _both(_src_t1, _no_dense_mlp),
+        "source degree"),
     ConversionMutation(
         "rope_permute_missing", "Meta <-> HF RoPE permute of q and k not applied",
         "llama2.c PR #286, torchtitan PR #1441 (exact at distance 0, wrong as it grows)",
@@ -465,6 +775,7 @@ CONVERSION_MUTATIONS: tuple[ConversionMutation, ...] = (
     ConversionMutation(
         "output_stale_copy", "the output layer left as a copy of the embedding table",
         "tied/untied output handling: slime #345, NeMo-RL #227", _stale_output, _untied, _never),
+    *MOE_MUTATIONS,
 )
 
 MUTATIONS: dict[str, ConversionMutation] = {m.name: m for m in CONVERSION_MUTATIONS}

@@ -24,7 +24,7 @@ import torch
 from weight_sync_bench.conventions.maps import Piece, rows
 
 if TYPE_CHECKING:
-    from weight_sync_bench.conventions.convention import Convention, ForwardLayout
+    from weight_sync_bench.conventions.convention import Convention, Endpoint, ForwardLayout
     from weight_sync_bench.model.config import ModelConfig
 
 
@@ -42,10 +42,13 @@ class Selection:
     dim: int
     positions: torch.Tensor | None
     zero: torch.Tensor | None
+    pieces: tuple[Piece, ...] = ()  # the stored tensors' pieces: how each unstacks
 
     def apply(self, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        pool = (stored[self.names[0]] if len(self.names) == 1
-                else torch.cat([stored[n] for n in self.names], dim=self.dim))
+        flat = [p.flat(stored[n]) if p.stack > 1 else stored[n]
+                for n, p in zip(self.names, self.pieces)] if self.pieces else [
+                    stored[n] for n in self.names]
+        pool = flat[0] if len(flat) == 1 else torch.cat(flat, dim=self.dim)
         if self.positions is None:
             return pool
         out = pool.index_select(self.dim, self.positions)
@@ -71,10 +74,11 @@ def _select(pieces: list[tuple[str, Piece]], needed: torch.Tensor, dim: int, whe
             ) -> Selection:
     """Positions in the concatenated pieces of each needed canonical index (-1: padding)."""
     names = tuple(name for name, _ in pieces)
-    pool = torch.cat([p.idx for _, p in pieces]).numpy()
+    stacked = tuple(p for _, p in pieces)
+    pool = torch.cat([p.idx for _, p in pieces]).numpy() if pieces else np.zeros(0, np.int64)
     need = needed.numpy()
-    if len(pieces) == 1 and np.array_equal(pool, need):
-        return Selection(names, dim, None, None)
+    if len(pieces) == 1 and np.array_equal(pool, need) and stacked[0].stack == 1:
+        return Selection(names, dim, None, None, stacked)
     positions = np.full(need.shape, -1, dtype=np.int64)
     real = need >= 0
     values, first = np.unique(pool, return_index=True)  # first occurrence of each index
@@ -90,34 +94,41 @@ def _select(pieces: list[tuple[str, Piece]], needed: torch.Tensor, dim: int, whe
     positions[pad_out[:k]] = pad_in[:k]  # the stored padding slices, read as stored
     zero = pad_out[k:]
     positions_t = torch.from_numpy(positions.clip(min=0))
-    return Selection(names, dim, positions_t, torch.from_numpy(zero) if len(zero) else None)
+    return Selection(names, dim, positions_t, torch.from_numpy(zero) if len(zero) else None,
+                     stacked)
+
+
+def reading_plan(convention: Convention, config: ModelConfig, degree: int | Endpoint
+                 ) -> ReadingPlan:
+    """The per-rank permutation from ``convention``'s stored tensors (at a TP degree, or an
+    endpoint) to the forward inputs."""
+    return _reading_plan(convention, config, convention.at(degree))
 
 
 @functools.lru_cache(maxsize=256)
-def reading_plan(convention: Convention, config: ModelConfig, degree: int) -> ReadingPlan:
-    """The per-rank permutation from ``convention``'s stored tensors to the forward inputs."""
-    forward = convention.forward_layout(config, degree)
+def _reading_plan(convention: Convention, config: ModelConfig, at: Endpoint) -> ReadingPlan:
+    forward = convention.forward_layout(config, at)
     canonical = config.param_shapes()
+    world = at.world
     ranks = []
-    for rank, stored in enumerate(convention.pieces(config, degree)):
+    for rank, stored in enumerate(convention.pieces(config, at)):
         by_source: dict[str, list[tuple[str, Piece]]] = {}
         for name, piece in stored.items():
             by_source.setdefault(piece.source, []).append((name, piece))
         plan = {}
         for spec in forward.layout:
-            dim, ranges = spec.ranges(degree, rank)
-            needed = torch.cat([rows(a, b) for a, b in ranges])
+            dim, ranges = spec.ranges(world, rank)
+            needed = torch.cat([rows(a, b) for a, b in ranges]) if ranges else rows(0, 0)
             needed[needed >= canonical[spec.name][dim]] = -1  # the forward's padded rows
             pieces = by_source[spec.name]
             assert all(p.dim == dim for _, p in pieces), (convention.name, spec.name, dim)
-            plan[spec.name] = _select(pieces, needed, dim,
-                                      f"{convention.name}:{degree} rank {rank} {spec.name}")
+            plan[spec.name] = _select(pieces, needed, dim, f"{at} rank {rank} {spec.name}")
         ranks.append(plan)
     return ReadingPlan(forward, tuple(ranks))
 
 
 def forward_inputs(shards: Sequence[Mapping[str, torch.Tensor]], convention: Convention,
-                   config: ModelConfig, degree: int) -> list[Params]:
+                   config: ModelConfig, degree: int | Endpoint) -> list[Params]:
     """Each rank's forward inputs (canonical names, the forward layout's local shapes) read
     from that rank's stored tensors, as the framework's forward reads them."""
     plan = reading_plan(convention, config, degree)

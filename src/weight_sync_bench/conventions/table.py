@@ -10,7 +10,7 @@ from weight_sync_bench.errors import UnsupportedLayout
 from weight_sync_bench.layout.placements import HeadReplicated
 
 if TYPE_CHECKING:
-    from weight_sync_bench.conventions.convention import Convention
+    from weight_sync_bench.conventions.convention import Convention, Endpoint
     from weight_sync_bench.model.config import ModelConfig
 
 
@@ -42,3 +42,45 @@ def render(config: ModelConfig, convention: Convention, degrees: list[int] | Non
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines + list(legend.values()))
+
+
+def render_ranks(config: ModelConfig, at: Endpoint) -> str:
+    """Per rank of an endpoint: its coordinates (attention TP rank and data-parallel
+    replica; the experts' EP, expert-TP and expert-DP ranks), the experts it holds (global
+    ids, in its local order) and which rows of each expert's ``[gate | up]`` (columns of its
+    down) it holds, e.g. for ``megatron:tp=2,ep=4`` of 8 experts of 128:
+    ``2  0  1  1  0  0  2-3  gate 0-63, up 0-63``."""
+    from weight_sync_bench.layout.placements import format_ranges
+
+    world = at.world
+    forward = at.convention.forward_layout(config, at)
+    tp = forward.tp or world
+    placement = forward.experts
+    rows = [["rank", "tp", "dp", "ep", "etp", "edp", "experts", "rows of each expert"]]
+    f = config.expert_ffn
+    for rank in range(world):
+        cells = [str(rank), str(rank % tp), str(rank // tp)]
+        if placement is None:
+            cells += ["-", "-", "-", "-", "-"]
+        else:
+            etp_rank, ep_rank, edp_rank = placement.coordinates(world, rank)
+            etp = placement.expert_tp(world)
+            mine = placement.experts_of(ep_rank)
+            chunk = (etp_rank * f // etp, (etp_rank + 1) * f // etp)
+            cells += [str(ep_rank), str(etp_rank), str(edp_rank),
+                      format_ranges(_runs(mine)) or "none",
+                      f"gate {format_ranges([chunk])}, up {format_ranges([chunk])}"]
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """``[0, 1, 2, 5]`` -> ``[(0, 3), (5, 6)]``."""
+    out: list[tuple[int, int]] = []
+    for i in ids:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out

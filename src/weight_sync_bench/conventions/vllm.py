@@ -20,6 +20,33 @@ Followed (research notes conventions.md section 2):
 - tied: ``lm_head`` ties to ``model.embed_tokens`` and ``load_weights`` skips
   ``lm_head.weight``: only ``model.embed_tokens.weight`` is stored.
 
+Mixture-of-Experts (vLLM 0.33.0: ``models/qwen3_moe.py``, ``qwen2_moe.py``, ``mixtral.py``,
+``deepseek_v2.py``; ``layers/fused_moe/``):
+
+- experts (``routed_experts.py::RoutedExperts``, under ``mlp.experts.routed_experts.`` since
+  vLLM PR #41184; ``mlp.experts.`` before): ``w13_weight`` ``[E_local, 2F/t', d]``, each
+  expert's ``[gate_r | up_r]`` (``_load_w13``: w1 narrowed at the MoE TP rank into the first
+  half, w3 into the second), ``w2_weight`` ``[E_local, d, F/t']`` (``_load_w2``: narrowed
+  on dim 1); an expert not on the rank is skipped silently;
+- EP (``FusedMoEParallelConfig.make``): without it the experts are split over every rank
+  (``t' = tp``, ``ep = 1``); with it (``enable_expert_parallel``) ``ep = tp`` (times dp) and
+  the experts' TP is 1: ``vllm:tp=4,ep=4`` only. Which experts an EP rank holds:
+  ``expert_map_manager.py::determine_expert_map``, ``placement=linear`` (the default; the
+  remainder of ``E % ep`` to the FIRST ranks, though its docstring says the last) or
+  ``placement=round_robin`` (used by vLLM only with grouped top-k, ``n_group > 1``: it falls
+  back to linear otherwise, so the harness refuses it there);
+- ``kernel=flashinfer_cutlass``: the layout the engine holds after
+  ``process_weights_after_loading`` on FlashInfer CUTLASS
+  (``oracle/unquantized.py::convert_to_unquantized_kernel_format``: ``swap_w13_to_w31``), each
+  expert's halves ``[w3; w1]`` (up, then gate): what vLLM #42821's second ``load_weights``
+  wrote ``[w1; w3]`` into;
+- the router ``mlp.gate.weight`` (``GateLinear``, a ``ReplicatedLinear``) and DeepSeek's
+  ``mlp.gate.e_score_correction_bias``; Qwen2-MoE's shared expert
+  ``mlp.shared_expert.{gate_up_proj,down_proj}`` (split like the dense MLP) and its gate
+  ``mlp.shared_expert_gate.weight``, DeepSeek's ``mlp.shared_experts.*`` (no gate); Mixtral
+  keeps HF's ``block_sparse_moe`` for the router and experts; Qwen3's
+  ``self_attn.q_norm.weight`` / ``k_norm.weight``; Qwen3-MoE refuses ``tp > num_experts``.
+
 Biases: ``LlamaAttention`` biases ``qkv_proj`` and ``o_proj`` (``attention_bias``), Qwen2
 ``qkv_proj`` only; ``LlamaMLP``'s ``mlp_bias`` biases gate_up and down together, so a down
 bias without a gate_up bias (the harness's ``bias=True``) is rejected.
@@ -37,11 +64,12 @@ from weight_sync_bench.conventions.convention import (
     relaid,
     renamed,
 )
-from weight_sync_bench.conventions.maps import Pieces
-from weight_sync_bench.layout.placements import HeadReplicated
-from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.conventions.maps import Pieces, expert_cols, expert_rows
+from weight_sync_bench.layout.placements import Experts, HeadReplicated
+from weight_sync_bench.model.plan import experts_placement, layout_for
 
 if TYPE_CHECKING:
+    from weight_sync_bench.conventions.convention import Endpoint
     from weight_sync_bench.model.config import ModelConfig
 
 NAME = "vllm"
@@ -66,20 +94,89 @@ NAMES = {
     "layers.{i}.down.weight": "model.layers.{i}.mlp.down_proj.weight",
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
+    "layers.{i}.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
+OPTIONS = {"placement": ("linear", "round_robin"), "kernel": ("none", "flashinfer_cutlass")}
 
 
-def _reads(config: ModelConfig, degree: int) -> ForwardLayout:
+def moe_names(config: ModelConfig) -> dict[str, str]:
+    """An MoE layer's names after loading: the block is ``mlp`` (Mixtral's
+    ``block_sparse_moe``), the shared expert Qwen2-MoE's ``shared_expert`` with its gate or
+    DeepSeek's ``shared_experts``."""
+    block = "block_sparse_moe" if config.moe_style == "mixtral" else "mlp"
+    shared = "shared_expert" if config.shared_gate else "shared_experts"
+    return {
+        "layers.{i}.router.weight": f"model.layers.{{i}}.{block}.gate.weight",
+        "layers.{i}.router.bias": f"model.layers.{{i}}.{block}.gate.e_score_correction_bias",
+        "layers.{i}.shared.gate_up.weight": f"model.layers.{{i}}.mlp.{shared}.gate_up_proj.weight",
+        "layers.{i}.shared.down.weight": f"model.layers.{{i}}.mlp.{shared}.down_proj.weight",
+        "layers.{i}.shared_gate.weight": "model.layers.{i}.mlp.shared_expert_gate.weight",
+        "experts": f"model.layers.{{i}}.{block}.experts.routed_experts",
+    }
+
+
+def _experts(config: ModelConfig, at: Endpoint, *, down: bool = False) -> Experts:
+    if at.ep > 1:  # EP: whole experts, the experts' TP 1
+        return experts_placement(config, down=down, ep=at.ep, etp=1, order=at.option("placement"))
+    return experts_placement(config, down=down)
+
+
+def _reads(config: ModelConfig, at: Endpoint) -> ForwardLayout:
+    degree = at.degree
     forward = config.replace(vocab_multiple=DEFAULT_VOCAB_PADDING_SIZE)
     layout = layout_for(forward)
     if degree > config.n_kv_heads:
         replicated = HeadReplicated(config.n_heads, config.n_kv_heads, config.head_dim)
         layout = relaid(layout, {f"layers.{i}.qkv.{kind}": replicated
                                  for i in range(config.n_layers) for kind in ("weight", "bias")})
+    if config.n_experts:
+        layout = relaid(layout, {s.name: _experts(config, at, down=s.name.endswith("down.weight"))
+                                 for s in layout if isinstance(s.placement, Experts)})
     return ForwardLayout(forward, layout)
 
 
-def _build(config: ModelConfig, t: int) -> Pieces:
+def _expert_cuts(config: ModelConfig, at: Endpoint) -> dict:
+    """Each rank's ``w13_weight`` (its experts' ``[gate_r | up_r]`` rows, or FlashInfer's
+    ``[up_r | gate_r]``, stacked per expert) and ``w2_weight`` (their columns, stacked)."""
+    t, e, f = at.degree, config.n_experts, config.expert_ffn
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    need(t <= e, NAME, w13, t, "t <= n_experts (Qwen3MoeSparseMoeBlock refuses tp_size > "
+         "num_experts)", f"n_experts={e}")
+    need(at.ep in (1, t), NAME, w13, t, "ep == 1 or ep == t (FusedMoEParallelConfig: expert "
+         "parallelism spans the whole TP x DP group)", f"ep={at.ep}")
+    need(not at.etp or at.etp == (1 if at.ep > 1 else t), NAME, w13, t,
+         "no expert-TP degree of its own (the experts' TP is t without EP, 1 with it)",
+         f"etp={at.etp}, ep={at.ep}")
+    need(at.ep > 1 or f % t == 0, NAME, w13, t,
+         "expert_ffn % t == 0 (intermediate_size_per_partition)", f"expert_ffn={f}")
+    need(config.shared_ffn % t == 0, NAME, "model.layers.0.mlp.shared_expert.gate_up_proj.weight",
+         t, "shared_ffn % t == 0", f"shared_ffn={config.shared_ffn}")
+    need(at.option("placement") == "linear" or (at.ep > 1 and config.n_groups > 1), NAME, w13, t,
+         "placement=round_robin only with expert parallelism and grouped top-k (n_groups > 1): "
+         "determine_expert_placement_strategy falls back to linear otherwise",
+         f"ep={at.ep}, n_groups={config.n_groups}")
+    placement = _experts(config, at)
+    etp = placement.expert_tp(t)
+    halves = ("up", "gate") if at.option("kernel") == "flashinfer_cutlass" else ("gate", "up")
+    prefix = moe_names(config)["experts"]
+
+    def w13_of(r: int) -> tuple:
+        etp_rank, ep_rank, _ = placement.coordinates(t, r)
+        mine = placement.experts_of(ep_rank)
+        return 0, expert_rows(config, mine, etp=etp, etp_rank=etp_rank, halves=halves), len(mine)
+
+    def w2_of(r: int) -> tuple:
+        etp_rank, ep_rank, _ = placement.coordinates(t, r)
+        mine = placement.experts_of(ep_rank)
+        return 1, expert_cols(config, mine, etp=etp, etp_rank=etp_rank), len(mine)
+
+    return {"layers.{i}.experts.gate_up.weight": [(prefix + ".w13_weight", w13_of)],
+            "layers.{i}.experts.down.weight": [(prefix + ".w2_weight", w2_of)]}
+
+
+def _build(config: ModelConfig, at: Endpoint) -> Pieces:
+    t = at.degree
     qkv0 = "model.layers.0.self_attn.qkv_proj.weight"
     need_unpadded(NAME, "model.embed_tokens.weight", config, t)
     need(config.n_heads % t == 0, NAME, qkv0, t, "n_heads % t == 0", f"n_heads={config.n_heads}")
@@ -89,8 +186,8 @@ def _build(config: ModelConfig, t: int) -> Pieces:
     else:
         need(config.n_kv_heads % t == 0, NAME, qkv0, t,
              "n_kv_heads % t == 0 when t <= n_kv_heads", f"n_kv_heads={config.n_kv_heads}")
-    need(config.ffn % t == 0, NAME, "model.layers.0.mlp.gate_up_proj.weight", t,
-         "ffn % t == 0", f"ffn={config.ffn}")
+    need(not config.has_dense_mlp or config.ffn % t == 0, NAME,
+         "model.layers.0.mlp.gate_up_proj.weight", t, "ffn % t == 0", f"ffn={config.ffn}")
     vp = padded_vocab(config.vocab)
     need(vp % t == 0, NAME, "model.embed_tokens.weight", t,
          "padded vocab % t == 0 (the vocabulary padded to a multiple of 64)",
@@ -98,9 +195,13 @@ def _build(config: ModelConfig, t: int) -> Pieces:
     need(not config.has_down_bias, NAME, "model.layers.0.mlp.down_proj.bias", t,
          "no down bias without a gate_up bias (LlamaMLP's mlp_bias biases gate_up_proj and "
          "down_proj together)", f"bias={config.bias}")
-    return renamed(config, t, _reads(config, t).layout, NAMES)
+    if not config.n_experts:
+        return renamed(config, t, _reads(config, at).layout, NAMES)
+    names = {**NAMES, **{k: v for k, v in moe_names(config).items() if k != "experts"}}
+    return renamed(config, t, _reads(config, at).layout, names, _expert_cuts(config, at))
 
 
-VLLM = Convention(NAME, "vLLM Llama after loading: qkv_proj [q_r | k_r | v_r] with KV heads "
+VLLM = Convention(NAME, "vLLM after loading: qkv_proj [q_r | k_r | v_r] with KV heads "
                   "replicated past n_kv_heads ranks, gate_up_proj [gate_r | up_r], vocab "
-                  "padded to 64", _build, _reads)
+                  "padded to 64; experts w13 [E_local, 2F/t, d] [w1; w3], w2 [E_local, d, F/t]",
+                  _build, _reads, OPTIONS)

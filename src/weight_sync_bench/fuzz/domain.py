@@ -181,3 +181,45 @@ def fuzz_tokens(config: ModelConfig, seed: int) -> torch.Tensor:
     width = config.vocab // slices
     tokens = (torch.arange(n) % slices) * width + torch.randint(0, width, (n,), generator=gen)
     return tokens[torch.randperm(n, generator=gen)].view(config.token_shape)  # (B, T)
+
+
+@dataclass(frozen=True)
+class MoeDomain:
+    """What a fuzzed Mixture-of-Experts geometry adds to a ``FuzzDomain`` geometry: the number
+    of experts, how many a token takes, their width (a multiple of ``n_kv_heads``, so every
+    TP degree the dense layers take splits them), a shared expert's width (0: none), and a
+    dense first layer. The router (softmax, or sigmoid with a selection bias), its groups,
+    renormalisation, the shared expert's gate, q/k norms and the family's names are drawn
+    beside them (``fuzz.strategies.moe_geometries``); every choice is valid by construction."""
+
+    n_experts: IntRange = IntRange(2, 8)
+    top_k: IntRange = IntRange(1, 4)  # at most n_experts
+    expert_ffn_per_kv_head: IntRange = IntRange(2, 16)
+    shared_ffn_per_kv_head: IntRange = IntRange(0, 16)
+    dense_layers: IntRange = IntRange(0, 1)  # at most n_layers - 1: one MoE layer at least
+
+    def violations(self, config: ModelConfig, dense: FuzzDomain = DOMAIN) -> list[str]:
+        """Every way an MoE ``config`` lies outside ``dense`` and this domain."""
+        kv = config.n_kv_heads
+        out = dense.violations(config)
+        if not config.n_experts:
+            return [*out, "n_experts=0: not an MoE geometry"]
+        derived = {"n_experts": config.n_experts, "top_k": config.top_k,
+                   "expert_ffn_per_kv_head": config.expert_ffn / kv,
+                   "shared_ffn_per_kv_head": config.shared_ffn / kv,
+                   "dense_layers": config.dense_layers}
+        for name, value in derived.items():
+            allowed: IntRange = getattr(self, name)
+            as_int = int(value) if float(value).is_integer() else value
+            if as_int not in allowed:
+                out.append(f"{name}={_fmt(value)} not in {allowed}")
+        return out
+
+    def contains(self, config: ModelConfig, dense: FuzzDomain = DOMAIN) -> bool:
+        return not self.violations(config, dense)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+MOE_DOMAIN = MoeDomain()

@@ -13,6 +13,10 @@ shard is a non-contiguous selection of source rows, so the harness adds two plac
   ``t / n_kv_heads`` consecutive ranks.
 - ``FusedPaired``: fused gate_up ``[first + second, d_model]`` stored as ``[gate | up]``;
   rank r holds its slice of gate and the matching slice of up: two row ranges.
+- ``Experts``: a Mixture-of-Experts layer's experts side by side along one dim (each
+  expert's ``[gate | up]`` rows, or its down columns), split over expert-parallel ranks (which
+  experts a rank holds: contiguous, vLLM's "linear" or "round_robin") and expert-TP ranks
+  (which chunk of each of its experts' blocks): a rank may hold no expert at all.
 
 Placement is a sum type (a closed union of frozen dataclasses), not a record with
 independent fields, so a parameter cannot be declared both split and replicated at once.
@@ -174,7 +178,126 @@ class FusedPaired:
         return f"FP({self.first},{self.second})"
 
 
-Placement = Replicate | Shard | HeadPartitioned | HeadReplicated | FusedPaired
+EXPERT_ORDERS = ("contiguous", "linear", "round_robin")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """``n_experts`` experts side by side along ``dim``, each a run of ``blocks`` (its
+    ``[gate | up]`` rows: ``(F, F)``; its down columns: ``(F,)``), split over ``ep``
+    expert-parallel and ``etp`` expert-TP ranks (``etp`` 0: every rank of the degree not taken
+    by ``ep``, ``t / ep``). A rank's coordinates follow Megatron-Core's expert rank order
+    (``parallel_state.initialize_model_parallel``: ``RankGenerator(tp=etp, ep=ep, dp=edp)``,
+    order "tp-cp-ep-dp-pp", the first fastest): ``etp_rank = r % etp``, ``ep_rank = (r //
+    etp) % ep``, ``edp_rank = r // (etp * ep)``; ``edp = t / (ep * etp)`` ranks hold each
+    expert chunk. Rank r holds, for each of its EP rank's experts (``experts_of``, in local
+    order), chunk ``etp_rank`` of each block.
+
+    Which experts an EP rank holds (``order``): ``contiguous`` (Megatron-Core
+    ``BaseMoELayer``: ``ep_rank * E/ep + i``, ``E % ep == 0``; SGLang's ranges), ``linear``
+    (vLLM ``determine_expert_map``: ``E // ep`` each, the remainder one each to the *first*
+    ``E % ep`` ranks, starting at ``ep_rank * (E // ep) + min(ep_rank, E % ep)``; its docstring
+    says the last), ``round_robin`` (vLLM: ``ep_rank, ep_rank + ep, ...``)."""
+
+    n_experts: int
+    blocks: tuple[int, ...]
+    dim: int = 0
+    ep: int = 1
+    etp: int = 0
+    order: str = "contiguous"
+    kind = "Experts"
+
+    @property
+    def width(self) -> int:
+        """One expert's extent along ``dim``."""
+        return sum(self.blocks)
+
+    def expert_tp(self, degree: int) -> int:
+        return self.etp or degree // self.ep
+
+    def coordinates(self, degree: int, rank: int) -> tuple[int, int, int]:
+        """``(etp_rank, ep_rank, edp_rank)`` of ``rank`` at degree ``degree``."""
+        etp = self.expert_tp(degree)
+        return rank % etp, (rank // etp) % self.ep, rank // (etp * self.ep)
+
+    def replicas(self, degree: int) -> int:
+        """``edp``: how many ranks hold each expert chunk."""
+        return degree // (self.ep * self.expert_tp(degree))
+
+    def experts_of(self, ep_rank: int) -> list[int]:
+        """The global expert ids EP rank ``ep_rank`` holds, in its local order."""
+        e, p = self.n_experts, self.ep
+        match self.order:
+            case "round_robin":
+                return list(range(ep_rank, e, p))
+            case "linear":
+                base, rem = divmod(e, p)
+                start = ep_rank * base + min(ep_rank, rem)
+                return list(range(start, start + base + (1 if ep_rank < rem else 0)))
+            case _:
+                return list(range(ep_rank * (e // p), (ep_rank + 1) * (e // p)))
+
+    def owners(self, expert: int) -> int:
+        """The EP rank that holds ``expert``."""
+        return next(p for p in range(self.ep) if expert in self.experts_of(p))
+
+    def validate(self, shape: Shape, degree: int, name: str) -> None:
+        _check_degree(name, degree)
+        _need(0 <= self.dim < len(shape), name, self, degree, "0 <= dim < ndim",
+              f"dim={self.dim}, ndim={len(shape)}")
+        _need(shape[self.dim] == self.n_experts * self.width, name, self, degree,
+              f"shape[{self.dim}] == n_experts * sum(blocks)",
+              f"shape={list(shape)}, n_experts={self.n_experts}, blocks={list(self.blocks)}")
+        _need(self.order in EXPERT_ORDERS, name, self, degree, f"order in {EXPERT_ORDERS}",
+              f"order={self.order!r}")
+        _need(self.ep >= 1 and self.etp >= 0, name, self, degree, "ep >= 1 and etp >= 0",
+              f"ep={self.ep}, etp={self.etp}")
+        _need(degree % self.ep == 0, name, self, degree, "t % ep == 0", f"ep={self.ep}")
+        etp = self.expert_tp(degree)
+        _need(degree % (self.ep * etp) == 0, name, self, degree, "t % (ep * etp) == 0",
+              f"ep={self.ep}, etp={etp}")
+        _need(self.order != "contiguous" or self.n_experts % self.ep == 0, name, self, degree,
+              "n_experts % ep == 0 (contiguous experts)",
+              f"n_experts={self.n_experts}, ep={self.ep}")
+        for b in self.blocks:
+            _need(b % etp == 0, name, self, degree, "each block % etp == 0 (an expert's "
+                  "intermediate size splits over its expert-TP ranks)",
+                  f"blocks={list(self.blocks)}, etp={etp}")
+
+    def __str__(self) -> str:
+        parts = [str(self.n_experts)]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
+        if self.etp:
+            parts.append(f"etp={self.etp}")
+        if self.order != "contiguous":
+            parts.append(self.order)
+        return f"EX({','.join(parts)})"
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """``inner`` over a TP group of ``tp`` ranks, repeated on each of ``t / tp`` data-parallel
+    replicas: rank r holds what TP rank ``r % tp`` holds (Megatron-Core's rank order, TP
+    fastest). A Megatron layout whose experts spread over more ranks than its TP group
+    (``ep * etp > tp``) holds its dense layers so."""
+
+    inner: Replicate | Shard | HeadPartitioned | HeadReplicated | FusedPaired
+    tp: int
+    kind = "DataParallel"
+
+    def validate(self, shape: Shape, degree: int, name: str) -> None:
+        _check_degree(name, degree)
+        _need(self.tp >= 1 and degree % self.tp == 0, name, self, degree, "t % tp == 0",
+              f"tp={self.tp}")
+        self.inner.validate(shape, self.tp, name)
+
+    def __str__(self) -> str:
+        return f"{self.inner}@tp{self.tp}"
+
+
+Placement = (Replicate | Shard | HeadPartitioned | HeadReplicated | FusedPaired | Experts
+             | DataParallel)
 
 
 def _chunk(start: int, size: int, degree: int, rank: int) -> tuple[int, int]:
@@ -201,12 +324,25 @@ def index_ranges(placement: Placement, shape: Shape, degree: int, rank: int
                        (q + kv + g * hd, q + kv + (g + 1) * hd)]
         case FusedPaired(first=first, second=second):
             return 0, [_chunk(0, first, degree, rank), _chunk(first, second, degree, rank)]
+        case DataParallel(inner=inner, tp=tp):
+            return index_ranges(inner, shape, tp, rank % tp)
+        case Experts(dim=dim):
+            etp_rank, ep_rank, _ = placement.coordinates(degree, rank)
+            etp, out = placement.expert_tp(degree), []
+            for e in placement.experts_of(ep_rank):
+                at = e * placement.width
+                for b in placement.blocks:
+                    out.append(_chunk(at, b, etp, etp_rank))
+                    at += b
+            return dim, out
         case _:
             assert_never(placement)
 
 
-def local_shape(placement: Placement, shape: Shape, degree: int) -> Shape:
-    dim, ranges = index_ranges(placement, shape, degree, 0)
+def local_shape(placement: Placement, shape: Shape, degree: int, rank: int = 0) -> Shape:
+    """Rank ``rank``'s local shape (every rank's but under ``Experts`` with an uneven expert
+    count: vLLM's "linear" and "round_robin" give some EP ranks one expert more)."""
+    dim, ranges = index_ranges(placement, shape, degree, rank)
     local = list(shape)
     local[dim] = sum(stop - start for start, stop in ranges)
     return tuple(local)

@@ -31,17 +31,24 @@ def split_tensor(x: torch.Tensor, spec: ShardSpec, degree: int) -> list[torch.Te
     for rank in range(degree):
         dim, ranges = spec.ranges(degree, rank)
         pieces = [x.narrow(dim, start, stop - start) for start, stop in ranges]
-        shards.append(torch.cat(pieces, dim=dim) if len(pieces) > 1
-                      else pieces[0].clone(memory_format=torch.contiguous_format))
+        shards.append(_joined(pieces, x, dim).clone(memory_format=torch.contiguous_format)
+                      if len(pieces) < 2 else torch.cat(pieces, dim=dim))
     return shards
+
+
+def _joined(pieces: list[torch.Tensor], x: torch.Tensor, dim: int) -> torch.Tensor:
+    """One piece as it is (a view), several concatenated, none an empty slice of ``x``
+    (an ``Experts`` rank that holds no expert)."""
+    if not pieces:
+        return x.narrow(dim, 0, 0)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def shard_of(x: torch.Tensor, spec: ShardSpec, degree: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s shard of one full tensor, byte for byte ``split_tensor``'s, as a view
     of ``x`` where one range holds it (no copy: what a comparison reads and drops)."""
     dim, ranges = spec.ranges(degree, rank)
-    pieces = [x.narrow(dim, start, stop - start) for start, stop in ranges]
-    return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+    return _joined([x.narrow(dim, start, stop - start) for start, stop in ranges], x, dim)
 
 
 def gather_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
@@ -97,8 +104,8 @@ def reshard_tensor(shards: list[torch.Tensor], spec: ShardSpec, dst: int) -> lis
     for rank in range(dst):
         dim, _ = spec.ranges(dst, rank)
         pieces = [piece for _, piece in reshard_pieces(shards, spec, dst, rank)]
-        out.append(torch.cat(pieces, dim=dim) if len(pieces) > 1
-                   else pieces[0].clone(memory_format=torch.contiguous_format))
+        out.append(_joined(pieces, shards[0], dim).clone(memory_format=torch.contiguous_format)
+                   if len(pieces) < 2 else torch.cat(pieces, dim=dim))
     return out
 
 
@@ -175,7 +182,7 @@ def validate_shards(shards: object, layout: LayoutTable, degree: int,
             if not isinstance(x, torch.Tensor):
                 raise InvalidShards(f"rank {rank} {spec.name}: expected a Tensor, got "
                                     f"{type(x).__name__}")
-            want, actual = spec.local_shape(degree), tuple(x.shape)
+            want, actual = spec.local_shape(degree, rank), tuple(x.shape)
             if actual != want:
                 raise WrongShardShape(
                     f"rank {rank} {spec.name}: shape {list(actual)}, declared {list(want)} "
@@ -189,8 +196,8 @@ def validate_shards(shards: object, layout: LayoutTable, degree: int,
 
 
 def _check_local_shapes(shards: list[torch.Tensor], spec: ShardSpec) -> None:
-    expected = spec.local_shape(len(shards))
     for rank, shard in enumerate(shards):
+        expected = spec.local_shape(len(shards), rank)
         if tuple(shard.shape) != expected:
             raise InvalidShards(f"rank {rank} {spec.name}: shape {list(shard.shape)}, "
                                 f"expected {list(expected)} at t={len(shards)}")

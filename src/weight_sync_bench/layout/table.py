@@ -30,9 +30,10 @@ class ShardSpec:
     def validate(self, degree: int) -> None:
         self.placement.validate(self.shape, degree, self.name)
 
-    def local_shape(self, degree: int) -> Shape:
+    def local_shape(self, degree: int, rank: int = 0) -> Shape:
+        """Rank ``rank``'s local shape (the same on every rank but under an uneven ``Experts``)."""
         self.validate(degree)
-        return local_shape(self.placement, self.shape, degree)
+        return local_shape(self.placement, self.shape, degree, rank)
 
     def ranges(self, degree: int, rank: int) -> tuple[int, list[tuple[int, int]]]:
         self.validate(degree)

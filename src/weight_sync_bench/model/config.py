@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,23 +49,106 @@ class ModelConfig:
     # q/k/v biases only (``qkv_bias``), HF Llama ``attention_bias`` q/k/v and o_proj biases.
     qkv_bias: bool = False
     o_bias: bool = False
+    # Qwen3's per-head RMSNorm of q and k before RoPE (``q_norm`` / ``k_norm``, one weight of
+    # head_dim shared by every head), MoE or not.
+    qk_norm: bool = False
+    # Mixture-of-Experts (``n_experts`` > 0; every field below defaults to off, a dense model).
+    # Layers ``dense_layers..n_layers-1`` replace the SwiGLU MLP by: a router ``[E, d]``,
+    # ``top_k`` of ``n_experts`` SwiGLU experts of width ``expert_ffn`` chosen per token, and
+    # optionally a shared expert of width ``shared_ffn`` that every token goes through (Qwen2-MoE
+    # gates it by ``sigmoid(x @ shared_gate)``, DeepSeek does not). See ``model.routing``.
+    n_experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    router: str = "softmax"  # "softmax" (Mixtral, Qwen-MoE) or "sigmoid" (DeepSeek-V3)
+    norm_topk: bool = False  # renormalise the chosen experts' weights to sum to one
+    router_bias: bool = False  # a selection-only score bias (DeepSeek-V3 e_score_correction_bias)
+    n_groups: int = 1  # group-limited routing: experts in n_groups groups, topk_groups chosen
+    topk_groups: int = 1
+    shared_ffn: int = 0
+    shared_gate: bool = False
+    dense_layers: int = 0  # first_k_dense_replace: the first layers keep the dense MLP
+    # Which family's names the checkpoints use (names only, never the math): "qwen" (Qwen2-MoE,
+    # Qwen3-MoE, DeepSeek: mlp.gate, mlp.experts.{e}.gate_proj) or "mixtral"
+    # (block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 / w3 / w2).
+    moe_style: str = "qwen"
+    # What ``from_hf_config`` read and the block does not model, where ignoring it cannot
+    # change a verdict (a sliding window longer than a check's tokens): said in every verdict.
+    notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         for field in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                      "ffn", "batch", "seq_len", "vocab_multiple"):
+                      "ffn", "batch", "seq_len", "vocab_multiple", "n_groups", "topk_groups"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidConfig(f"{self.name}: {field} must be a positive int, got {value!r}")
-        for field in ("tie_embeddings", "bias", "qkv_bias", "o_bias"):
+        for field in ("n_experts", "top_k", "expert_ffn", "shared_ffn", "dense_layers"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidConfig(f"{self.name}: {field} must be a non-negative int, "
+                                    f"got {value!r}")
+        for field in ("tie_embeddings", "bias", "qkv_bias", "o_bias", "qk_norm", "norm_topk",
+                      "router_bias", "shared_gate"):
             if not isinstance(getattr(self, field), bool):
                 raise InvalidConfig(f"{self.name}: {field} must be a bool, "
                                     f"got {getattr(self, field)!r}")
+        self._check_moe()
         if self.n_heads % self.n_kv_heads:
             raise InvalidConfig(
                 f"{self.name}: GQA needs n_heads % n_kv_heads == 0 "
                 f"(n_heads={self.n_heads}, n_kv_heads={self.n_kv_heads})")
         if self.head_dim % 2:
             raise InvalidConfig(f"{self.name}: RoPE needs an even head_dim (head_dim={self.head_dim})")
+
+    def _check_moe(self) -> None:
+        """The MoE fields: all at their defaults for a dense model, else consistent."""
+        if not self.n_experts:
+            odd = [f"{f}={getattr(self, f)!r}" for f in MOE_FIELDS
+                   if f != "n_experts" and getattr(self, f) != _MOE_DEFAULTS[f]]
+            if odd:
+                raise InvalidConfig(f"{self.name}: {', '.join(odd)} without experts "
+                                    "(n_experts=0): MoE fields need n_experts >= 1")
+            return
+        e, k = self.n_experts, self.top_k
+        rules = [
+            (1 <= k <= e, f"1 <= top_k <= n_experts (top_k={k}, n_experts={e})"),
+            (self.expert_ffn >= 1, f"expert_ffn >= 1 (expert_ffn={self.expert_ffn})"),
+            (self.router in ROUTERS, f"router in {ROUTERS} (router={self.router!r})"),
+            (self.moe_style in MOE_STYLES, f"moe_style in {MOE_STYLES} "
+                                           f"(moe_style={self.moe_style!r})"),
+            (not self.router_bias or self.router == "sigmoid",
+             "router_bias only with router='sigmoid' (DeepSeek-V3's e_score_correction_bias)"),
+            (e % self.n_groups == 0, f"n_experts % n_groups == 0 (n_experts={e}, "
+                                     f"n_groups={self.n_groups})"),
+            (self.topk_groups <= self.n_groups, f"topk_groups <= n_groups (topk_groups="
+                                                f"{self.topk_groups}, n_groups={self.n_groups})"),
+            (self.n_groups == 1 or e // self.n_groups >= 2,
+             f"at least 2 experts per group (a group scores by its top 2: n_experts={e}, "
+             f"n_groups={self.n_groups})"),
+            (k <= self.topk_groups * (e // self.n_groups),
+             f"top_k <= topk_groups * n_experts / n_groups (top_k={k}, topk_groups="
+             f"{self.topk_groups}, n_experts={e}, n_groups={self.n_groups})"),
+            (not self.shared_gate or self.shared_ffn >= 1,
+             "shared_gate needs a shared expert (shared_ffn >= 1)"),
+            (self.dense_layers <= self.n_layers, f"dense_layers <= n_layers (dense_layers="
+                                                 f"{self.dense_layers}, n_layers={self.n_layers})"),
+        ]
+        for ok, rule in rules:
+            if not ok:
+                raise InvalidConfig(f"{self.name}: MoE needs {rule}")
+
+    @property
+    def moe(self) -> bool:
+        """Whether any layer is a Mixture-of-Experts layer."""
+        return self.n_experts > 0 and self.dense_layers < self.n_layers
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any layer keeps the dense SwiGLU MLP of width ``ffn``."""
+        return not self.n_experts or self.dense_layers > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.n_experts > 0 and i >= self.dense_layers
 
     @property
     def q_rows(self) -> int:
@@ -106,12 +189,28 @@ class ModelConfig:
 
     @property
     def layer_suffixes(self) -> tuple[str, ...]:
-        """A layer's parameters (``layers.{i}.`` + each), in the order its forward reads them:
-        each of ``ReferenceModel.step`` and ``ShardedModel.step`` consumes one."""
-        return ("attn_norm.weight", "qkv.weight", *(("qkv.bias",) if self.has_qkv_bias else ()),
-                "o_proj.weight", *(("o_proj.bias",) if self.has_o_bias else ()),
-                "ffn_norm.weight", "gate_up.weight", "down.weight",
-                *(("down.bias",) if self.has_down_bias else ()))
+        """A dense layer's parameters (``layers.{i}.`` + each), in the order its forward reads
+        them: each of ``ReferenceModel.step`` and ``ShardedModel.step`` consumes one. An MoE
+        layer's are ``suffixes_of(i)``."""
+        return self.suffixes_of(0) if not self.is_moe_layer(0) else self._suffixes(False)
+
+    def suffixes_of(self, i: int) -> tuple[str, ...]:
+        """Layer ``i``'s parameters, in the order its forward reads them."""
+        return self._suffixes(self.is_moe_layer(i))
+
+    def _suffixes(self, moe: bool) -> tuple[str, ...]:
+        attention = ("attn_norm.weight", "qkv.weight",
+                     *(("qkv.bias",) if self.has_qkv_bias else ()),
+                     *(("q_norm.weight", "k_norm.weight") if self.qk_norm else ()),
+                     "o_proj.weight", *(("o_proj.bias",) if self.has_o_bias else ()),
+                     "ffn_norm.weight")
+        if not moe:
+            return (*attention, "gate_up.weight", "down.weight",
+                    *(("down.bias",) if self.has_down_bias else ()))
+        return (*attention, "router.weight", *(("router.bias",) if self.router_bias else ()),
+                "experts.gate_up.weight", "experts.down.weight",
+                *(("shared.gate_up.weight", "shared.down.weight") if self.shared_ffn else ()),
+                *(("shared_gate.weight",) if self.shared_gate else ()))
 
     @property
     def head_params(self) -> tuple[str, ...]:
@@ -121,15 +220,23 @@ class ModelConfig:
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's full shape, in the order the forward consumes them."""
-        d = self.d_model
+        d, e, f, fs = self.d_model, self.n_experts, self.expert_ffn, self.shared_ffn
         local = {"attn_norm.weight": (d,), "qkv.weight": (self.qkv_rows, d),
-                 "qkv.bias": (self.qkv_rows,), "o_proj.weight": (d, self.q_rows),
+                 "qkv.bias": (self.qkv_rows,), "q_norm.weight": (self.head_dim,),
+                 "k_norm.weight": (self.head_dim,), "o_proj.weight": (d, self.q_rows),
                  "o_proj.bias": (d,), "ffn_norm.weight": (d,), "gate_up.weight": (2 * self.ffn, d),
-                 "down.weight": (d, self.ffn), "down.bias": (d,)}
+                 "down.weight": (d, self.ffn), "down.bias": (d,),
+                 # The experts side by side: expert x's [gate_x | up_x] rows are rows
+                 # [2Fx, 2F(x+1)) of experts.gate_up, its down columns [Fx, F(x+1)) of
+                 # experts.down: one dense-like MLP over E*F features, each token using its own.
+                 "router.weight": (e, d), "router.bias": (e,),
+                 "experts.gate_up.weight": (e * 2 * f, d), "experts.down.weight": (d, e * f),
+                 "shared.gate_up.weight": (2 * fs, d), "shared.down.weight": (d, fs),
+                 "shared_gate.weight": (1, d)}
         head = {"norm.weight": (d,), "lm_head.weight": (self.padded_vocab, d)}
         shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (self.padded_vocab, d)}
         for i in range(self.n_layers):
-            for suffix in self.layer_suffixes:
+            for suffix in self.suffixes_of(i):
                 shapes[f"layers.{i}.{suffix}"] = local[suffix]
         for name in self.head_params:
             shapes[name] = head[name]
@@ -157,12 +264,22 @@ class ModelConfig:
         config without variants records exactly the geometry it always did.
         """
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "name" and f.name not in VARIANT_FIELDS
+               if f.name != "name" and f.name not in VARIANT_FIELDS + MOE_FIELDS
                and isinstance(getattr(self, f.name), int)}
         for f in dataclasses.fields(self):
             if f.name in VARIANT_FIELDS and getattr(self, f.name) != f.default:
                 out[f.name] = int(getattr(self, f.name))
+        if self.n_experts:  # every MoE field, so a recorded MoE geometry reads on its own
+            for name in MOE_FIELDS:
+                value = getattr(self, name)
+                out[name] = value if isinstance(value, str) else int(value)
         return out
+
+    @classmethod
+    def from_geometry(cls, geometry: Mapping[str, Any], name: str) -> ModelConfig:
+        """The config a recorded ``geometry()`` names (the inverse: bools written as 0/1)."""
+        fields = {k: bool(v) if k in BOOL_FIELDS else v for k, v in geometry.items()}
+        return cls(name=name, **fields)
 
     def replace(self, **changes: object) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -231,9 +348,23 @@ class ModelConfig:
                                     f"num_attention_heads != 0 (hidden_size={hidden}, "
                                     f"num_attention_heads={heads})")
             head_dim = hidden // heads
+        model_type = field("model_type", str, "llama")
+        if model_type not in HF_MODEL_TYPES:
+            raise InvalidConfig(f"{label}: HF config field 'model_type' is {model_type!r}: the "
+                                f"harness models {', '.join(HF_MODEL_TYPES)}")
+        for key, what in UNMODELLED.items():
+            if data.get(key) not in (None, False, 0):
+                raise InvalidConfig(f"{label}: HF config field {key!r} is {data[key]!r}: {what} "
+                                    "is not modelled")
         architectures = field("architectures", list, [])
-        qwen2 = "Qwen2ForCausalLM" in architectures
+        qwen2 = "Qwen2ForCausalLM" in architectures or model_type == "qwen2"
         attention_bias = field("attention_bias", bool, False)
+        moe = _moe_fields(model_type, data, field, label)
+        notes = []
+        window = data.get("sliding_window")
+        if window is not None and (data.get("use_sliding_window", True) is not False):
+            notes.append(f"{label}: sliding_window {window} is not modelled; a check's tokens "
+                         "lie within it, so attention is unchanged")
         return cls(
             name=label,
             vocab=vocab if vocab is not None else field("vocab_size", int),
@@ -246,8 +377,12 @@ class ModelConfig:
             rope_theta=float(field("rope_theta", (int, float), 10000.0)),
             norm_eps=float(field("rms_norm_eps", (int, float), 1e-6)),
             tie_embeddings=field("tie_word_embeddings", bool, False),
-            qkv_bias=qwen2 or attention_bias,
-            o_bias=attention_bias and not qwen2,
+            qkv_bias=qwen2 or attention_bias or (model_type == "qwen2_moe"
+                                                 and field("qkv_bias", bool, True)),
+            o_bias=attention_bias and not qwen2 and model_type != "qwen2_moe",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            notes=tuple(notes),
+            **moe,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -270,19 +405,108 @@ class ModelConfig:
             raise InvalidConfig(f"{self.name}: vocab_multiple={self.vocab_multiple} has no HF "
                                 "config field (vocab_size is the unpadded vocabulary)")
         qwen2 = self.qkv_bias and not self.o_bias
-        return {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-                "model_type": "qwen2" if qwen2 else "llama",
-                "hidden_size": self.d_model, "num_attention_heads": self.n_heads,
-                "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
-                "intermediate_size": self.ffn, "num_hidden_layers": self.n_layers,
-                "vocab_size": self.vocab, "rope_theta": self.rope_theta,
-                "rms_norm_eps": self.norm_eps, "tie_word_embeddings": self.tie_embeddings,
-                "attention_bias": self.qkv_bias and self.o_bias, "hidden_act": "silu"}
+        out = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+               "model_type": "qwen2" if qwen2 else "llama",
+               "hidden_size": self.d_model, "num_attention_heads": self.n_heads,
+               "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
+               "intermediate_size": self.ffn, "num_hidden_layers": self.n_layers,
+               "vocab_size": self.vocab, "rope_theta": self.rope_theta,
+               "rms_norm_eps": self.norm_eps, "tie_word_embeddings": self.tie_embeddings,
+               "attention_bias": self.qkv_bias and self.o_bias, "hidden_act": "silu"}
+        if self.qk_norm and not self.n_experts:
+            if self.qkv_bias:
+                raise InvalidConfig(f"{self.name}: qk_norm with q/k/v biases has no HF config "
+                                    "(Qwen3 has q/k norms and no biases)")
+            out.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+        if self.n_experts:
+            out.update(self._moe_hf_config())
+        return out
+
+    def _moe_hf_config(self) -> dict[str, Any]:
+        """The MoE fields of ``to_hf_config``: Mixtral's, Qwen2-MoE's (q/k/v biases, a gated
+        shared expert) or Qwen3-MoE's (q/k norms); what none of them says is an
+        ``InvalidConfig`` naming it."""
+        def refuse(what: str) -> InvalidConfig:
+            return InvalidConfig(f"{self.name}: {what} has no HF config field of Mixtral, "
+                                 "Qwen2-MoE or Qwen3-MoE")
+
+        if self.router != "softmax" or self.router_bias or self.n_groups > 1:
+            raise refuse(f"a {self.router} router with selection bias {self.router_bias} and "
+                         f"{self.n_groups} groups (DeepSeek-V3's routing)")
+        if self.shared_ffn and not self.shared_gate:
+            raise refuse("an ungated shared expert (DeepSeek's)")
+        common = {"num_experts_per_tok": self.top_k}
+        if self.moe_style == "mixtral":
+            if (self.qk_norm or self.qkv_bias or not self.norm_topk or self.shared_ffn
+                    or self.dense_layers or self.expert_ffn != self.ffn):
+                raise refuse("a Mixtral with q/k norms, biases, unnormalised top-k, a shared "
+                             "expert, dense layers or an expert width other than intermediate_size")
+            return {**common, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                    "num_local_experts": self.n_experts}
+        qwen2 = self.shared_ffn > 0 or self.qkv_bias
+        if qwen2 and (self.qk_norm or not self.qkv_bias or self.o_bias):
+            raise refuse("a Qwen2-MoE (a shared expert, q/k/v biases) with q/k norms or "
+                         "without q/k/v biases")
+        if not qwen2 and not self.qk_norm:
+            raise refuse("a Qwen3-MoE without q/k norms")
+        return {**common, "architectures": ["Qwen2MoeForCausalLM" if qwen2 else
+                                            "Qwen3MoeForCausalLM"],
+                "model_type": "qwen2_moe" if qwen2 else "qwen3_moe",
+                "num_experts": self.n_experts, "moe_intermediate_size": self.expert_ffn,
+                "norm_topk_prob": self.norm_topk, "decoder_sparse_step": 1,
+                "mlp_only_layers": list(range(self.dense_layers)),
+                **({"shared_expert_intermediate_size": self.shared_ffn,
+                    "qkv_bias": True} if qwen2 else {})}
 
 
 _REQUIRED = object()
 
-VARIANT_FIELDS = ("vocab_multiple", "tie_embeddings", "bias", "qkv_bias", "o_bias")
+# The Hugging Face model types the harness's block is (``from_hf_config``): Llama's, with
+# Qwen2's q/k/v biases, Qwen3's q/k norms, and the MoE blocks of Qwen2-MoE, Qwen3-MoE and
+# Mixtral (transformers 4.57.6 modelling files). A config without a model_type reads as Llama.
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+# Fields that, set, change the model in a way the block does not implement.
+UNMODELLED = {"kv_lora_rank": "DeepSeek's multi-head latent attention (MLA)",
+              "q_lora_rank": "DeepSeek's multi-head latent attention (MLA)",
+              "attention_sinks": "attention sinks", "sinks": "attention sinks",
+              "layer_types": "per-layer attention types"}
+
+
+def _moe_fields(model_type: str, data: Mapping[str, Any], field: Any, label: str
+                ) -> dict[str, Any]:
+    """The MoE fields of a ``qwen2_moe``, ``qwen3_moe`` or ``mixtral`` config (none for a dense
+    one): transformers' ``Qwen3MoeSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock`` (softmax over
+    every expert, top-k, renormalised with ``norm_topk_prob``; Qwen2-MoE's shared expert gated
+    by a sigmoid) and ``MixtralSparseMoeBlock`` (always renormalised; the experts' width is
+    ``intermediate_size``). The layers that are sparse: ``(i + 1) % decoder_sparse_step == 0``
+    and ``i`` not in ``mlp_only_layers``; the harness models every layer sparse, or a first
+    few dense (``dense_layers``), and refuses any other pattern."""
+    if model_type == "mixtral":
+        return {"n_experts": field("num_local_experts", int), "top_k": field("num_experts_per_tok", int),
+                "expert_ffn": field("intermediate_size", int), "norm_topk": True,
+                "moe_style": "mixtral"}
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return {}
+    step = field("decoder_sparse_step", int, 1)
+    dense = sorted(field("mlp_only_layers", list, []))
+    if step != 1 or dense != list(range(len(dense))):
+        raise InvalidConfig(f"{label}: HF config fields 'decoder_sparse_step' {step} and "
+                            f"'mlp_only_layers' {dense}: the harness models every layer sparse "
+                            "but a first few (decoder_sparse_step 1, mlp_only_layers 0..k-1)")
+    shared = field("shared_expert_intermediate_size", int, 0) if model_type == "qwen2_moe" else 0
+    return {"n_experts": field("num_experts", int), "top_k": field("num_experts_per_tok", int),
+            "expert_ffn": field("moe_intermediate_size", int),
+            "norm_topk": field("norm_topk_prob", bool, False), "shared_ffn": shared,
+            "shared_gate": shared > 0, "dense_layers": len(dense)}
+
+VARIANT_FIELDS = ("vocab_multiple", "tie_embeddings", "bias", "qkv_bias", "o_bias", "qk_norm")
+# Recorded together whenever n_experts > 0 (``geometry``): the MoE block's shape and routing.
+MOE_FIELDS = ("n_experts", "top_k", "expert_ffn", "router", "norm_topk", "router_bias",
+              "n_groups", "topk_groups", "shared_ffn", "shared_gate", "dense_layers", "moe_style")
+_MOE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in MOE_FIELDS}
+BOOL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.type in (bool, "bool"))
+ROUTERS = ("softmax", "sigmoid")
+MOE_STYLES = ("qwen", "mixtral")
 
 # The Hugging Face config.json files shipped with the package (model/hf_configs/), as on the
 # Hub for these revisions. The Hub was not reachable when they were written: values come from
@@ -298,12 +522,25 @@ HF_CONFIGS = {
     "mistral_7b": "mistralai/Mistral-7B-v0.1",
     "mistral_nemo": "mistralai/Mistral-Nemo-Base-2407",  # head_dim 128 != 5120 / 32
 }
+# The shipped Mixture-of-Experts configs, apart: a dense converter's fuzz never meets them
+# unless asked (``--moe``). Values as on the Hub (research notes /work/notes/moe_conventions.md
+# section 5): Qwen3-30B-A3B from a vendored copy matching the release (alibaba/InferSim
+# f2293dab); Mixtral-8x7B-v0.1 from the Instruct-v0.1 file, whose model fields the base repo
+# shares (UNCONFIRMED verbatim for the base); Qwen1.5-MoE-A2.7B rebuilt from re-saved
+# derivatives (UNCONFIRMED verbatim; every shape field agrees across them).
+MOE_HF_CONFIGS = {
+    "qwen3_30b_a3b": "Qwen/Qwen3-30B-A3B",  # 128 experts of 768, top 8, q/k norms
+    "mixtral_8x7b": "mistralai/Mixtral-8x7B-v0.1",  # 8 experts of 14336, top 2
+    "qwen1_5_moe_a2_7b": "Qwen/Qwen1.5-MoE-A2.7B",  # 60 experts of 1408, top 4, gated shared
+}
+SHIPPED_HF_CONFIGS = {**HF_CONFIGS, **MOE_HF_CONFIGS}
 
 
 def hf_config_path(name: str) -> Path:
-    """The shipped ``config.json`` of one of ``HF_CONFIGS`` (package data)."""
-    if name not in HF_CONFIGS:
-        raise InvalidConfig(f"unknown shipped HF config {name!r}; known: {', '.join(HF_CONFIGS)}")
+    """The shipped ``config.json`` of one of ``SHIPPED_HF_CONFIGS`` (package data)."""
+    if name not in SHIPPED_HF_CONFIGS:
+        raise InvalidConfig(f"unknown shipped HF config {name!r}; known: "
+                            f"{', '.join(SHIPPED_HF_CONFIGS)}")
     return Path(__file__).resolve().parent / "hf_configs" / f"{name}.json"
 
 
@@ -315,7 +552,8 @@ def shipped_hf_config(name: str, *, shrink: int = 1, n_layers: int | None = None
     and ``vocab`` overridden. ``shipped_hf_config("mistral_nemo", shrink=16)`` has
     d_model 320, head_dim 8 (5120 / 32 / 16 would be 10)."""
     data = json.loads(hf_config_path(name).read_text())
-    for key in ("hidden_size", "intermediate_size", "head_dim"):
+    for key in ("hidden_size", "intermediate_size", "head_dim", "moe_intermediate_size",
+                "shared_expert_intermediate_size"):
         if data.get(key) is not None:
             if data[key] % shrink:
                 raise InvalidConfig(f"{name}: {key}={data[key]} is not divisible by "
@@ -325,9 +563,19 @@ def shipped_hf_config(name: str, *, shrink: int = 1, n_layers: int | None = None
 
 TOY = ModelConfig(name="toy", vocab=32000, d_model=256, n_layers=4, n_heads=8, n_kv_heads=2,
                   head_dim=32, ffn=704)  # 19,204,352 parameters
-TOY_KV4 = TOY.replace(name="toy_kv4", n_kv_heads=4)  # 19,269,888 parameters
+TOY_KV4 = TOY.replace(name="toy_kv4", n_kv_heads=4)  # 19,335,424 parameters
+
+# The built-in MoE geometries: Qwen3-MoE's block (softmax top-2 of 8 renormalised, q/k norms)
+# and DeepSeek-V3's (sigmoid scores with a selection bias, group-limited top-4 of 16, an
+# ungated shared expert, the first layer dense), each about as costly to check as TOY_KV4.
+TOY_MOE = TOY.replace(name="toy_moe", n_kv_heads=4, qk_norm=True, n_experts=8, top_k=2,
+                      expert_ffn=128, norm_topk=True)  # 20,326,912 parameters
+TOY_MOE_DS = TOY.replace(name="toy_moe_ds", n_kv_heads=4, n_experts=16, top_k=4, expert_ffn=64,
+                         router="sigmoid", router_bias=True, norm_topk=True, n_groups=4,
+                         topk_groups=2, shared_ffn=128, dense_layers=1)  # 20,379,952 parameters
 
 CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (TOY, TOY_KV4)}
+MOE_CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (TOY_MOE, TOY_MOE_DS)}
 
 
 def config_by_name(name: str) -> ModelConfig:
@@ -344,10 +592,17 @@ class Init:
     Linear and embedding weights are N(0, std). Norm weights are 1 + N(0, norm_spread):
     near one but never all equal, so a permuted norm changes the output. Detection margins
     depend on these two numbers (bench/bench_init_scale.py measures how).
+
+    An MoE router and a shared-expert gate are N(0, gate_scale^2 / d): logits of unit
+    spread for a normed input, as a trained router's are (its logits decide; with the
+    linears' 0.02 every router would be nearly uniform, every top-k a near tie, and the
+    shared expert's sigmoid gate a constant 0.5 that a converter could drop unseen). The
+    router's selection bias is a linear's N(0, std).
     """
 
     std: float = 0.02
     norm_spread: float = 0.1
+    gate_scale: float = 1.0
 
 
 DEFAULT_INIT = Init()
@@ -389,6 +644,8 @@ def draw_param(name: str, shape: tuple[int, ...], gen: torch.Generator,
     dtype and a bf16 weight is the fp32 one rounded."""
     if name.endswith("norm.weight"):
         x = 1.0 + init.norm_spread * torch.randn(shape, generator=gen)
+    elif name.endswith(("router.weight", "shared_gate.weight")):
+        x = torch.randn(shape, generator=gen).mul_(init.gate_scale / shape[-1] ** 0.5)
     else:  # scaled in place: one fp32 copy of the largest parameter at a time, not two
         x = torch.randn(shape, generator=gen).mul_(init.std)  # bit for bit init.std * randn
     return x if dtype == torch.float32 else x.to(dtype)

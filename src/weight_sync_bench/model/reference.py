@@ -8,11 +8,13 @@ partial sums meet, which is exactly what a layout bug breaks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from weight_sync_bench.model.routing import Routing, by_expert, gate_weights, route
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -71,22 +73,32 @@ def context_mask(segments: torch.Tensor | None, start: int, stop: int, seq_len: 
     return (same & real & causal)[:, None]  # (B, 1, Tq, T)
 
 
+# Qwen3's q and k norms: one RMSNorm weight of head_dim each, applied per head, and its eps.
+QKNorms = tuple[torch.Tensor, torch.Tensor, float]
+
+
 def split_heads(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
-                rope: tuple[torch.Tensor, torch.Tensor]
+                rope: tuple[torch.Tensor, torch.Tensor], norms: QKNorms | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[Q | K | V]`` features ``(B, T, (H + 2 Hkv) D)`` -> q ``(B, T, H, D)``, k and v
-    ``(B, T, Hkv, D)``, q and k rotated by ``rope`` (the tables of these T positions)."""
+    ``(B, T, Hkv, D)``, q and k rotated by ``rope`` (the tables of these T positions); with
+    ``norms`` each q and k head RMS-normed first (Qwen3: ``q_norm`` / ``k_norm`` before RoPE,
+    transformers' ``Qwen3Attention.forward``)."""
     b, t, _ = qkv.shape
     q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
-    q = apply_rope(q.view(b, t, n_heads, head_dim), *rope)  # (B, T, H, D)
-    k = apply_rope(k.view(b, t, n_kv_heads, head_dim), *rope)  # (B, T, Hkv, D)
+    q, k = q.view(b, t, n_heads, head_dim), k.view(b, t, n_kv_heads, head_dim)
+    if norms is not None:
+        q_norm, k_norm, eps = norms
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q = apply_rope(q, *rope)  # (B, T, H, D)
+    k = apply_rope(k, *rope)  # (B, T, Hkv, D)
     v = v.view(b, t, n_kv_heads, head_dim)  # (B, T, Hkv, D)
     return q, k, v
 
 
 def attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
-              rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None,
+              norms: QKNorms | None = None) -> torch.Tensor:
     """Causal GQA attention over ``[Q | K | V]`` features for the heads given.
 
     qkv is ``(B, T, (n_heads + 2 * n_kv_heads) * head_dim)``; returns ``(B, T, n_heads * head_dim)``.
@@ -95,7 +107,7 @@ def attention(qkv: torch.Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
     sees no key at all follows an explicit neutral rule instead of a 0/0 softmax: its output
     is exactly zero, so it contributes nothing forward and receives no gradient.
     """
-    return attend(*split_heads(qkv, n_heads, n_kv_heads, head_dim, rope), mask)
+    return attend(*split_heads(qkv, n_heads, n_kv_heads, head_dim, rope, norms), mask)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
@@ -132,6 +144,27 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               routed: list[tuple[torch.Tensor, torch.Tensor]], experts: list[int],
+               out: torch.Tensor) -> torch.Tensor:
+    """Add the experts' outputs into ``out`` ``(N, d)``: for each expert ``experts[j]`` (a
+    global id) its SwiGLU over the tokens routed to it (``routed[expert]``: tokens, weights),
+    the j-th ``[gate | up]`` block of ``gate_up`` rows and j-th block of ``down`` columns,
+    times each token's weight (transformers' ``Qwen3MoeSparseMoeBlock``: the expert's output
+    times ``routing_weights``, ``index_add_`` into the output). Blocks may be any width: a
+    sharded rank holds its chunk of each expert's intermediate (partial sums)."""
+    if not experts:
+        return out
+    rows, cols = gate_up.shape[0] // len(experts), down.shape[1] // len(experts)
+    for j, e in enumerate(experts):
+        tokens, weights = routed[e]
+        if tokens.numel() == 0:
+            continue
+        h = swiglu(x[tokens] @ gate_up[j * rows:(j + 1) * rows].T)  # (n_e, F_local)
+        out.index_add_(0, tokens, (h @ down[:, j * cols:(j + 1) * cols].T) * weights[:, None])
+    return out
+
+
 class ReferenceModel:
     """The unsharded model: ``ReferenceModel(config, full_params)(tokens) -> logits``.
 
@@ -143,6 +176,7 @@ class ReferenceModel:
         self.config = config
         self.params = params
         self.embedding_output: torch.Tensor | None = None
+        self.routings: dict[int, Routing] = {}  # per MoE layer, set by each forward
 
     def __call__(self, tokens: torch.Tensor, segments: torch.Tensor | None = None
                  ) -> torch.Tensor:
@@ -168,7 +202,7 @@ class ReferenceModel:
         return ReferenceState(h, rope, mask)
 
     def block(self, state: ReferenceState, i: int) -> None:
-        for suffix in self.config.layer_suffixes:
+        for suffix in self.config.suffixes_of(i):
             self.step(state, f"layers.{i}.{suffix}")
 
     def end(self, state: ReferenceState) -> torch.Tensor:
@@ -181,16 +215,19 @@ class ReferenceModel:
         layer's ops between it and the next parameter, the residual added where a sublayer's
         last parameter (its weight, or its bias) has been read."""
         c, p = self.config, self.params
-        match step_of(name)[1]:
+        pre, what = step_of(name)
+        match what:
             case "attn_norm.weight" | "ffn_norm.weight":
                 state.x = rms_norm(state.h, p[name], c.norm_eps)
             case "qkv.weight":
                 state.y, state.x = state.x @ p[name].T, None  # [Q | K | V] features
             case "qkv.bias":
                 state.y = state.y + p[name]
+            case "q_norm.weight" | "k_norm.weight":
+                state.norms.append(p[name])
             case "o_proj.weight":
                 a = attention(state.y, c.n_heads, c.n_kv_heads, c.head_dim, state.rope,
-                              state.mask)
+                              state.mask, qk_norms(state, c.norm_eps))
                 state.y = a @ p[name].T
                 if not c.has_o_bias:
                     state.h = state.h + state.y
@@ -202,6 +239,30 @@ class ReferenceModel:
                     state.h = state.h + state.y
             case "o_proj.bias" | "down.bias":
                 state.h = state.h + (state.y + p[name])
+            case "router.weight":
+                state.logits = state.x.flatten(0, 1) @ p[name].T  # (N, E)
+                if not c.router_bias:
+                    self._route(state, int(pre.split(".")[1]), None)
+            case "router.bias":
+                self._route(state, int(pre.split(".")[1]), p[name])
+            case "experts.gate_up.weight":
+                state.gate_up = p[name]
+            case "experts.down.weight":
+                x = state.x.flatten(0, 1)  # (N, d)
+                y = expert_ffn(x, state.gate_up, p[name], state.routed, list(range(c.n_experts)),
+                               torch.zeros_like(x))
+                state.y, state.gate_up = y.view_as(state.x), None
+                if not c.shared_ffn:
+                    state.h, state.x = state.h + state.y, None
+            case "shared.gate_up.weight":
+                state.shared = swiglu(state.x @ p[name].T)
+            case "shared.down.weight":
+                state.shared = state.shared @ p[name].T
+                if not c.shared_gate:
+                    state.h, state.x = state.h + (state.y + state.shared), None
+            case "shared_gate.weight":
+                state.shared = torch.sigmoid(state.x @ p[name].T) * state.shared
+                state.h, state.x = state.h + (state.y + state.shared), None
             case "norm.weight":
                 state.x = rms_norm(state.h, p[name], c.norm_eps)
                 if c.tie_embeddings:
@@ -210,6 +271,15 @@ class ReferenceModel:
                 state.y, state.x = state.x @ p[name].T, None  # (B, T, Vp)
             case _:
                 raise KeyError(f"{c.name}: no forward step reads {name!r}")
+
+    def _route(self, state: ReferenceState, layer: int, bias: torch.Tensor | None) -> None:
+        """Layer ``layer``'s routing from the router logits (and selection bias)."""
+        routing = route(state.logits, self.config, bias)
+        self.routings[layer] = routing
+        state.routed = by_expert(routing.experts,
+                                 gate_weights(state.logits, routing.experts, self.config),
+                                 self.config.n_experts)
+        state.logits = None
 
     def finish(self, state: ReferenceState) -> torch.Tensor:
         """The logits ``(B, T, vocab)`` once the head's step has run."""
@@ -230,6 +300,28 @@ class ReferenceState:
     mask: torch.Tensor | None
     x: torch.Tensor | None = None
     y: torch.Tensor | None = None
+    # Qwen3's q and k norm weights of the layer being read (reset at its attention)
+    norms: list[torch.Tensor] = field(default_factory=list)
+    # an MoE layer between its steps: router logits, each expert's tokens and weights, the
+    # experts' [gate | up] rows until their down columns arrive, the shared expert's output
+    logits: torch.Tensor | None = None
+    routed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    gate_up: torch.Tensor | None = None
+    shared: torch.Tensor | None = None
+
+
+class _HoldsNorms(Protocol):
+    norms: list[torch.Tensor]
+
+
+def qk_norms(state: _HoldsNorms, eps: float) -> QKNorms | None:
+    """The layer's q and k norms as ``split_heads`` takes them (None without), consumed: a
+    state's ``norms`` collects them at their steps and its attention step takes them."""
+    if not state.norms:
+        return None
+    q_norm, k_norm = state.norms
+    state.norms = []
+    return q_norm, k_norm, eps
 
 
 def step_of(name: str) -> tuple[str, str]:

@@ -29,7 +29,7 @@ the dense mask permits, remote ones included. The all-masked rows of packed padd
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,19 +37,22 @@ import torch.nn.functional as F
 
 from weight_sync_bench.collectives.protocol import Collective, Tensors
 from weight_sync_bench.errors import UnevenSequence, UnsupportedLayout
-from weight_sync_bench.layout.placements import Placement, Shard, local_kv_heads
+from weight_sync_bench.layout.placements import Experts, Placement, Shard, local_kv_heads
 from weight_sync_bench.model.reference import (
     add_bias,
     attend,
     attention,
     context_mask,
     document_mask,
+    expert_ffn,
+    qk_norms,
     rms_norm,
     rope_tables,
     split_heads,
     step_of,
     swiglu,
 )
+from weight_sync_bench.model.routing import Routing, by_expert, gate_weights, route
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -59,6 +62,26 @@ if TYPE_CHECKING:
 
 # The embedding's placement when none is given: vocab-parallel, as ``layout_for`` declares it.
 EMBEDDING: Placement = Shard(0)
+
+
+@dataclass(frozen=True)
+class RoutingGuard:
+    """The reference's routing where it must be kept: per MoE layer, the reference's choice
+    ``experts`` ``(N, k)`` and ``near`` ``(N,)``, the tokens whose choice is within the bound
+    of flipping (``Routing.margin <= bound``). A sharded rank routes every other token itself."""
+
+    experts: dict[int, torch.Tensor]
+    near: dict[int, torch.Tensor]
+
+    @classmethod
+    def of(cls, routings: Mapping[int, Routing], bound: float) -> RoutingGuard:
+        return cls({i: r.experts for i, r in routings.items()},
+                   {i: r.margin <= bound for i, r in routings.items()})
+
+    def choice(self, layer: int, own: torch.Tensor) -> torch.Tensor:
+        """The experts a rank computes: its own choice, the reference's where near-tied."""
+        near = self.near[layer]
+        return torch.where(near[:, None], self.experts[layer], own) if bool(near.any()) else own
 
 
 class ShardedModel:
@@ -80,19 +103,33 @@ class ShardedModel:
 
     def __init__(self, config: ModelConfig, shards: Sequence[Mapping[str, torch.Tensor]],
                  collective: Collective, *, sequence_parallel: bool = False,
-                 context: Collective | None = None, embedding: Placement = EMBEDDING) -> None:
+                 context: Collective | None = None, embedding: Placement = EMBEDDING,
+                 experts: Experts | None = None, experts_group: Collective | None = None,
+                 guard: RoutingGuard | None = None) -> None:
         if len(shards) != len(collective.ranks):
             raise ValueError(f"ShardedModel: {len(shards)} shard dicts for local ranks "
                              f"{list(collective.ranks)}")
         if context is not None and len(context.ranks) != len(collective.ranks):
             raise ValueError(f"ShardedModel: CP ranks {list(context.ranks)} do not pair with "
                              f"TP ranks {list(collective.ranks)}")
+        if experts_group is not None and len(experts_group.ranks) != len(collective.ranks):
+            raise ValueError(f"ShardedModel: expert-group ranks {list(experts_group.ranks)} do "
+                             f"not pair with TP ranks {list(collective.ranks)}")
+        if experts_group is not None and sequence_parallel:
+            raise UnsupportedLayout(f"{config.name}: an expert group wider than the TP group "
+                                    "runs without sequence parallelism")
         self.config = config
         self.shards = list(shards)
         self.collective = collective
         self.sequence_parallel = sequence_parallel
         self.context = context
         self.embedding = embedding
+        # the experts' placement over the expert group (``layout_for``'s: every expert on
+        # every rank) and the group their partial outputs are summed over (the TP group)
+        self.experts = experts
+        self.experts_group = experts_group
+        self.guard = guard
+        self.routings: dict[int, list[Routing]] = {}  # per MoE layer, each rank's own choice
         self.embedding_output: Tensors | None = None  # per local rank, set by each forward
         # per local rank: the global positions [start, stop) its embedding output holds
         self.embedding_positions: list[tuple[int, int]] | None = None
@@ -150,7 +187,7 @@ class ShardedModel:
                             local_kv_heads(c.n_kv_heads, t))
 
     def block(self, state: ShardedState, i: int) -> None:
-        for suffix in self.config.layer_suffixes:
+        for suffix in self.config.suffixes_of(i):
             self.step(state, f"layers.{i}.{suffix}")
 
     def end(self, state: ShardedState, *, gather_logits: bool = True) -> Tensors:
@@ -175,9 +212,11 @@ class ShardedModel:
                 state.x = None
             case "qkv.bias":
                 state.y = [q + p[name] for q, p in zip(state.y, shards)]
+            case "q_norm.weight" | "k_norm.weight":
+                state.norms.append([p[name] for p in shards])
             case "o_proj.weight":
                 a = self.attend(state.y, state.heads, state.kv_heads, state.ropes, state.masks,
-                                state.chunks, pre + "attention")
+                                state.chunks, pre + "attention", qk_norms(state, c.norm_eps))
                 state.y = [ar @ p[name].T for ar, p in zip(a, shards)]  # partial sums
                 if not c.has_o_bias:
                     self._residual(state, pre + "o_proj")
@@ -190,6 +229,36 @@ class ShardedModel:
                     self._residual(state, pre + "down")
             case "o_proj.bias" | "down.bias":
                 self._residual(state, name[:-len(".bias")])
+            case "router.weight":
+                state.logits = [xr.flatten(0, 1) @ p[name].T for xr, p in zip(state.x, shards)]
+                if not c.router_bias:
+                    self._route(state, int(pre.split(".")[1]), None)
+            case "router.bias":
+                self._route(state, int(pre.split(".")[1]), [p[name] for p in shards])
+            case "experts.gate_up.weight":
+                state.gate_up = [p[name] for p in shards]
+            case "experts.down.weight":
+                placement = self.experts or _plain_experts(c)
+                group = self.experts_group or self.collective
+                state.y = [expert_ffn(xr.flatten(0, 1), gu, p[name], routed,
+                                      placement.experts_of(placement.coordinates(
+                                          group.degree, w)[1]),
+                                      torch.zeros_like(xr.flatten(0, 1))).view_as(xr)
+                           for xr, gu, p, routed, w in zip(state.x, state.gate_up, shards,
+                                                           state.routed, group.ranks)]
+                state.gate_up = None
+                if not c.shared_ffn:
+                    self._combine(state, pre + "experts")
+            case "shared.gate_up.weight":
+                state.shared = [swiglu(xr @ p[name].T) for xr, p in zip(state.x, shards)]
+            case "shared.down.weight":
+                state.shared = [s @ p[name].T for s, p in zip(state.shared, shards)]  # partial
+                if not c.shared_gate:
+                    self._combine(state, pre + "experts")
+            case "shared_gate.weight":
+                state.shared = [torch.sigmoid(xr @ p[name].T) * s  # a per-token scalar
+                                for xr, s, p in zip(state.x, state.shared, shards)]
+                self._combine(state, pre + "experts")
             case "norm.weight":
                 state.x = self.enter_region([rms_norm(hr, p[name], c.norm_eps)
                                              for hr, p in zip(state.h, shards)], c.head_name)
@@ -199,6 +268,45 @@ class ShardedModel:
                 self._logits(state, name)
             case _:
                 raise KeyError(f"{c.name}: no forward step reads {name!r}")
+
+    def _route(self, state: ShardedState, layer: int, bias: list[torch.Tensor] | None) -> None:
+        """Each rank's routing of every token with its own router (and selection bias), kept
+        in ``routings``; the experts it computes (the guard's where near-tied), their weights
+        from its own logits, and the tokens it serves (its ``edp`` share)."""
+        c = self.config
+        placement = self.experts or _plain_experts(c)
+        group = self.experts_group or self.collective
+        edp = placement.replicas(group.degree)
+        own, state.routed = [], []
+        for i, (logits, w) in enumerate(zip(state.logits, group.ranks)):
+            routing = route(logits, c, None if bias is None else bias[i])
+            own.append(routing)
+            chosen = (routing.experts if self.guard is None
+                      else self.guard.choice(layer, routing.experts))
+            weights = gate_weights(logits, chosen, c)
+            if edp > 1:  # token n is served by the replica with edp_rank == n % edp
+                served = (torch.arange(chosen.shape[0]) % edp
+                          != placement.coordinates(group.degree, w)[2])
+                weights = weights.masked_fill(served[:, None], 0.0)
+                chosen = chosen.masked_fill(served[:, None], -1)
+            state.routed.append(by_expert(chosen, weights, c.n_experts))
+        self.routings[layer] = own
+        state.logits = None
+
+    def _combine(self, state: ShardedState, layer: str) -> None:
+        """An MoE layer's partial outputs (routed experts, plus the shared expert's) summed
+        into the residual stream: over the TP group as a row-parallel layer's, or, with a wider
+        expert group, the routed part over it and the shared part over the TP group."""
+        routed, shared = state.y, state.shared
+        if self.experts_group is None:
+            total = routed if shared is None else [a + b for a, b in zip(routed, shared)]
+            out = self.leave_region(total, layer)
+        else:
+            out = self.experts_group.all_reduce(routed, tag=layer)
+            if shared is not None:
+                out = [a + b for a, b in zip(out, self.collective.all_reduce(shared, tag=layer))]
+        state.h = [hr + o for hr, o in zip(state.h, out)]
+        state.x = state.y = state.shared = None
 
     def _residual(self, state: ShardedState, layer: str) -> None:
         """The row-parallel ``layer``'s partial sums reduced, its bias added, into the
@@ -292,14 +400,18 @@ class ShardedModel:
 
     def attend(self, qkv: Tensors, heads: int, kv_heads: int,
                ropes: list[tuple[torch.Tensor, torch.Tensor]], masks: list[torch.Tensor | None],
-               chunks: list[tuple[int, int]], tag: str) -> Tensors:
+               chunks: list[tuple[int, int]], tag: str, norms: tuple | None = None) -> Tensors:
         """Each rank's attention output ``(B, Tc, heads * D)``. With CP the local K and V
-        (rotated at their global positions) are gathered over the CP group first."""
+        (rotated at their global positions) are gathered over the CP group first. ``norms``:
+        Qwen3's q and k norms, per rank (``(q_norms, k_norms, eps)``)."""
         hd = self.config.head_dim
+        each = ([None] * len(qkv) if norms is None
+                else [(q, k, norms[2]) for q, k in zip(norms[0], norms[1])])
         if self.context is None:
-            return [attention(x, heads, kv_heads, hd, rope, mask)
-                    for x, rope, mask in zip(qkv, ropes, masks)]
-        split = [split_heads(x, heads, kv_heads, hd, rope) for x, rope in zip(qkv, ropes)]
+            return [attention(x, heads, kv_heads, hd, rope, mask, n)
+                    for x, rope, mask, n in zip(qkv, ropes, masks, each)]
+        split = [split_heads(x, heads, kv_heads, hd, rope, n)
+                 for x, rope, n in zip(qkv, ropes, each)]
         kv = self.gather_context([torch.cat([k, v], dim=-1) for _, k, v in split],
                                  tag)  # (B, T, Hkv, 2D) each
         return [attend(q, *kvr.chunk(2, dim=-1), mask, q_offset=a)
@@ -319,6 +431,19 @@ class ShardedState:
     kv_heads: int
     x: Tensors | None = None  # the normed inputs a projection reads next
     y: Tensors | None = None  # the last step's outputs (features, partial sums, logits)
+    # Qwen3's q and k norm weights of the layer being read, per rank (reset at its attention)
+    norms: list[Tensors] = field(default_factory=list)
+    # an MoE layer between its steps, per rank: router logits, each expert's tokens and
+    # weights, the experts' rows until their columns arrive, the shared expert's partials
+    logits: Tensors | None = None
+    routed: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    gate_up: Tensors | None = None
+    shared: Tensors | None = None
+
+
+def _plain_experts(config: ModelConfig) -> Experts:
+    """``layout_for``'s experts: every expert on every rank (no expert parallelism)."""
+    return Experts(config.n_experts, (config.expert_ffn, config.expert_ffn))
 
 
 def check_sequence_split(name: str, seq_len: int, cp: int, t: int, sequence_parallel: bool
