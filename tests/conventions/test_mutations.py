@@ -20,7 +20,8 @@ from weight_sync_bench.check.mutations import KILL_MARGIN
 from weight_sync_bench.conventions import CONVENTIONS, convert, endpoint, shards_for
 from weight_sync_bench.conventions.meta import permute
 from weight_sync_bench.conventions.mutations import (
-    CONVERSION_MUTATIONS,
+    DENSE_MUTATIONS,
+    MOE_MUTATIONS,
     MUTATIONS,
     Conversion,
     mutation_by_name,
@@ -52,7 +53,9 @@ def endpoints(config):
             for t in c.supported_degrees(config, MAX_DEGREE)]
 
 
-@pytest.mark.parametrize("mutation", CONVERSION_MUTATIONS, ids=lambda m: m.name)
+# The dense geometries' matrix: the MoE mutations apply to no dense conversion (their matrix
+# is tests/conventions/test_moe_conventions.py and tests/check/test_moe_kill.py).
+@pytest.mark.parametrize("mutation", DENSE_MUTATIONS, ids=lambda m: m.name)
 @pytest.mark.parametrize("config", MATRIX)
 def test_every_mutation_is_killed_wherever_it_is_not_the_identity(config, mutation,
                                                                    checker_for_config):
@@ -111,7 +114,7 @@ def test_the_default_geometries_reach_every_outcome_of_the_whole_matrix():
     whatever a mutation meets on them, it meets on a default geometry too."""
     default = [c for c in GEOMETRIES if c.name not in NIGHTLY_GEOMETRIES]
     assert {c.name for c in GEOMETRIES} - {c.name for c in default} == set(NIGHTLY_GEOMETRIES)
-    for mutation in CONVERSION_MUTATIONS:
+    for mutation in DENSE_MUTATIONS:
         everywhere = set().union(*(_outcomes(mutation, c) for c in GEOMETRIES))
         by_default = set().union(*(_outcomes(mutation, c) for c in default))
         assert everywhere == by_default, (mutation.name, everywhere - by_default)
@@ -236,7 +239,7 @@ def test_the_k_permute_with_n_heads_is_exempt_where_the_wrong_view_raises():
 
 
 def test_every_mutation_names_the_public_bug_it_models_and_unknown_names_are_rejected():
-    assert all(m.models and m.description for m in CONVERSION_MUTATIONS)
-    assert len(MUTATIONS) == len(CONVERSION_MUTATIONS) == 12
+    assert all(m.models and m.description for m in MUTATIONS.values())
+    assert len(MUTATIONS) == len(DENSE_MUTATIONS) + len(MOE_MUTATIONS) == 12 + 11
     with pytest.raises(UnknownMutation, match="unknown conversion mutation 'nope'; known: "):
         mutation_by_name("nope")

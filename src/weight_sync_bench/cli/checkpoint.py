@@ -35,14 +35,15 @@ from weight_sync_bench.conventions.checkpoint import write_checkpoint
 from weight_sync_bench.errors import FloorNotMeasured, WsbError
 from weight_sync_bench.model.config import (
     CONFIGS,
-    HF_CONFIGS,
+    MOE_CONFIGS,
+    SHIPPED_HF_CONFIGS,
     ModelConfig,
     config_by_name,
     hf_config_path,
 )
 
 MODEL_HELP = ("--hf-config PATH reads a Hugging Face config.json (or names a shipped one: "
-              + ", ".join(HF_CONFIGS) + "); --layers and --vocab reduce it so that it fits "
+              + ", ".join(SHIPPED_HF_CONFIGS) + "); --layers and --vocab reduce it so that it fits "
               "(a real vocabulary and hidden size make tables of gigabytes)")
 
 
@@ -55,11 +56,11 @@ def add_model_options(parser: argparse.ArgumentParser, *, default: str | None = 
     ``--config`` defaults to ``default`` (``all`` allowed where ``allow_all``)."""
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--config", default=None,
-                       choices=[*CONFIGS, *(["all"] if allow_all else [])],
+                       choices=[*CONFIGS, *MOE_CONFIGS, *(["all"] if allow_all else [])],
                        help=f"a committed geometry (default {default})")
     which.add_argument("--hf-config", metavar="PATH", default=None,
                        help="a Hugging Face config.json, or the name of a shipped one ("
-                            + ", ".join(HF_CONFIGS) + "); needs --layers")
+                            + ", ".join(SHIPPED_HF_CONFIGS) + "); needs --layers")
     parser.add_argument("--layers", type=count, default=None, metavar="N",
                         help="with --hf-config: the number of layers to build")
     parser.add_argument("--vocab", type=count, default=None, metavar="V",
@@ -85,7 +86,7 @@ def hf_model(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConf
 def _hf_path(args: argparse.Namespace) -> Path:
     """``--hf-config``'s file: the path given, else the shipped config of that name."""
     path = Path(args.hf_config)
-    if not path.exists() and args.hf_config in HF_CONFIGS:
+    if not path.exists() and args.hf_config in SHIPPED_HF_CONFIGS:
         path = hf_config_path(args.hf_config)
     return path
 

@@ -21,6 +21,7 @@ contract for all of them (``output.EXIT_CODES``), applied here once: a subcomman
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import math
 import os
@@ -81,6 +82,7 @@ from weight_sync_bench.cli.sync import register as register_sync
 from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS
 from weight_sync_bench.conventions import convention_by_name, endpoint, render
+from weight_sync_bench.conventions.table import render_ranks
 from weight_sync_bench.errors import (
     FloorNotMeasured,
     InvalidShards,
@@ -101,6 +103,10 @@ FORWARD_LEGEND = ("forward: declared = the shards equal the declared split byte 
 CONVENTION_LEGEND = ("cells: [local shape] the placement the framework's forward reads the "
                      "source parameter with; -: the convention cannot store the config at that "
                      "degree (`wsb layout --convention NAME --degree T` names the rule)")
+RANKS_LEGEND = ("ranks: tp / dp the attention TP rank and data-parallel replica; ep / etp / edp "
+                "the experts' expert-parallel, expert-TP and expert-data-parallel ranks; experts "
+                "the global ids held, in local order; rows: the expert-TP chunk of each "
+                "expert's gate and up rows (its down columns alike)")
 LAYOUT_LEGEND = ("-: the placement cannot split this parameter evenly at that degree "
                  "(UnsupportedLayout; `wsb check --src T` says which rule)")
 
@@ -378,6 +384,15 @@ def cmd_layout(args: argparse.Namespace) -> int:
     if args.convention is not None:
         where = endpoint(args.convention)  # NAME, or NAME:T as --degree T
         conv = convention_by_name(where.name)
+        if "=" in args.convention or config.n_experts:  # an endpoint of its own: its ranks too
+            if args.degree:
+                where = dataclasses.replace(where, degree=args.degree)
+            print(render(config, conv, [where]))
+            print()
+            print(render_ranks(config, where))
+            print(CONVENTION_LEGEND)
+            print(RANKS_LEGEND)
+            return 0
         degree = args.degree or (where.degree if ":" in args.convention else None)
         if degree is not None:
             conv.pieces(config, degree)  # an unsupported degree: the rule, named

@@ -779,6 +779,9 @@ CONVERSION_MUTATIONS: tuple[ConversionMutation, ...] = (
 )
 
 MUTATIONS: dict[str, ConversionMutation] = {m.name: m for m in CONVERSION_MUTATIONS}
+# The dense models' bugs (every MoE one needs experts: it applies to no dense conversion).
+DENSE_MUTATIONS: tuple[ConversionMutation, ...] = tuple(m for m in CONVERSION_MUTATIONS
+                                                        if m not in MOE_MUTATIONS)
 
 
 def mutation_by_name(name: str) -> ConversionMutation:

@@ -14,17 +14,20 @@ if TYPE_CHECKING:
     from weight_sync_bench.model.config import ModelConfig
 
 
-def render(config: ModelConfig, convention: Convention, degrees: list[int] | None = None) -> str:
-    """The table: ``stored name  source  t=1 ...`` with cells ``[rows, cols] placement``
-    (``-`` where the convention rejects the degree), then a legend line per placement that
-    replicates, e.g. ``HR(8,2,32): Q heads split; rank r holds replicated KV head r*2/t``."""
+def render(config: ModelConfig, convention: Convention,
+           degrees: list[int] | list[Endpoint] | None = None) -> str:
+    """The table: ``stored name  source  t=1 ...`` (or one column per endpoint given, rank 0's
+    shapes) with cells ``[rows, cols] placement`` (``-`` where the convention rejects the
+    degree), then a legend line per placement that replicates, e.g. ``HR(8,2,32): Q heads
+    split; rank r holds replicated KV head r*2/t``."""
     degrees = degrees if degrees is not None else convention.supported_degrees(config, 8)
     supported = [t for t in degrees if convention.supports(config, t)]
     if not supported:
         raise UnsupportedLayout(f"{convention.name}: {config.name} is stored at none of the "
-                                f"degrees {degrees}")
+                                f"degrees {[str(t) for t in degrees]}")
     names = convention.pieces(config, supported[0])[0]
-    rows = [["stored name", "source", *[f"t={t}" for t in degrees]]]
+    rows = [["stored name", "source", *[f"t={t}" if isinstance(t, int) else str(t)
+                                        for t in degrees]]]
     legend: dict[str, str] = {}
     for name, piece in names.items():
         cells = [name, piece.source]

@@ -44,6 +44,7 @@ from weight_sync_bench.check.checker import Forward, ThresholdRule
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
 from weight_sync_bench.errors import InvalidNumber, MissingArtifacts, RankFailure, WsbError
+from weight_sync_bench.conventions.mutations import DENSE_MUTATIONS
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.fuzz.case import (
     CONVERSION_PROPERTIES,
@@ -347,7 +348,7 @@ def targets(mutations: list[str] | None = None, invariant: bool = True,
     ``convert_kill``. ``mutations`` None means all of them; a list names some (of either
     kind), and then ``convert`` runs only if a conversion mutation is among them."""
     if mutations is None:
-        names = list(MUTATIONS) + (list(CONVERSION_MUTATIONS) if conversions else [])
+        names = list(MUTATIONS) + ([m.name for m in DENSE_MUTATIONS] if conversions else [])
     else:
         names = list(mutations)
     converted = [m for m in names if m in CONVERSION_MUTATIONS]

@@ -579,10 +579,12 @@ MOE_CONFIGS: dict[str, ModelConfig] = {c.name: c for c in (TOY_MOE, TOY_MOE_DS)}
 
 
 def config_by_name(name: str) -> ModelConfig:
+    """A built-in config, dense (``CONFIGS``) or MoE (``MOE_CONFIGS``), by name."""
+    known = {**CONFIGS, **MOE_CONFIGS}
     try:
-        return CONFIGS[name]
+        return known[name]
     except KeyError:
-        raise InvalidConfig(f"unknown config {name!r}; known: {', '.join(CONFIGS)}") from None
+        raise InvalidConfig(f"unknown config {name!r}; known: {', '.join(known)}") from None
 
 
 @dataclass(frozen=True)
