@@ -143,13 +143,13 @@ def test_format_indices_compresses_runs_and_marks_unknown_slices():
 
 
 def test_byte_comparison_is_bitwise_not_numeric():
-    from weight_sync_bench.check.diagnosis import _bit_equal
+    from weight_sync_bench.check.diagnosis import bit_equal
 
     zero, neg_zero, nan = torch.tensor([0.0]), torch.tensor([-0.0]), torch.tensor([float("nan")])
-    assert not _bit_equal(zero, neg_zero)  # numerically equal, different bytes
-    assert _bit_equal(nan, nan.clone())  # numerically unequal, same bytes
+    assert not bit_equal(zero, neg_zero)  # numerically equal, different bytes
+    assert bit_equal(nan, nan.clone())  # numerically unequal, same bytes
     x = torch.randn(4, 3, dtype=torch.bfloat16)
-    assert _bit_equal(x.t(), x.t().contiguous()) and not _bit_equal(x, x.to(torch.float16))
+    assert bit_equal(x.t(), x.t().contiguous()) and not bit_equal(x, x.to(torch.float16))
     y = x.clone()
     y.view(torch.int16)[2, 1] ^= 1
-    assert not _bit_equal(x, y)
+    assert not bit_equal(x, y)

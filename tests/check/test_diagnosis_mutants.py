@@ -90,23 +90,23 @@ def test_a_byte_correct_rank_is_not_reported_even_when_the_full_tensor_repeats_r
 @pytest.mark.parametrize("shape", [(10, 3), (4, 7), (25,), (3, 2, 4)])
 def test_the_byte_comparison_in_slabs_sees_a_difference_in_any_slab_and_its_twin_passes(
         monkeypatch, shape):
-    """``_bit_equal`` compares ``_CHUNK`` elements at a time along dim 0 (bounded
+    """``bit_equal`` compares ``_CHUNK`` elements at a time along dim 0 (bounded
     temporaries at real widths): a one-element difference in the first, a middle or the last
     slab, or in a strided view, is seen; equal bytes in every slab pass."""
     monkeypatch.setattr(diagnosis, "_CHUNK", 6)  # several slabs, a short last one
     a = _arange(*shape)
-    assert diagnosis._bit_equal(a, a.clone())
+    assert diagnosis.bit_equal(a, a.clone())
     flat = a.numel()
     for at in (0, flat // 2, flat - 1):
         b = a.clone()
         b.view(-1)[at] = -0.0 if a.view(-1)[at] == 0 else a.view(-1)[at].neg()  # bytes only
-        assert not diagnosis._bit_equal(a, b), at
+        assert not diagnosis.bit_equal(a, b), at
     if a.dim() == 2:  # a column slice: strided, compared without a whole contiguous copy
-        assert diagnosis._bit_equal(a[:, 1:], a.clone()[:, 1:])
+        assert diagnosis.bit_equal(a[:, 1:], a.clone()[:, 1:])
         b = a.clone()
         b[-1, -1] += 1
-        assert not diagnosis._bit_equal(a[:, 1:], b[:, 1:])
-    assert not diagnosis._bit_equal(a, a.reshape(-1)) or a.dim() == 1  # shapes still compared
+        assert not diagnosis.bit_equal(a[:, 1:], b[:, 1:])
+    assert not diagnosis.bit_equal(a, a.reshape(-1)) or a.dim() == 1  # shapes still compared
 
 
 @pytest.mark.parametrize("shape", [(10, 3), (4, 7), (25,), (3, 2, 4)])
@@ -122,6 +122,6 @@ def test_no_byte_comparison_reads_more_than_a_slab_or_one_row(monkeypatch, shape
         return real(a, b)
     monkeypatch.setattr(diagnosis, "_equal_bytes", recording)
     a = _arange(*shape)
-    assert diagnosis._bit_equal(a, a.clone())
+    assert diagnosis.bit_equal(a, a.clone())
     row = a.numel() // a.shape[0]
     assert max(seen) <= max(6, row) and sum(seen) == a.numel()

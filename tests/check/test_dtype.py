@@ -17,7 +17,7 @@ from weight_sync_bench import (
     layout_for,
     split,
 )
-from weight_sync_bench.check.diagnosis import _bit_equal
+from weight_sync_bench.check.diagnosis import bit_equal
 from weight_sync_bench.check.mutations import DTYPE_MUTATIONS, mutation_by_name
 from weight_sync_bench.errors import InvalidConfig, WrongUserShard
 from weight_sync_bench.fuzz.domain import DOMAIN
@@ -166,7 +166,7 @@ def test_a_dtype_mutation_is_the_identity_exactly_where_it_says(mutation, dtype)
     checker = Checker(SMALL, threshold=1.0, dtype=weights)
     declared = checker.declared(2)
     mutated = mutation.apply(declared, checker.layout, SMALL)
-    changed = any(not _bit_equal(m[n], d[n]) for m, d in zip(mutated, declared) for n in d)
+    changed = any(not bit_equal(m[n], d[n]) for m, d in zip(mutated, declared) for n in d)
     reason = mutation.identity_reason(SMALL, 2, weights)
     if weights == torch.bfloat16 and mutation.name == "fp16_round_trip":
         assert reason is not None and "not declared" in reason  # lossy only at the extremes

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig, init_params, layout_for, split
-from weight_sync_bench.check.convert import describe
+from weight_sync_bench.check.diagnosis import describe
 from weight_sync_bench.conventions import CONVENTIONS, endpoint, render, shards_for
 from weight_sync_bench.conventions.megatron import padded_vocab as megatron_vocab
 from weight_sync_bench.conventions.meta import permute

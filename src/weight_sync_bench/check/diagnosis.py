@@ -7,17 +7,20 @@ says which rows the rank holds against the declared ones (``diagnose``).
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from weight_sync_bench.conventions.meta import permute_index
 from weight_sync_bench.layout.placements import format_ranges
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
+    from weight_sync_bench.conventions.maps import Piece
     from weight_sync_bench.layout.table import ShardSpec
+    from weight_sync_bench.model.config import ModelConfig
 
 
 Params = dict[str, torch.Tensor]
@@ -26,10 +29,10 @@ def mismatching(shards: list[Params], declared: list[Params], names: Iterable[st
     """Those of ``names`` (in their order: a layout's, or a convention's stored names) whose
     bytes differ from the declared shards on any rank."""
     return [name for name in names
-            if any(not _bit_equal(s[name], d[name]) for s, d in zip(shards, declared))]
+            if any(not bit_equal(s[name], d[name]) for s, d in zip(shards, declared))]
 
 
-def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bytes (so NaN == NaN and -0.0 != 0.0, unlike ``torch.equal`` on floats).
 
     Compared ``_CHUNK`` elements at a time along dim 0, so the temporaries (the comparison's
@@ -68,7 +71,7 @@ def diagnose(full: torch.Tensor, spec: ShardSpec, shards: list[torch.Tensor]) ->
     lines = []
     for rank, shard in enumerate(shards):
         dim, declared = spec.ranges(degree, rank)
-        if _bit_equal(shard, _take(full, dim, declared)):
+        if bit_equal(shard, _take(full, dim, declared)):
             continue  # byte-correct, whatever repeated rows (zeros, padding) locate says
         axis = "elements" if full.dim() == 1 else _AXIS.get(dim, f"indices of dim {dim}")
         held = locate(full, shard, dim)
@@ -124,3 +127,94 @@ def format_indices(indices: list[int | None]) -> str:
             runs.append((None, 1) if i is None else (i, i + 1))
     return ", ".join(("?" if n == 1 else f"? x{n}") if a is None else format_ranges([(a, n)])
                      for a, n in runs)
+
+
+def diagnose_piece(canonical: Mapping[str, torch.Tensor], config: ModelConfig, name: str,
+                   declared: list[Piece], shards: list[torch.Tensor], *,
+                   index: Callable[[str, int], dict[bytes, int]] | None = None) -> list[str]:
+    """For each rank whose ``name`` is not the declared one: which canonical indices it
+    holds (its slices matched by bytes to the full canonical tensor's; an all-zero slice
+    reads as padding) against the declared ones, in heads for the fused qkv."""
+    lines = []
+    for rank, (piece, shard) in enumerate(zip(declared, shards)):
+        full = canonical[piece.source]
+        if bit_equal(shard, piece.take(full)):
+            continue
+        held: list[int | None] = locate(full, shard, piece.dim, index(piece.source, piece.dim)
+                                        if index is not None else None)
+        zero = (shard.movedim(piece.dim, 0).reshape(shard.shape[piece.dim], -1) == 0).all(1)
+        held = [-1 if i is None and z else i for i, z in zip(held, zero.tolist())]
+        want = piece.idx.tolist()
+        if held == want:
+            lines.append(f"rank {rank} {name} holds the declared "
+                         f"{describe(want, piece, config)}, with values changed")
+            continue
+        lines.append(f"rank {rank} {name} holds {describe(held, piece, config)}; "
+                     f"declared {describe(want, piece, config)}")
+    return lines
+
+
+def describe(indices: list[int | None], piece: Piece, config: ModelConfig) -> str:
+    """Canonical indices as a person reads them: ``Q heads 0-3, K head 1, V head 1`` for the
+    fused qkv (``... in pair order`` for Meta's interleaved-pair rows), ``gate rows 0-351,
+    up rows 0-351`` for gate_up, else ``rows 0-15999, padding x64`` (``?`` for a slice found
+    nowhere in the canonical tensor)."""
+    if piece.dim == 0 and piece.source.endswith(("qkv.weight", "qkv.bias")):
+        heads = _in_heads(indices, config)
+        if heads is not None:
+            return heads
+    if piece.dim == 0 and piece.source.endswith("gate_up.weight"):
+        blocks = _in_blocks(indices, [("gate", 0, config.ffn), ("up", config.ffn, 2 * config.ffn)])
+        if blocks is not None:
+            return blocks
+    axis = ("elements" if len(config.param_shapes()[piece.source]) == 1
+            else {0: "rows", 1: "columns"}.get(piece.dim, f"indices of dim {piece.dim}"))
+    return f"{axis} {_with_padding(indices)}"
+
+
+def _with_padding(indices: list[int | None]) -> str:
+    """``format_indices``, with each run of padding (-1) written ``padding xN``."""
+    return ", ".join(f"padding x{len(run)}" if pad else format_indices(run)
+                     for pad, group in itertools.groupby(indices, key=lambda i: i == -1)
+                     for run in [list(group)])
+
+
+def _in_blocks(indices: list[int | None], blocks: list[tuple[str, int, int]]) -> str | None:
+    """``gate rows 0-351, up rows 0-351``: each run of indices inside one named block."""
+    out: list[tuple[str, list[int]]] = []
+    for i in indices:
+        if i is None or i < 0:
+            return None
+        label, start = next((lb, a) for lb, a, b in blocks if a <= i < b)
+        if out and out[-1][0] == label:
+            out[-1][1].append(i - start)
+        else:
+            out.append((label, [i - start]))
+    return ", ".join(f"{label} rows {format_indices(list(rows))}" for label, rows in out)
+
+
+def _in_heads(indices: list[int | None], config: ModelConfig) -> str | None:
+    """The fused qkv's canonical rows as whole heads, or None when they are not whole heads
+    (each hd-row unit one head's rows, in rotate-half or Meta's pair order)."""
+    hd, q, kv = config.head_dim, config.q_rows, config.kv_rows
+    if len(indices) % hd or any(i is None or i < 0 for i in indices):
+        return None
+    pair = [int(x) for x in torch.argsort(permute_index(hd, 1)).tolist()]  # Meta row order
+    units: list[tuple[str, int, str]] = []  # (block, head, order)
+    for u in range(0, len(indices), hd):
+        unit = [int(i) for i in indices[u:u + hd]]  # type: ignore[arg-type]
+        block, base = ("Q", 0) if unit[0] < q else ("K", q) if unit[0] < q + kv else ("V", q + kv)
+        head, offsets = (unit[0] - base) // hd, [i - base - ((unit[0] - base) // hd) * hd
+                                                   for i in unit]
+        order = "" if offsets == list(range(hd)) else " in pair order" if offsets == pair else None
+        if order is None:
+            return None
+        units.append((block, head, order))
+    parts: list[tuple[str, int, int, str]] = []  # (block, first head, last head, order)
+    for block, head, order in units:
+        if parts and parts[-1][0] == block and parts[-1][2] == head - 1 and parts[-1][3] == order:
+            parts[-1] = (block, parts[-1][1], head, order)
+        else:
+            parts.append((block, head, head, order))
+    return ", ".join(f"{b} head {a}{o}" if a == z else f"{b} heads {a}-{z}{o}"
+                     for b, a, z, o in parts)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from weight_sync_bench.check.convert import describe
+from weight_sync_bench.check.diagnosis import describe
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.conventions import reading_plan
 from weight_sync_bench.memory import rss
