@@ -5,9 +5,10 @@ dtype, a shard of another width, runs after unknown slices, and the kept slice i
 import pytest
 import torch
 
+from weight_sync_bench import TOY
 from weight_sync_bench.check import diagnosis
 from weight_sync_bench.check.diagnosis import (
-    diagnose,
+    diagnose_plain,
     format_indices,
     locate,
     mismatching,
@@ -15,6 +16,11 @@ from weight_sync_bench.check.diagnosis import (
 from weight_sync_bench.layout.placements import Shard
 from weight_sync_bench.layout.reshard import split_tensor
 from weight_sync_bench.layout.table import ShardSpec
+
+
+def diagnose(full, spec, shards):
+    """The plain layout's diagnosis of ``spec`` (no VOCABULARY words for these names)."""
+    return diagnose_plain(full, TOY, spec, shards)
 
 
 def _arange(*shape):
@@ -29,7 +35,7 @@ def test_only_the_wrong_rank_is_reported_when_the_others_hold_their_declared_row
     shards = split_tensor(full, ROWS, 4)
     shards[2] = shards[2].flip(0)  # rank 2 holds its rows reversed; ranks 1 and 3 are right
     assert diagnose(full, ROWS, shards) == [
-        "rank 2 layers.0.up.weight holds rows 5, 4; declared 4-5"]
+        "rank 2 layers.0.up.weight holds rows 5, 4; declared rows 4-5"]
 
 
 @pytest.mark.parametrize("shape, dim, axis", [
@@ -41,8 +47,8 @@ def test_the_axis_is_named_by_the_tensor_rank_and_dim(shape, dim, axis):
     full = _arange(*shape)
     shards = split_tensor(full, spec, 2)
     shards[0], shards[1] = shards[1], shards[0]
-    assert diagnose(full, spec, shards) == [f"rank 0 w holds {axis} 4-7; declared 0-3",
-                                            f"rank 1 w holds {axis} 0-3; declared 4-7"]
+    assert diagnose(full, spec, shards) == [f"rank 0 w holds {axis} 4-7; declared {axis} 0-3",
+                                            f"rank 1 w holds {axis} 0-3; declared {axis} 4-7"]
 
 
 def test_the_declared_bytes_under_another_dtype_are_the_declared_rows_with_values_changed():
@@ -59,7 +65,8 @@ def test_a_shard_of_another_width_is_found_nowhere():
     full = _arange(8, 3)
     narrow = [s[:, :2].contiguous() for s in split_tensor(full, ROWS, 2)]
     assert locate(full, narrow[0], 0) == [None] * 4
-    assert diagnose(full, ROWS, narrow)[1] == "rank 1 layers.0.up.weight holds rows ? x4; declared 4-7"
+    assert diagnose(full, ROWS, narrow)[1] == (
+        "rank 1 layers.0.up.weight holds rows ? x4; declared rows 4-7")
 
 
 @pytest.mark.parametrize("indices, text", [
@@ -84,7 +91,7 @@ def test_a_byte_correct_rank_is_not_reported_even_when_the_full_tensor_repeats_r
     shards = split_tensor(full, ROWS, 2)
     shards[0] = shards[0].flip(0)
     assert diagnose(full, ROWS, shards) == [
-        "rank 0 layers.0.up.weight holds rows 3, 2, 1, 0; declared 0-3"]
+        "rank 0 layers.0.up.weight holds rows 3, 2, 1, 0; declared rows 0-3"]
 
 
 @pytest.mark.parametrize("shape", [(10, 3), (4, 7), (25,), (3, 2, 4)])

@@ -126,8 +126,9 @@ def test_a_naive_bf16_split_is_diagnosed_as_the_fp32_one_is(bf16, fp32):
     high = fp32.verdict(naive_split({n: x.clone() for n, x in fp32.full.items()}, 2), dst=2)
     assert not low.passed and low.ratio > 100
     assert low.diagnosis == high.diagnosis == (
-        "rank 0 layers.0.qkv.weight holds rows 0-191; declared 0-127, 256-287, 320-351",
-        "rank 1 layers.0.qkv.weight holds rows 192-383; declared 128-255, 288-319, 352-383")
+        "rank 0 layers.0.qkv.weight holds Q heads 0-5; declared Q heads 0-3, K head 0, V head 0",
+        "rank 1 layers.0.qkv.weight holds Q heads 6-7, K heads 0-1, V heads 0-1; declared "
+        "Q heads 4-7, K head 1, V head 1")
 
 
 @pytest.mark.parametrize("name", ["bf16_round_trip", "fp16_round_trip"])

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from weight_sync_bench.check import stream
-from weight_sync_bench.check.diagnosis import bit_equal, diagnose, mismatching
+from weight_sync_bench.check.diagnosis import bit_equal, diagnose_plain, mismatching
 from weight_sync_bench.check.forwards import BACKENDS, Forward, inprocess_forward
 from weight_sync_bench.check.threshold import environment_notes, resolve_floor
 from weight_sync_bench.check.user_code import call_user
@@ -172,8 +172,9 @@ class Checker:
         first = differ[0]
         return Verdict(max_abs_error=self.error(checked), first_mismatch=first,
                        mismatches=tuple(differ), own_forward=True,
-                       diagnosis=tuple(diagnose(self.full[first], self.layout[first],
-                                                [p[first] for p in checked])), **common)
+                       diagnosis=tuple(diagnose_plain(self.full[first], self.config,
+                                                      self.layout[first],
+                                                      [p[first] for p in checked])), **common)
 
 
     def reshard_verdict(self, src: int, dst: int) -> Verdict:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weight_sync_bench.check.checker import Checker, Verdict, checker_for
-from weight_sync_bench.check.diagnosis import diagnose_piece, mismatching, slice_index
+from weight_sync_bench.check.diagnosis import diagnose, mismatching, slice_index
 from weight_sync_bench.check.floor import (
     PLAIN_FORWARD,
     REPLICATED_MAX_DEGREE,
@@ -127,9 +127,8 @@ class ConversionChecker:
             return Verdict(max_abs_error=self.declared_error(target), first_mismatch=None,
                            **common)
         first = differ[0]
-        lines = diagnose_piece(self.checker.full, self.config, first,
-                               [p[first] for p in pieces], [s[first] for s in checked],
-                               index=self.slice_index)
+        lines = diagnose(self.checker.full, self.config, first, [p[first] for p in pieces],
+                         [s[first] for s in checked], index=self.slice_index)
         return Verdict(max_abs_error=self.error(target, checked), first_mismatch=first,
                        mismatches=tuple(differ), own_forward=True, diagnosis=tuple(lines),
                        **common)

@@ -17,7 +17,7 @@ import torch
 
 from weight_sync_bench.check.checker import Verdict
 from weight_sync_bench.check.conversion import require_cell
-from weight_sync_bench.check.diagnosis import bit_equal, diagnose_piece
+from weight_sync_bench.check.diagnosis import bit_equal, diagnose
 from weight_sync_bench.check.shards import validate_convention_shards
 from weight_sync_bench.check.streaming import PER, Progress, drawn_units
 from weight_sync_bench.check.threshold import environment_notes, resolve_floor
@@ -172,9 +172,9 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
                     differ.append(stored)
                     if len(differ) == 1:  # the canonical tensor, for the diagnosis only
                         canon = gather_canonical(given, mine_src, shapes, sources)
-                        diagnosis.extend(diagnose_piece(canon, config, stored,
-                                                        [w[stored] for w in want],
-                                                        [r[stored] for r in out]))
+                        diagnosis.extend(diagnose(canon, config, stored,
+                                                  [w[stored] for w in want],
+                                                  [r[stored] for r in out]))
                         del canon
             del given, args  # args holds given too
             inputs = [{c: selections[c].apply(out[rank]) for c in group}

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weight_sync_bench.check.diagnosis import bit_equal, diagnose
+from weight_sync_bench.check.diagnosis import bit_equal, diagnose_plain
 from weight_sync_bench.check.user_code import call_user, describe
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
@@ -354,7 +354,7 @@ def _stage_shards(fn: StageFn | None, config: ModelConfig, layout: LayoutTable, 
             differ.append(n)
             if len(differ) == 1:
                 whole = full[n] if src is None else gather_tensor(held, spec)
-                diagnosis.extend(diagnose(whole, spec, mine))
+                diagnosis.extend(diagnose_plain(whole, config, spec, mine))
         if src is None:
             del full[n]
         else:
