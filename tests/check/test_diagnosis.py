@@ -106,6 +106,7 @@ def test_check_split_and_check_convert_tell_the_planted_bug_the_same_way(expecte
     by_convert = check_convert(converter, TOY_KV4, "megatron:4", "plain:2")
     assert by_split.first_mismatch == by_convert.first_mismatch == SWAPPED
     assert by_split.diagnosis == by_convert.diagnosis == expected
+    assert by_split.named_mutation is by_convert.named_mutation is None  # one rank, one layer
 
 
 def test_wsb_verify_tells_it_the_same_way(expected, tmp_path, capsys):

@@ -25,6 +25,7 @@ import torch
 from weight_sync_bench.check import stream
 from weight_sync_bench.check.diagnosis import bit_equal, diagnose_plain, mismatching
 from weight_sync_bench.check.forwards import BACKENDS, Forward, inprocess_forward
+from weight_sync_bench.check.naming import layout_naming, name_shards
 from weight_sync_bench.check.threshold import environment_notes, resolve_floor
 from weight_sync_bench.check.user_code import call_user
 from weight_sync_bench.check.verdict import Verdict, format_verdicts
@@ -170,11 +171,15 @@ class Checker:
         if not differ:
             return Verdict(max_abs_error=self.declared_error(dst), first_mismatch=None, **common)
         first = differ[0]
+        assert isinstance(self.dtype, torch.dtype)
+        named = name_shards(layout_naming(self.config, self.layout, dst, self.dtype), checked,
+                            declared, differ, self.layout.names)
         return Verdict(max_abs_error=self.error(checked), first_mismatch=first,
                        mismatches=tuple(differ), own_forward=True,
                        diagnosis=tuple(diagnose_plain(self.full[first], self.config,
                                                       self.layout[first],
-                                                      [p[first] for p in checked])), **common)
+                                                      [p[first] for p in checked])),
+                       named_mutation=named.mutation, named_meaning=named.meaning, **common)
 
 
     def reshard_verdict(self, src: int, dst: int) -> Verdict:

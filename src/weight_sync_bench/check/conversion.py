@@ -34,8 +34,10 @@ from weight_sync_bench.check.floor import (
     forward_of,
     measured_degrees,
 )
+from weight_sync_bench.check.naming import conversion_naming, name_shards
 from weight_sync_bench.check.shards import validate_convention_shards
 from weight_sync_bench.conventions import endpoint, materialize
+from weight_sync_bench.conventions.mutations import Conversion
 from weight_sync_bench.errors import FloorNotMeasured
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.rules import measure_command, weights_dtype
@@ -129,9 +131,14 @@ class ConversionChecker:
         first = differ[0]
         lines = diagnose(self.checker.full, self.config, first, [p[first] for p in pieces],
                          [s[first] for s in checked], index=self.slice_index)
+        assert isinstance(self.checker.dtype, torch.dtype)
+        naming = conversion_naming(Conversion(self.config, source, target), declared,
+                                   self.checker.dtype,
+                                   self.checker.layout if target.name == "plain" else None)
+        named = name_shards(naming, checked, declared, differ, list(pieces[0]))
         return Verdict(max_abs_error=self.error(target, checked), first_mismatch=first,
                        mismatches=tuple(differ), own_forward=True, diagnosis=tuple(lines),
-                       **common)
+                       named_mutation=named.mutation, named_meaning=named.meaning, **common)
 
 
 def conversion_checker(config: ModelConfig, *, seed: int = 0, backend: str = "inprocess",

@@ -99,5 +99,6 @@ def stream_run(config: ModelConfig, dst: int, *, fn: StageFn | None = None,
     verdict = Verdict(config=config.name, src=src, dst=dst, max_abs_error=error,
                       threshold=threshold, first_mismatch=run.differ[0] if run.differ else None,
                       mismatches=tuple(run.differ), diagnosis=tuple(run.diagnosis),
-                      own_forward=bool(run.differ), notes=notes, dtype=name)
+                      own_forward=bool(run.differ), notes=notes, dtype=name,
+                      named_mutation=run.named.mutation, named_meaning=run.named.meaning)
     return verdict, run.rank_rss

@@ -48,12 +48,13 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from weight_sync_bench.check.diagnosis import bit_equal, diagnose_plain
+from weight_sync_bench.check.naming import NONE, Named, Naming, layout_naming
 from weight_sync_bench.check.user_code import call_user, describe
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
@@ -160,12 +161,68 @@ def stream_deviation(config: ModelConfig, dst: int, *, seed: int = 0,
 
 
 @dataclass
+class Found:
+    """What the byte comparison finds as the pass goes: the parameters that differ (draw
+    order), the first one's diagnosis, and the catalogue's candidates (``check.naming``)
+    narrowed on every parameter from the first that differs on; ``before``: the parameters
+    compared equal before it, on which ``name_before`` narrows them after the pass."""
+
+    naming: Naming
+    differ: list[str] = field(default_factory=list)
+    diagnosis: list[str] = field(default_factory=list)
+    before: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, config: ModelConfig, layout: LayoutTable, dst: int,
+           weights: torch.dtype) -> Found:
+        return cls(layout_naming(config, layout, dst, weights))
+
+    def compared(self, name: str, same: bool) -> bool:
+        """Record that ``name``'s shards are the declared ones (``same``) or not; True where
+        the caller is to narrow the candidates on them (``naming.observe``): from the first
+        difference on, while any is left."""
+        if not same:
+            self.differ.append(name)
+        if not self.differ:
+            self.before.append(name)
+        return bool(self.differ) and not self.naming.done
+
+    def named(self, config: ModelConfig, layout: LayoutTable, dst: int, seed: int,
+              weights: torch.dtype) -> Named:
+        """The mutations the shards are exactly, once the pass is over: the candidates left,
+        narrowed on the parameters before the first difference too (``name_before``)."""
+        if not self.differ:
+            return NONE
+        name_before(self.naming, self.before, config, layout, dst, seed, weights)
+        return self.naming.named()
+
+
+def name_before(naming: Naming, before: list[str], config: ModelConfig, layout: LayoutTable,
+                dst: int, seed: int, weights: torch.dtype) -> None:
+    """Narrow ``naming`` on parameters the pass found equal to the declared ones before the
+    first difference, and dropped: drawn again, one at a time, only those a candidate still
+    alive touches (a candidate that leaves a parameter alone agrees with it)."""
+    touched = {n for n in before for c in naming.alive if c.touches(n)}
+    if not touched:
+        return
+    for name, x in iter_params(config, seed, dtype=weights):
+        if name in touched:
+            declared = split_tensor(x, layout[name], dst)
+            naming.observe(name, declared, declared, differs=False)
+            touched.discard(name)
+        del x
+        if not touched or naming.done:
+            return
+
+
+@dataclass
 class StreamRun:
     """What a streamed pass found: the parameters that differ (draw order), the first one's
-    diagnosis, the two forwards' logits."""
+    diagnosis, the mutations the shards are exactly, the two forwards' logits."""
 
     differ: list[str]
     diagnosis: list[str]
+    named: Named
     logits: torch.Tensor  # rank 0's sharded logits
     expected: torch.Tensor  # the reference's
     # per rank under gloo: (RSS when its task began, its high-water mark after), bytes
@@ -206,17 +263,17 @@ def run_inprocess(config: ModelConfig, layout: LayoutTable, dst: int, fn: StageF
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
     reference = ReferenceSteps(config, tokens)
     sharded = ShardedSteps.over(config, InProcessCollective(dst), tokens)
-    differ: list[str] = []
-    diagnosis: list[str] = []
+    found = Found.of(config, layout, dst, weights)
     with torch.no_grad():
         for unit, full in drawn_units(config, seed, weights, per, reference, progress):
             out = _stage_shards(fn, config, layout, full, unit, dst, src, weights,
-                                differ, diagnosis)  # drops each full tensor once compared
+                                found)  # drops each full tensor once compared
             del full
             sharded.take(unit, out)
             del out
+        named = found.named(config, layout, dst, seed, weights)
     assert sharded.logits is not None and reference.expected is not None
-    return StreamRun(differ, diagnosis, sharded.logits, reference.expected)
+    return StreamRun(found.differ, found.diagnosis, named, sharded.logits, reference.expected)
 
 
 def run_gloo(config: ModelConfig, dst: int, fn: StageFn | None, src: int | None, per: str,
@@ -234,8 +291,8 @@ def run_gloo(config: ModelConfig, dst: int, fn: StageFn | None, src: int | None,
               "dtype": dtype_name(weights)}
     outcomes = (pool or shared_pool(max(4, dst))).run(stream_task, dst, kwargs=kwargs)
     first = outcomes[0]
-    return StreamRun(first["differ"], first["diagnosis"], first["logits"], first["expected"],
-                     tuple(o["rss"] for o in outcomes))
+    return StreamRun(first["differ"], first["diagnosis"], first["named"], first["logits"],
+                     first["expected"], tuple(o["rss"] for o in outcomes))
 
 
 def stream_task(ctx: RankContext, *, config: ModelConfig, fn: StageFn | None,
@@ -254,8 +311,7 @@ def stream_task(ctx: RankContext, *, config: ModelConfig, fn: StageFn | None,
     sharded = ShardedSteps.over(config, GlooCollective(ctx), tokens)
     reference = ReferenceSteps(config, tokens) if ctx.rank == 0 else None
     draws = iter_params(config, seed, dtype=weights) if ctx.rank == 0 else None
-    differ: list[str] = []
-    diagnosis: list[str] = []
+    found = Found.of(config, layout, dst, weights)
     with torch.no_grad():
         for label, names in stages(config):
             ctx.tracer.mark(f"stream {label}")
@@ -267,18 +323,20 @@ def stream_task(ctx: RankContext, *, config: ModelConfig, fn: StageFn | None,
                     full = draw(draws, unit)
                     reference.take(unit, full)
                     transport.sync(lambda full=full, unit=unit: _stage_shards(
-                        fn, config, layout, full, unit, dst, src, weights, differ,
-                        diagnosis), sink)  # called now, inside sync: a refusal is broadcast
+                        fn, config, layout, full, unit, dst, src, weights, found),
+                        sink)  # called now, inside sync: a refusal is broadcast
                     del full
                 else:
                     transport.sync(None, sink)
                 local = [dict(sink)]
                 del sink
                 sharded.take(unit, local)
+        named = found.named(config, layout, dst, seed, weights) if ctx.rank == 0 else NONE
     rss = (peak.began, peak.high())
     if ctx.rank != 0:
         return {"rss": rss}
-    return {"differ": differ, "diagnosis": diagnosis, "logits": sharded.logits,
+    return {"differ": found.differ, "diagnosis": found.diagnosis, "named": named,
+            "logits": sharded.logits,
             "expected": reference.expected if reference is not None else None, "rss": rss}
 
 
@@ -300,12 +358,12 @@ def declared_shard(mine: torch.Tensor, full: torch.Tensor, spec: ShardSpec, degr
 
 def _stage_shards(fn: StageFn | None, config: ModelConfig, layout: LayoutTable, full: Params,
                   group: list[str], dst: int, src: int | None, weights: torch.dtype,
-                  differ: list[str], diagnosis: list[str]) -> list[Params]:
+                  found: Found) -> list[Params]:
     """Per rank, the shards at ``dst`` of ``group`` (a stage's parameters, or one of them):
     the declared ones when ``fn`` is None, else what ``fn`` returns for them, checked as
-    shards. Each parameter's bytes are compared as soon as ``fn`` returns (``differ``; the
-    first that differs diagnosed into ``diagnosis``), and its full tensor (and source shards)
-    dropped from ``full`` then."""
+    shards. Each parameter's bytes are compared as soon as ``fn`` returns (``found``: the first
+    that differs diagnosed, the catalogue narrowed from it on), and its full tensor (and
+    source shards) dropped from ``full`` then."""
     given: Params | list[Params]
     if src is None:
         given = {n: full[n] for n in group}
@@ -350,11 +408,14 @@ def _stage_shards(fn: StageFn | None, config: ModelConfig, layout: LayoutTable, 
             same = all(bit_equal(m.narrow(dim, at, piece.shape[dim]), piece)
                        for rank, m in enumerate(mine)
                        for at, piece in reshard_pieces(held, spec, dst, rank))
-        if not same:
-            differ.append(n)
-            if len(differ) == 1:
-                whole = full[n] if src is None else gather_tensor(held, spec)
-                diagnosis.extend(diagnose_plain(whole, config, spec, mine))
+        if found.compared(n, same):  # the declared shards, for the catalogue's candidates
+            declared = (split_tensor(full[n], spec, dst) if src is None
+                        else reshard_tensor(held, spec, dst))
+            found.naming.observe(n, declared, mine, differs=not same)
+            del declared
+        if not same and len(found.differ) == 1:
+            whole = full[n] if src is None else gather_tensor(held, spec)
+            found.diagnosis.extend(diagnose_plain(whole, config, spec, mine))
         if src is None:
             del full[n]
         else:

@@ -36,6 +36,12 @@ class Verdict:
     # (``tolerance.rules.check_environment``); empty when it is the same.
     notes: tuple[str, ...] = ()
     dtype: str = "fp32"  # the synced weights' dtype, in which the shards were compared
+    # Where the shards are, bit for bit, what a catalogued mutation makes of the declared ones
+    # (``check.naming``): its name (the names of all that give the same bytes here, comma
+    # separated), and what it means for the code that made the shards (one line). None where
+    # no mutation is, and always where the shards equal the declared ones.
+    named_mutation: str | None = None
+    named_meaning: str | None = None
 
     @property
     def finite(self) -> bool:
@@ -73,6 +79,11 @@ class Verdict:
             lines.append(f"  first parameter that differs from the declared layout: "
                          f"{self.first_mismatch} ({len(self.mismatches)} differ in all)")
             lines.extend(f"    {line}" for line in self.diagnosis)
+            if self.named_mutation is not None:
+                names = self.named_mutation.split(", ")
+                which = (f"`{names[0]}`" if len(names) == 1 else
+                         ", and exactly ".join(f"`{n}`" for n in names) + " (the same bytes here)")
+                lines.append(f"  this is exactly {which}: {self.named_meaning}")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 
