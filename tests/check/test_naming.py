@@ -19,7 +19,7 @@ from weight_sync_bench import TOY, ModelConfig, layout_for, reshard, split
 from weight_sync_bench.check.checker import Checker, check_reshard, check_split
 from weight_sync_bench.check.convert import check_convert, conversion_checker
 from weight_sync_bench.check.mutations import DTYPE_MUTATIONS, MUTATIONS
-from weight_sync_bench.check.stream import stage_split, stream_check
+from weight_sync_bench.check.stream import stage_split
 from weight_sync_bench.conventions import CONVENTIONS, convert, endpoint
 from weight_sync_bench.conventions.mutations import CONVERSION_MUTATIONS, Conversion
 from weight_sync_bench.fuzz.domain import DOMAIN, fuzz_params

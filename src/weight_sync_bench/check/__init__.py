@@ -5,6 +5,7 @@ Its modules, each importing only those listed before it (no cycle between them):
 
 - ``diagnosis``: the byte comparison, and what a shard that differs really holds, in the
   convention's own words; ``verdict``: ``Verdict``; ``mutations``: the layout bugs;
+  ``naming``: whether shards that differ are exactly a catalogued bug;
 - ``user_code``: calling the user's function; ``forwards``: the sharded forwards a check
   runs (in process, phase 1a, or over gloo, phase 1b);
 - ``streaming``: the streamed pass, one stage at a time; ``floor``: the phase floors are

@@ -38,6 +38,8 @@ import torch
 from weight_sync_bench.check.diagnosis import bit_equal
 from weight_sync_bench.check.mutations import DTYPE_MUTATIONS, MUTATIONS
 from weight_sync_bench.conventions.mutations import CONVERSION_MUTATIONS, Conversion
+from weight_sync_bench.layout.reshard import split_tensor
+from weight_sync_bench.model.config import iter_params
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.mutations import Mutation
@@ -137,6 +139,24 @@ def name_shards(naming: Naming, observed: Sequence[Mapping[str, torch.Tensor]],
         naming.observe(name, [d[name] for d in declared], [o[name] for o in observed],
                        differs=name in differing)
     return naming.named()
+
+
+def observe_redrawn(naming: Naming, before: list[str], config: ModelConfig,
+                    layout: LayoutTable, dst: int, seed: int, weights: torch.dtype) -> None:
+    """Narrow ``naming`` on parameters the pass found equal to the declared ones before the
+    first difference, and dropped: drawn again, one at a time, only those a candidate still
+    alive touches (a candidate that leaves a parameter alone agrees with it)."""
+    touched = {n for n in before for c in naming.alive if c.touches(n)}
+    if not touched:
+        return
+    for name, x in iter_params(config, seed, dtype=weights):
+        if name in touched:
+            declared = split_tensor(x, layout[name], dst)
+            naming.observe(name, declared, declared, differs=False)
+            touched.discard(name)
+        del x
+        if not touched or naming.done:
+            return
 
 
 # ---------------------------------------------------------------- the catalogues

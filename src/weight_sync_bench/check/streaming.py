@@ -54,7 +54,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from weight_sync_bench.check.diagnosis import bit_equal, diagnose_plain
-from weight_sync_bench.check.naming import NONE, Named, Naming, layout_naming
+from weight_sync_bench.check.naming import (
+    NONE,
+    Named,
+    Naming,
+    layout_naming,
+    observe_redrawn,
+)
 from weight_sync_bench.check.user_code import call_user, describe
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
@@ -165,7 +171,7 @@ class Found:
     """What the byte comparison finds as the pass goes: the parameters that differ (draw
     order), the first one's diagnosis, and the catalogue's candidates (``check.naming``)
     narrowed on every parameter from the first that differs on; ``before``: the parameters
-    compared equal before it, on which ``name_before`` narrows them after the pass."""
+    compared equal before it, on which ``observe_redrawn`` narrows them after the pass."""
 
     naming: Naming
     differ: list[str] = field(default_factory=list)
@@ -190,29 +196,11 @@ class Found:
     def named(self, config: ModelConfig, layout: LayoutTable, dst: int, seed: int,
               weights: torch.dtype) -> Named:
         """The mutations the shards are exactly, once the pass is over: the candidates left,
-        narrowed on the parameters before the first difference too (``name_before``)."""
+        narrowed on the parameters before the first difference too (``observe_redrawn``)."""
         if not self.differ:
             return NONE
-        name_before(self.naming, self.before, config, layout, dst, seed, weights)
+        observe_redrawn(self.naming, self.before, config, layout, dst, seed, weights)
         return self.naming.named()
-
-
-def name_before(naming: Naming, before: list[str], config: ModelConfig, layout: LayoutTable,
-                dst: int, seed: int, weights: torch.dtype) -> None:
-    """Narrow ``naming`` on parameters the pass found equal to the declared ones before the
-    first difference, and dropped: drawn again, one at a time, only those a candidate still
-    alive touches (a candidate that leaves a parameter alone agrees with it)."""
-    touched = {n for n in before for c in naming.alive if c.touches(n)}
-    if not touched:
-        return
-    for name, x in iter_params(config, seed, dtype=weights):
-        if name in touched:
-            declared = split_tensor(x, layout[name], dst)
-            naming.observe(name, declared, declared, differs=False)
-            touched.discard(name)
-        del x
-        if not touched or naming.done:
-            return
 
 
 @dataclass
