@@ -26,7 +26,7 @@ import time
 import torch
 
 from weight_sync_bench import TOY_KV4
-from weight_sync_bench.check.convert import ConversionChecker
+from weight_sync_bench.check.convert import conversion_checker
 from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.conventions import (
     CONVENTIONS,
@@ -65,7 +65,7 @@ def bare(config, eps, with_converts=False):
 
 
 def sweep(config, eps):
-    checker = ConversionChecker(config)  # the committed phase 1a floor of TOY_KV4
+    checker = conversion_checker(config)  # the committed phase 1a floor of TOY_KV4
     for src in eps:
         shards = checker.source(src)
         for dst in eps:

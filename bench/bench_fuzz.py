@@ -131,7 +131,7 @@ def wrapped(phases: Phases) -> Phases:
     phases.wrap(k, "reshard_tensor", "reshard (the code under test)")
     phases.wrap(k, "validate_shards", "shard validation")
     phases.wrap(k, "mismatching", "byte comparison")
-    phases.wrap(k, "_bit_equal", "byte comparison")
+    phases.wrap(k, "bit_equal", "byte comparison")
     phases.wrap(k, "computing", "upcast to the computing dtype")
     phases.wrap(k.Checker, "verdict", "verdict construction")
     phases.wrap(k.Checker, "reshard_verdict", "verdict construction")

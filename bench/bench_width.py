@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from weight_sync_bench.check import stream as stream_module
+from weight_sync_bench.check import streaming as streaming_module
 from weight_sync_bench.check.stream import (
     largest_param_bytes,
     model_bytes,
@@ -56,6 +56,7 @@ from weight_sync_bench.check.stream import (
 )
 from weight_sync_bench.collectives.gloo.pool import RankPool
 from weight_sync_bench.model import config as config_module
+from weight_sync_bench.model import stepwise as stepwise_module
 from weight_sync_bench.model.config import ModelConfig, hf_config_path, parse_dtype
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
@@ -211,9 +212,10 @@ def overhead(args: argparse.Namespace) -> int:
         timed(ReferenceModel, method, "reference forward")
         timed(ShardedModel, method, "sharded forward")
     timed(config_module, "draw_param", "drawing parameters")
-    timed(stream_module, "_bit_equal", "byte comparison")
-    timed(stream_module, "computing", "upcast (bf16 / fp16)")
-    timed(stream_module, "trim", "freed heap handed back (malloc_trim)")
+    timed(streaming_module, "bit_equal", "byte comparison")
+    timed(stepwise_module, "computing", "upcast (bf16 / fp16)")
+    for module in (streaming_module, stepwise_module):  # each hands the freed heap back
+        timed(module, "trim", "freed heap handed back (malloc_trim)")
     split = stage_split(layout_for(config))
 
     def users_split(full: dict, degree: int) -> list:  # the user's code: its own bucket

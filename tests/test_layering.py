@@ -1,9 +1,13 @@
 """The package layout is the architecture: lower layers never import higher ones, only the CLI
 prints, the core never imports the Hypothesis strategies, and every package is installed.
+Inside a package, modules import one way too: no import cycle between its modules, and no
+module imports another's ``_private`` name (a helper two modules need is a public name of
+the lower one).
 
 Checked by walking the AST of every module under ``src/weight_sync_bench`` (every import,
-``TYPE_CHECKING`` and function-local ones included). Each rule has a twin run on a small
-synthetic package that breaks it, so the walk is shown to see what it claims to see.
+``TYPE_CHECKING`` and function-local ones included: a cycle broken by a function-local
+import is still a cycle). Each rule has a twin run on a small synthetic package that breaks
+it, so the walk is shown to see what it claims to see.
 """
 
 from __future__ import annotations
@@ -29,6 +33,15 @@ STRATEGIES = "fuzz.strategies"
 # ``fuzz.user`` is the front end for a user's own functions (``wsb fuzz --resharder``).
 STRATEGY_USERS = ("fuzz.runner", "fuzz.strategies", "fuzz.user", "cli", "testing")
 PRINTERS = ("cli",)
+
+# Known violations of the two module rules, listed one by one: the last one is the floors'
+# (fuzz.floor's rule derivation moving to tolerance/ removes it). The tests below fail on each
+# entry no longer found (a stale entry would let its violation come back unseen). Nothing may
+# be added to them.
+KNOWN_CYCLES = {
+    ("fuzz.case", "fuzz.floor"),
+}
+KNOWN_PRIVATE_IMPORTS: set[str] = set()
 
 
 def module_name(path: Path, package: Path) -> str:
@@ -89,6 +102,91 @@ def import_violations(package: Path, top: str = "weight_sync_bench") -> list[str
     return out
 
 
+def module_imports(package: Path, top: str = "weight_sync_bench"
+                   ) -> tuple[dict[str, set[str]], list[str]]:
+    """Each module's imports of the package's own modules (``x.y``, every import counted),
+    and ``a imports _name from b`` for every import of a ``_private`` name (not a submodule,
+    not a dunder) from another module."""
+    paths = {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+    edges: dict[str, set[str]] = {m: set() for m in paths}
+    private = []
+    for me, path in paths.items():
+        base = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith(top + "."):
+                        _add(edges, me, _resolve(a.name[len(top) + 1:], paths))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: from the importing module's package
+                    parts = base[:len(base) - node.level + 1] + (
+                        node.module.split(".") if node.module else [])
+                    source = ".".join(parts)
+                elif node.module == top or (node.module or "").startswith(top + "."):
+                    source = node.module[len(top) + 1:]  # type: ignore[index]
+                else:
+                    continue
+                for a in node.names:
+                    whole = f"{source}.{a.name}" if source else a.name
+                    target = whole if whole in paths else _resolve(source, paths)
+                    _add(edges, me, target)
+                    if (a.name.startswith("_") and not a.name.startswith("__")
+                            and whole not in paths and target not in (None, me)):
+                        private.append(f"{me} imports {a.name} from {target}")
+    return edges, private
+
+
+def _resolve(name: str, paths: dict[str, Path]) -> str | None:
+    """The module ``name`` is, or the innermost module it is an attribute of."""
+    while name and name not in paths:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _add(edges: dict[str, set[str]], me: str, target: str | None) -> None:
+    if target is not None and target != me:
+        edges[me].add(target)
+
+
+def package_cycles(package: Path) -> set[tuple[str, ...]]:
+    """The import cycles between modules of one package (its strongly connected components
+    of more than one module, each sorted). A package's ``__init__`` re-exporting its own
+    modules is not one: ``__init__`` modules are left out."""
+    edges, _ = module_imports(package)
+    inits = {module_name(p, package) for p in package.rglob("__init__.py")}
+    inner = {m: {t for t in targets if t not in inits and _layer(t) == _layer(m)}
+             for m, targets in edges.items() if m not in inits}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = set()
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(inner[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = [stack.pop()]
+            while component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.add(tuple(sorted(component)))
+
+    for v in sorted(inner):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def private_imports(package: Path) -> set[str]:
+    return set(module_imports(package)[1])
+
+
 def print_violations(package: Path) -> list[str]:
     """``path:line`` of every ``print(...)``, ``sys.stdout/stderr.write`` and ``pprint``
     outside the CLI and the ``__main__`` entry points."""
@@ -115,6 +213,19 @@ def test_no_module_imports_a_layer_above_its_own():
 
 def test_only_the_cli_prints():
     assert print_violations(PACKAGE) == []
+
+
+def test_no_import_cycle_between_the_modules_of_a_package():
+    found = package_cycles(PACKAGE)
+    assert found - KNOWN_CYCLES == set(), "new cycles (break them: a helper two modules need " \
+        "is a public name of the lower one)"
+    assert KNOWN_CYCLES - found == set(), "gone: remove them from KNOWN_CYCLES"
+
+
+def test_no_module_imports_another_modules_private_name():
+    found = private_imports(PACKAGE)
+    assert found - KNOWN_PRIVATE_IMPORTS == set(), "make the name public in the lower module"
+    assert KNOWN_PRIVATE_IMPORTS - found == set(), "gone: remove them from KNOWN_PRIVATE_IMPORTS"
 
 
 def test_every_package_under_src_is_installed_and_the_strategies_map_to_the_fuzz_package():
@@ -154,6 +265,7 @@ def fake(tmp_path: Path) -> Path:
 
 def test_a_clean_synthetic_package_has_no_violation(fake: Path):
     assert import_violations(fake) == [] and print_violations(fake) == []
+    assert package_cycles(fake) == set() and private_imports(fake) == set()
 
 
 @pytest.mark.parametrize(("module", "source", "expected"), [
@@ -187,3 +299,53 @@ def test_each_kind_of_import_violation_is_reported(fake: Path, module, source, e
 def test_a_print_outside_the_cli_is_reported(fake: Path, source):
     (fake / "check" / "checker.py").write_text(source)
     assert len(print_violations(fake)) == 1
+
+
+
+@pytest.mark.parametrize("a, b", [
+    # two modules importing each other at the top
+    ("from weight_sync_bench.check.b import g\n", "from weight_sync_bench.check.a import f\n"),
+    # one side hidden in a function body: still a cycle
+    ("from weight_sync_bench.check.b import g\n",
+     "def g():\n    from weight_sync_bench.check.a import f\n    return f\n"),
+    # one side only for type checking, and `from package import module`
+    ("from weight_sync_bench.check import b\n",
+     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+     "    from weight_sync_bench.check.a import f\n"),
+])
+def test_an_import_cycle_inside_a_package_is_reported(fake: Path, a, b):
+    (fake / "check" / "a.py").write_text(a + "def f(): ...\n")
+    (fake / "check" / "b.py").write_text(b + "def g(): ...\n")
+    assert package_cycles(fake) == {("check.a", "check.b")}
+    assert import_violations(fake) == []  # the layer rule alone does not see it
+
+
+def test_a_three_module_cycle_is_one_cycle_and_a_packages_init_re_exporting_is_none(fake: Path):
+    for me, other in (("a", "b"), ("b", "c"), ("c", "a")):
+        (fake / "check" / f"{me}.py").write_text(f"from weight_sync_bench.check.{other} import x\n")
+    assert package_cycles(fake) == {("check.a", "check.b", "check.c")}
+    (fake / "check" / "c.py").write_text("x = 1\n")
+    (fake / "check" / "__init__.py").write_text("from weight_sync_bench.check.a import x\n")
+    assert package_cycles(fake) == set()
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from weight_sync_bench.layout.table import _helper\n",
+     "check.checker imports _helper from layout.table"),
+    # a private name of a sibling module, imported inside a function
+    ("def f():\n    from weight_sync_bench.check.diagnosis import _slab\n",
+     "check.checker imports _slab from check.diagnosis"),
+])
+def test_a_private_name_imported_from_another_module_is_reported(fake: Path, source, expected):
+    (fake / "check" / "diagnosis.py").write_text("_slab = 1\n")
+    (fake / "check" / "checker.py").write_text(source)
+    assert private_imports(fake) == {expected}
+
+
+def test_public_names_dunders_and_private_submodules_are_not_private_imports(fake: Path):
+    (fake / "check" / "_internal.py").write_text("x = 1\n")
+    (fake / "check" / "checker.py").write_text(
+        "from weight_sync_bench.layout.table import helper\n"
+        "from weight_sync_bench.layout.table import __version__\n"
+        "from weight_sync_bench.check import _internal\n")
+    assert private_imports(fake) == set()

@@ -44,14 +44,15 @@ def test_a_correct_split_function_passes_with_the_numbers_reported():
     assert str(verdict).startswith("PASS toy split -> 2 (phase 1a)")
 
 
-def test_a_naive_split_fails_and_the_report_names_the_rows_each_rank_holds():
+def test_a_naive_split_fails_and_the_report_names_the_heads_each_rank_holds():
     verdict = check_split(naive_split, TOY, 2)
     assert not verdict.passed and verdict.ratio > 100
     assert verdict.first_mismatch == "layers.0.qkv.weight"
     assert verdict.mismatches[:2] == ("layers.0.qkv.weight", "layers.0.gate_up.weight")
-    assert verdict.diagnosis[:2] == (
-        "rank 0 layers.0.qkv.weight holds rows 0-191; declared 0-127, 256-287, 320-351",
-        "rank 1 layers.0.qkv.weight holds rows 192-383; declared 128-255, 288-319, 352-383")
+    assert verdict.diagnosis[:2] == (  # rows 0-191; declared 0-127, 256-287, 320-351
+        "rank 0 layers.0.qkv.weight holds Q heads 0-5; declared Q heads 0-3, K head 0, V head 0",
+        "rank 1 layers.0.qkv.weight holds Q heads 6-7, K heads 0-1, V heads 0-1; declared "
+        "Q heads 4-7, K head 1, V head 1")
     text = str(verdict)
     assert "FAIL toy split -> 2" in text and "max |logit error|" in text and "threshold" in text
 
@@ -71,7 +72,8 @@ def test_a_reshard_that_reverses_rank_order_is_diagnosed():
 
     verdict = check_reshard(reversed_o_proj, TOY_KV4, 2, 4)
     assert not verdict.passed and verdict.first_mismatch == "layers.0.o_proj.weight"
-    assert verdict.diagnosis[0] == "rank 0 layers.0.o_proj.weight holds columns 192-255; declared 0-63"
+    assert verdict.diagnosis[0] == (
+        "rank 0 layers.0.o_proj.weight holds columns 192-255; declared columns 0-63")
 
 
 def test_bytes_that_differ_fail_even_when_the_logits_stay_within_tolerance():
@@ -86,7 +88,7 @@ def test_bytes_that_differ_fail_even_when_the_logits_stay_within_tolerance():
     assert verdict.max_abs_error <= verdict.threshold  # the forward cannot see it
     assert not verdict.passed and verdict.first_mismatch == "layers.3.down.weight"
     assert verdict.diagnosis == (
-        "rank 1 layers.3.down.weight holds columns ?, 353-703; declared 352-703",)
+        "rank 1 layers.3.down.weight holds columns ?, 353-703; declared columns 352-703",)
 
 
 def test_non_finite_logits_never_pass_even_with_declared_bytes():
@@ -143,13 +145,13 @@ def test_format_indices_compresses_runs_and_marks_unknown_slices():
 
 
 def test_byte_comparison_is_bitwise_not_numeric():
-    from weight_sync_bench.check.diagnosis import _bit_equal
+    from weight_sync_bench.check.diagnosis import bit_equal
 
     zero, neg_zero, nan = torch.tensor([0.0]), torch.tensor([-0.0]), torch.tensor([float("nan")])
-    assert not _bit_equal(zero, neg_zero)  # numerically equal, different bytes
-    assert _bit_equal(nan, nan.clone())  # numerically unequal, same bytes
+    assert not bit_equal(zero, neg_zero)  # numerically equal, different bytes
+    assert bit_equal(nan, nan.clone())  # numerically unequal, same bytes
     x = torch.randn(4, 3, dtype=torch.bfloat16)
-    assert _bit_equal(x.t(), x.t().contiguous()) and not _bit_equal(x, x.to(torch.float16))
+    assert bit_equal(x.t(), x.t().contiguous()) and not bit_equal(x, x.to(torch.float16))
     y = x.clone()
     y.view(torch.int16)[2, 1] ^= 1
-    assert not _bit_equal(x, y)
+    assert not bit_equal(x, y)

@@ -352,8 +352,8 @@ def test_the_users_function_gets_copies_at_the_seed_and_dtype_and_is_named_when_
 
 
 def test_environment_notes_name_the_floor_as_a_reader_asks(monkeypatch):
-    import weight_sync_bench.check.checker as module
-    from weight_sync_bench.check.checker import environment_notes
+    import weight_sync_bench.check.threshold as module
+    from weight_sync_bench.check.threshold import environment_notes
     from weight_sync_bench.tolerance.rules import Floor
 
     seen = []
@@ -371,8 +371,8 @@ def test_environment_notes_name_the_floor_as_a_reader_asks(monkeypatch):
 
 
 def test_resolve_floor_measures_only_when_asked_and_then_reads_the_cache(monkeypatch):
-    import weight_sync_bench.check.checker as module
-    from weight_sync_bench.check.checker import resolve_floor
+    import weight_sync_bench.check.threshold as module
+    from weight_sync_bench.check.threshold import resolve_floor
     from weight_sync_bench.check.forwards import inprocess_forward
     from weight_sync_bench.errors import FloorNotMeasured
 

@@ -14,7 +14,7 @@ import pytest
 
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig, check_convert, convert
 from weight_sync_bench.check import floor
-from weight_sync_bench.check.convert import ConversionChecker
+from weight_sync_bench.check.convert import conversion_checker
 from weight_sync_bench.cli.main import main
 from weight_sync_bench.conventions import materialize
 from weight_sync_bench.errors import FloorNotMeasured
@@ -82,7 +82,7 @@ def test_a_floor_without_the_replicated_cell_refuses_the_conversion_before_it_ru
     # streamed, and a verdict on shards already made (wsb verify's path): refused alike
     with pytest.raises(FloorNotMeasured, match=f"vllm at t={t} runs the vllm-replicated-kv"):
         check_convert(never, config, src, dst, stream="layer")
-    checker = ConversionChecker(config)
+    checker = conversion_checker(config)
     from weight_sync_bench.conventions import endpoint
     with pytest.raises(FloorNotMeasured):
         checker.verdict(materialize(endpoint(dst).pieces(config), checker.checker.full),

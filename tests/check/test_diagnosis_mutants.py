@@ -5,9 +5,10 @@ dtype, a shard of another width, runs after unknown slices, and the kept slice i
 import pytest
 import torch
 
+from weight_sync_bench import TOY
 from weight_sync_bench.check import diagnosis
 from weight_sync_bench.check.diagnosis import (
-    diagnose,
+    diagnose_plain,
     format_indices,
     locate,
     mismatching,
@@ -15,6 +16,11 @@ from weight_sync_bench.check.diagnosis import (
 from weight_sync_bench.layout.placements import Shard
 from weight_sync_bench.layout.reshard import split_tensor
 from weight_sync_bench.layout.table import ShardSpec
+
+
+def diagnose(full, spec, shards):
+    """The plain layout's diagnosis of ``spec`` (no VOCABULARY words for these names)."""
+    return diagnose_plain(full, TOY, spec, shards)
 
 
 def _arange(*shape):
@@ -29,7 +35,7 @@ def test_only_the_wrong_rank_is_reported_when_the_others_hold_their_declared_row
     shards = split_tensor(full, ROWS, 4)
     shards[2] = shards[2].flip(0)  # rank 2 holds its rows reversed; ranks 1 and 3 are right
     assert diagnose(full, ROWS, shards) == [
-        "rank 2 layers.0.up.weight holds rows 5, 4; declared 4-5"]
+        "rank 2 layers.0.up.weight holds rows 5, 4; declared rows 4-5"]
 
 
 @pytest.mark.parametrize("shape, dim, axis", [
@@ -41,8 +47,8 @@ def test_the_axis_is_named_by_the_tensor_rank_and_dim(shape, dim, axis):
     full = _arange(*shape)
     shards = split_tensor(full, spec, 2)
     shards[0], shards[1] = shards[1], shards[0]
-    assert diagnose(full, spec, shards) == [f"rank 0 w holds {axis} 4-7; declared 0-3",
-                                            f"rank 1 w holds {axis} 0-3; declared 4-7"]
+    assert diagnose(full, spec, shards) == [f"rank 0 w holds {axis} 4-7; declared {axis} 0-3",
+                                            f"rank 1 w holds {axis} 0-3; declared {axis} 4-7"]
 
 
 def test_the_declared_bytes_under_another_dtype_are_the_declared_rows_with_values_changed():
@@ -59,7 +65,8 @@ def test_a_shard_of_another_width_is_found_nowhere():
     full = _arange(8, 3)
     narrow = [s[:, :2].contiguous() for s in split_tensor(full, ROWS, 2)]
     assert locate(full, narrow[0], 0) == [None] * 4
-    assert diagnose(full, ROWS, narrow)[1] == "rank 1 layers.0.up.weight holds rows ? x4; declared 4-7"
+    assert diagnose(full, ROWS, narrow)[1] == (
+        "rank 1 layers.0.up.weight holds rows ? x4; declared rows 4-7")
 
 
 @pytest.mark.parametrize("indices, text", [
@@ -84,29 +91,29 @@ def test_a_byte_correct_rank_is_not_reported_even_when_the_full_tensor_repeats_r
     shards = split_tensor(full, ROWS, 2)
     shards[0] = shards[0].flip(0)
     assert diagnose(full, ROWS, shards) == [
-        "rank 0 layers.0.up.weight holds rows 3, 2, 1, 0; declared 0-3"]
+        "rank 0 layers.0.up.weight holds rows 3, 2, 1, 0; declared rows 0-3"]
 
 
 @pytest.mark.parametrize("shape", [(10, 3), (4, 7), (25,), (3, 2, 4)])
 def test_the_byte_comparison_in_slabs_sees_a_difference_in_any_slab_and_its_twin_passes(
         monkeypatch, shape):
-    """``_bit_equal`` compares ``_CHUNK`` elements at a time along dim 0 (bounded
+    """``bit_equal`` compares ``_CHUNK`` elements at a time along dim 0 (bounded
     temporaries at real widths): a one-element difference in the first, a middle or the last
     slab, or in a strided view, is seen; equal bytes in every slab pass."""
     monkeypatch.setattr(diagnosis, "_CHUNK", 6)  # several slabs, a short last one
     a = _arange(*shape)
-    assert diagnosis._bit_equal(a, a.clone())
+    assert diagnosis.bit_equal(a, a.clone())
     flat = a.numel()
     for at in (0, flat // 2, flat - 1):
         b = a.clone()
         b.view(-1)[at] = -0.0 if a.view(-1)[at] == 0 else a.view(-1)[at].neg()  # bytes only
-        assert not diagnosis._bit_equal(a, b), at
+        assert not diagnosis.bit_equal(a, b), at
     if a.dim() == 2:  # a column slice: strided, compared without a whole contiguous copy
-        assert diagnosis._bit_equal(a[:, 1:], a.clone()[:, 1:])
+        assert diagnosis.bit_equal(a[:, 1:], a.clone()[:, 1:])
         b = a.clone()
         b[-1, -1] += 1
-        assert not diagnosis._bit_equal(a[:, 1:], b[:, 1:])
-    assert not diagnosis._bit_equal(a, a.reshape(-1)) or a.dim() == 1  # shapes still compared
+        assert not diagnosis.bit_equal(a[:, 1:], b[:, 1:])
+    assert not diagnosis.bit_equal(a, a.reshape(-1)) or a.dim() == 1  # shapes still compared
 
 
 @pytest.mark.parametrize("shape", [(10, 3), (4, 7), (25,), (3, 2, 4)])
@@ -122,6 +129,6 @@ def test_no_byte_comparison_reads_more_than_a_slab_or_one_row(monkeypatch, shape
         return real(a, b)
     monkeypatch.setattr(diagnosis, "_equal_bytes", recording)
     a = _arange(*shape)
-    assert diagnosis._bit_equal(a, a.clone())
+    assert diagnosis.bit_equal(a, a.clone())
     row = a.numel() // a.shape[0]
     assert max(seen) <= max(6, row) and sum(seen) == a.numel()

@@ -17,7 +17,7 @@ from weight_sync_bench import (
     layout_for,
     split,
 )
-from weight_sync_bench.check.diagnosis import _bit_equal
+from weight_sync_bench.check.diagnosis import bit_equal
 from weight_sync_bench.check.mutations import DTYPE_MUTATIONS, mutation_by_name
 from weight_sync_bench.errors import InvalidConfig, WrongUserShard
 from weight_sync_bench.fuzz.domain import DOMAIN
@@ -126,8 +126,9 @@ def test_a_naive_bf16_split_is_diagnosed_as_the_fp32_one_is(bf16, fp32):
     high = fp32.verdict(naive_split({n: x.clone() for n, x in fp32.full.items()}, 2), dst=2)
     assert not low.passed and low.ratio > 100
     assert low.diagnosis == high.diagnosis == (
-        "rank 0 layers.0.qkv.weight holds rows 0-191; declared 0-127, 256-287, 320-351",
-        "rank 1 layers.0.qkv.weight holds rows 192-383; declared 128-255, 288-319, 352-383")
+        "rank 0 layers.0.qkv.weight holds Q heads 0-5; declared Q heads 0-3, K head 0, V head 0",
+        "rank 1 layers.0.qkv.weight holds Q heads 6-7, K heads 0-1, V heads 0-1; declared "
+        "Q heads 4-7, K head 1, V head 1")
 
 
 @pytest.mark.parametrize("name", ["bf16_round_trip", "fp16_round_trip"])
@@ -166,7 +167,7 @@ def test_a_dtype_mutation_is_the_identity_exactly_where_it_says(mutation, dtype)
     checker = Checker(SMALL, threshold=1.0, dtype=weights)
     declared = checker.declared(2)
     mutated = mutation.apply(declared, checker.layout, SMALL)
-    changed = any(not _bit_equal(m[n], d[n]) for m, d in zip(mutated, declared) for n in d)
+    changed = any(not bit_equal(m[n], d[n]) for m, d in zip(mutated, declared) for n in d)
     reason = mutation.identity_reason(SMALL, 2, weights)
     if weights == torch.bfloat16 and mutation.name == "fp16_round_trip":
         assert reason is not None and "not declared" in reason  # lossy only at the extremes

@@ -10,7 +10,7 @@ import pytest
 
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig
 from weight_sync_bench.check import floor
-from weight_sync_bench.check.convert import ConversionChecker
+from weight_sync_bench.check.convert import conversion_checker
 from weight_sync_bench.tolerance.artifacts import artifact_path
 from weight_sync_bench.tolerance.rules import load_artifact
 
@@ -57,7 +57,7 @@ def test_a_replicated_cell_is_the_deviation_of_the_forward_check_convert_runs():
         wide = {c["degree"]: c for c in artifact["cells"]
                 if floor.cell_forward(c) == floor.REPLICATED_KV}
         assert sorted(wide) == [4, 8]
-        checker = ConversionChecker(SMALL, threshold=1.0, dtype=dtype)
+        checker = conversion_checker(SMALL, threshold=1.0, dtype=dtype)
         for t, cell in wide.items():
             assert cell["worst_abs"] == checker.declared_error(f"vllm:{t}"), (dtype, t)
         assert artifact["worst_abs"] == max(c["worst_abs"] for c in artifact["cells"])

@@ -169,4 +169,4 @@ def test_check_split_over_gloo_passes_the_declared_split_and_diagnoses_a_naive_o
     bad = check_split(_naive_qkv, TOY, 2, backend="gloo")
     assert not bad.passed and bad.ratio > 100 and bad.phase == "1b"
     assert bad.diagnosis[0] == (
-        "rank 0 layers.0.qkv.weight holds rows 0-191; declared 0-127, 256-287, 320-351")
+        "rank 0 layers.0.qkv.weight holds Q heads 0-5; declared Q heads 0-3, K head 0, V head 0")

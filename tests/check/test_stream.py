@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from weight_sync_bench import TOY, TOY_KV4, check_reshard, check_split, layout_for
-from weight_sync_bench.check import stream
+from weight_sync_bench.check import streaming
 from weight_sync_bench.check.convert import stage_convert, stream_convert
 from weight_sync_bench.check.stream import (
     stage_reshard,
@@ -20,6 +20,7 @@ from weight_sync_bench.check.stream import (
 )
 from weight_sync_bench.errors import WrongUserShard
 from weight_sync_bench.layout.reshard import split_tensor
+from weight_sync_bench.model import stepwise
 
 # tied embeddings and q/k/v and o_proj biases: every stage the streamed forward special-cases
 VARIANT = TOY.replace(name="variant", vocab=500, d_model=64, n_layers=2, ffn=96, head_dim=8,
@@ -104,7 +105,7 @@ def _no_unit_outlives_itself(monkeypatch, kept=()):
     the tensors of ``kept``. Returns the names drawn; ``held(x)`` registers ``fn``'s own."""
     made: list[tuple[str, weakref.ref]] = []
     drawn: list[str] = []
-    real_draw, real_computing = stream._draw, stream.computing
+    real_draw, real_computing = streaming.draw, stepwise.computing
 
     def draw(draws, names):
         alive = sorted({n for n, ref in made if ref() is not None and n not in kept})
@@ -119,8 +120,8 @@ def _no_unit_outlives_itself(monkeypatch, kept=()):
         made.extend((n, weakref.ref(x)) for n, x in out.items())
         return out
 
-    monkeypatch.setattr(stream, "_draw", draw)
-    monkeypatch.setattr(stream, "computing", computing)
+    monkeypatch.setattr(streaming, "draw", draw)  # every streamed pass draws through it
+    monkeypatch.setattr(stepwise, "computing", computing)
     return drawn, lambda shards: made.extend(
         (n, weakref.ref(x)) for rank in shards for n, x in rank.items())
 
@@ -209,7 +210,7 @@ def test_a_streamed_check_refuses_an_unknown_way_to_stream():
 
 
 def test_shard_of_is_split_tensor_byte_for_byte_at_every_degree_and_rank():
-    from weight_sync_bench.check.diagnosis import _bit_equal
+    from weight_sync_bench.check.diagnosis import bit_equal
     from weight_sync_bench.layout.reshard import shard_of
     from weight_sync_bench.model.config import init_params
 
@@ -218,7 +219,7 @@ def test_shard_of_is_split_tensor_byte_for_byte_at_every_degree_and_rank():
     for degree in layout.supported_degrees():
         for spec in layout:
             split = split_tensor(params[spec.name], spec, degree)
-            assert all(_bit_equal(shard_of(params[spec.name], spec, degree, r), split[r])
+            assert all(bit_equal(shard_of(params[spec.name], spec, degree, r), split[r])
                        for r in range(degree))
 
 

@@ -12,7 +12,8 @@ import torch
 
 from weight_sync_bench import TOY
 from weight_sync_bench.check.convert import check_convert, stage_convert
-from weight_sync_bench.check.stream import _declared, stream_check
+from weight_sync_bench.check.stream import stream_check
+from weight_sync_bench.check.streaming import declared_shard
 from weight_sync_bench.layout.placements import Shard
 from weight_sync_bench.layout.table import ShardSpec
 from weight_sync_bench.model.plan import layout_for
@@ -66,18 +67,18 @@ def test_a_declared_slice_is_compared_range_by_range():
     full = torch.randn(spec.shape)
     from weight_sync_bench.layout.reshard import shard_of
     mine = shard_of(full, spec, 2, 1).clone()
-    assert _declared(mine, full, spec, 2, 1)
-    assert not _declared(shard_of(full, spec, 2, 0).clone(), full, spec, 2, 1)  # rank 0's
+    assert declared_shard(mine, full, spec, 2, 1)
+    assert not declared_shard(shard_of(full, spec, 2, 0).clone(), full, spec, 2, 1)  # rank 0's
     swapped = mine.clone()
     hd = TOY.head_dim
     k = slice(spec.ranges(2, 1)[1][0][1] - spec.ranges(2, 1)[1][0][0], None)
     swapped[k] = swapped[k].roll(hd, 0)  # K and V heads of the rank exchanged
-    assert not _declared(swapped, full, spec, 2, 1)
-    assert not _declared(mine[:-1], full, spec, 2, 1)  # a short shard is not its slice
+    assert not declared_shard(swapped, full, spec, 2, 1)
+    assert not declared_shard(mine[:-1], full, spec, 2, 1)  # a short shard is not its slice
     rows = ShardSpec("w", (4, 6), Shard(dim=1))
     cols = torch.randn(4, 6)
-    assert _declared(cols[:, 3:].clone(), cols, rows, 2, 1)
-    assert not _declared(cols[:, :3].clone(), cols, rows, 2, 1)
+    assert declared_shard(cols[:, 3:].clone(), cols, rows, 2, 1)
+    assert not declared_shard(cols[:, :3].clone(), cols, rows, 2, 1)
 
 
 def test_a_streamed_split_sees_one_wrong_element_of_a_fused_slice_and_its_twin_passes():

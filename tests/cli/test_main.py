@@ -57,7 +57,8 @@ def test_wsb_check_runs_a_users_resharder_by_module_path(tmp_path, monkeypatch, 
     assert main(["check", "--config", "toy_kv4", "--src", "1", "--dst", "2",
                  "--resharder", "my_resharders:chunked"]) == 1
     out = capsys.readouterr().out
-    assert "rank 0 layers.0.gate_up.weight holds rows 0-703; declared 0-351, 704-1055" in out
+    assert ("rank 0 layers.0.gate_up.weight holds gate rows 0-703; declared gate rows 0-351, "
+            "up rows 0-351") in out
 
 
 def test_a_missing_resharder_is_a_clear_error(tmp_path, monkeypatch, capsys):

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from weight_sync_bench.check import checker as checker_module
+from weight_sync_bench.check import threshold as threshold_module
 from weight_sync_bench.cli.main import main
 
 main_module = importlib.import_module("weight_sync_bench.cli.main")
@@ -79,7 +79,7 @@ def no_measuring(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("measured a floor that is cached")
     monkeypatch.setattr(main_module, "measure_geometry", refuse)
-    monkeypatch.setattr(checker_module, "measure_geometry", refuse)
+    monkeypatch.setattr(threshold_module, "measure_geometry", refuse)
 
 
 def test_an_unmeasured_geometry_is_refused_naming_the_command_then_measured_once(

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from weight_sync_bench.check.convert import ConversionChecker, measure_threshold
+from weight_sync_bench.check.convert import conversion_checker, measure_threshold
 from weight_sync_bench.conventions import CONVENTIONS, endpoint
 from weight_sync_bench.model.config import CONFIGS
 
@@ -15,11 +15,11 @@ from weight_sync_bench.model.config import CONFIGS
 @functools.cache
 def _checker(config):
     if config.name in CONFIGS and CONFIGS[config.name] == config:
-        return ConversionChecker(config)  # the committed phase 1a floor
+        return conversion_checker(config)  # the committed phase 1a floor
     # A reduced HF geometry has no committed floor: measured here, as phase1a.json is.
     eps = [endpoint(f"{n}:{t}") for n, c in CONVENTIONS.items()
            for t in c.supported_degrees(config, 16)]
-    return ConversionChecker(config, threshold=measure_threshold(config, eps))
+    return conversion_checker(config, threshold=measure_threshold(config, eps))
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig, init_params, layout_for, split
-from weight_sync_bench.check.convert import describe
+from weight_sync_bench.check.diagnosis import describe
 from weight_sync_bench.conventions import CONVENTIONS, endpoint, render, shards_for
 from weight_sync_bench.conventions.megatron import padded_vocab as megatron_vocab
 from weight_sync_bench.conventions.meta import permute
@@ -87,7 +87,7 @@ def test_padding_rows_are_zeros_at_the_end_of_the_last_shard():
     assert not second.any()  # rank 1 holds padding only, as Megatron's does at this size
     vl = shards_for(config, "vllm", 2)  # 100 -> 128 rows, 64 per rank
     assert vl[1]["lm_head.weight"].shape == (64, 16) and not vl[1]["lm_head.weight"][36:].any()
-    assert heads(config, "vllm", 2, "lm_head.weight")[1] == "rows 64-99, padding x28"
+    assert heads(config, "vllm", 2, "lm_head.weight")[1] == "vocabulary rows 64-99, padding x28"
 
 
 def test_plain_is_exactly_the_declared_split_padding_tied_and_biases_included():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weight_sync_bench import TOY, TOY_KV4
-from weight_sync_bench.check.diagnosis import _bit_equal
+from weight_sync_bench.check.diagnosis import bit_equal
 from weight_sync_bench.conventions import (
     CONVENTIONS,
     convert,
@@ -60,7 +60,7 @@ def test_the_harness_converter_passes_every_pair_of_conventions_and_degrees(
     eps, shapes = endpoints(config), config.param_shapes()
     for src in eps:
         gathered = gather_canonical(checker.source(src), src.pieces(config), shapes)
-        assert all(_bit_equal(gathered[n], x) for n, x in checker.checker.full.items()), str(src)
+        assert all(bit_equal(gathered[n], x) for n, x in checker.checker.full.items()), str(src)
     for dst in eps:
         verdict = checker.verdict(materialize(dst.pieces(config), checker.checker.full),
                                   src=eps[0], dst=dst)

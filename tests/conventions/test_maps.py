@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from weight_sync_bench import TOY, TOY_KV4
-from weight_sync_bench.check.diagnosis import _bit_equal
+from weight_sync_bench.check.diagnosis import bit_equal
 from weight_sync_bench.conventions import (
     CONVENTIONS,
     gather_canonical,
@@ -80,7 +80,7 @@ def test_translate_is_gather_then_materialize_bit_for_bit_between_every_pair():
         want = materialize(dst, gather_canonical(shards, src, shapes))
         got = translate(shards, src, dst, shapes)
         assert [sorted(r) for r in got] == [sorted(r) for r in want], (a, ta, b, tb)
-        assert all(_bit_equal(g[n], w[n]) for g, w in zip(got, want) for n in w), (a, ta, b, tb)
+        assert all(bit_equal(g[n], w[n]) for g, w in zip(got, want) for n in w), (a, ta, b, tb)
         held = {x.data_ptr() for r in shards for x in r.values()}
         assert not any(g[n].data_ptr() in held for g in got for n in g)  # fresh tensors
 

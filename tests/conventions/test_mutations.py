@@ -12,6 +12,8 @@ default geometries reach too, which
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -75,6 +77,11 @@ def test_every_mutation_is_killed_wherever_it_is_not_the_identity(config, mutati
                 assert _bytes_equal(mutated, declared), (str(conversion),
                                                          mutation.identity_reason(conversion))
                 continue
+            # only what it says it changes (``changes``: check.naming applies it to no other)
+            sources = {n: piece.source for rank in dst.pieces(config) for n, piece in rank.items()}
+            changed = {n for new, old in zip(mutated, declared) for n in new
+                       if not torch.equal(new[n], old[n])}
+            assert changed and all(re.fullmatch(mutation.changes, sources[n]) for n in changed)
             # the twin of this detection is test_conversions: the same destination, unmutated,
             # passes the same check
             verdict = checker.verdict(mutated, src=src, dst=dst, mutation=mutation.name)

@@ -18,7 +18,8 @@ from weight_sync_bench.check import floor as phase_floor
 from weight_sync_bench.check.mutations import KILL_MARGIN
 from weight_sync_bench.errors import FloorNotMeasured
 from weight_sync_bench.fuzz import floor
-from weight_sync_bench.fuzz.case import ConversionCase, FuzzConversionChecker, run_case
+from weight_sync_bench.check.conversion import ConversionChecker
+from weight_sync_bench.fuzz.case import ConversionCase, make_checker, run_case
 from weight_sync_bench.fuzz.domain import DOMAIN
 from weight_sync_bench.tolerance.rules import SAFETY, derive_threshold
 
@@ -51,7 +52,7 @@ def test_the_committed_validation_shows_the_rule_in_force_holds_on_the_replicate
 def test_a_sample_is_vllms_forward_at_every_replicated_degree_with_the_live_mutations():
     (record,) = floor.sample_replicated_kv(GEOMETRY, 3)
     assert record["degree"] == 4 and record["forward"] == phase_floor.REPLICATED_KV
-    checker = FuzzConversionChecker(GEOMETRY, seed=3, threshold_rule=lambda c, r: math.inf)
+    checker = ConversionChecker(make_checker(GEOMETRY, 3, threshold_rule=lambda c, r: math.inf))
     assert record["floor"] == checker.declared_error("vllm:4") > 0
     assert record["scale"] == float(checker.checker.reference.abs().max())
     assert "kv_replica_modulo" in record["kills"]  # the bug only replication has

@@ -118,11 +118,12 @@ def test_each_planted_bug_is_found_in_the_default_budget_and_shrunk_to_a_small_g
     assert "corpus entry: " in text
 
 
-def test_a_failure_names_the_rows_each_rank_holds_the_deviation_and_the_threshold():
+def test_a_failure_names_the_heads_each_rank_holds_the_deviation_and_the_threshold():
     text = str(_found(reshard_property(uf.reshard_wrong_for_mha)))
     assert "first parameter that differs from the declared layout: layers.0.qkv.weight" in text
-    assert "rank 0 layers.0.qkv.weight holds rows 0-1, 6-7, 2-3, 8-9, 4-5, 10-11; declared " \
-           "0-3, 4-7, 8-11" in text
+    # rows 0-1, 6-7, 2-3, 8-9, 4-5, 10-11; declared 0-11
+    assert "rank 0 layers.0.qkv.weight holds Q head 0, K head 1, Q head 1, V head 0, K head 0, " \
+           "V head 1; declared Q heads 0-1, K heads 0-1, V heads 0-1" in text
     assert "max |logit error| " in text and "> threshold " in text
 
 

@@ -35,7 +35,9 @@ def test_wsb_sync_exits_1_when_a_planner_mutation_is_run(capsys):
     out = capsys.readouterr().out
     assert code == 1 and "DIFFERENT" in out
     assert "FAIL toy_kv4 megatron:2 -> vllm:1 (phase 2, " in out
-    assert "mutation dropped_transfer)" in out and "they hold zeros (nothing wrote them)" in out
+    assert "mutation dropped_transfer)" in out  # the dropped rows hold zeros: nothing wrote them
+    assert ("    rank 0 lm_head.weight holds vocabulary rows 0-15999, zeros x16000; declared "
+            "vocabulary rows 0-31999\n") in out
 
 
 def test_nccl_without_cuda_and_torchrun_outside_torchrun_are_refused_naming_why(capsys,

@@ -48,14 +48,14 @@ def test_check_distributed_reshard_returns_the_phase_2_verdict(pool):
     assert str(verdict).startswith("PASS toy_kv4 vllm:2 -> hf:1 (phase 2)")
 
 
-def test_one_flipped_bit_fails_the_element_check_naming_rank_tensor_and_position(pool):
+def test_one_flipped_bit_fails_the_element_check_naming_rank_tensor_and_slice(pool):
     result = run_distributed_reshard(resharders.flip_one_bit, tiny(2), "megatron:2", "vllm:2",
                                      pool=pool, forward=False)
     assert not result.passed and not result.elements[0].passed and result.elements[1].passed
     (line,) = result.elements[0].lines
-    assert line == ("rank 0 model.layers.0.self_attn.qkv_proj.weight: 1 of 1536 elements differ, "
-                    "at local positions 0 along dim 0, declared layers.0.qkv.weight rows 0; "
-                    "they hold other values")
+    # local row 0, declared canonical qkv row 0 (Q head 0's first), holds values found nowhere
+    assert line == ("rank 0 model.layers.0.self_attn.qkv_proj.weight holds ?, Q head 0 rows 1-7, "
+                    "Q heads 1-3, K head 0, V head 0; declared Q heads 0-3, K head 0, V head 0")
 
 
 def test_a_resharder_that_returns_the_wrong_names_or_raises_is_framed_as_the_users(pool):

@@ -19,7 +19,7 @@ from weight_sync_bench import (
     layout_for,
     split,
 )
-from weight_sync_bench.check import checker as checker_module
+from weight_sync_bench.check import threshold as threshold_module
 from weight_sync_bench.cli.measure import main as measure_main
 from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
 from weight_sync_bench.layout.reshard import reshard
@@ -105,7 +105,7 @@ def test_first_use_measures_and_caches_and_the_second_check_measures_nothing(tol
     def no_measuring(*args, **kwargs):
         raise AssertionError("a cached geometry was measured again")
 
-    monkeypatch.setattr(checker_module, "measure_geometry", no_measuring)
+    monkeypatch.setattr(threshold_module, "measure_geometry", no_measuring)
     second = check_reshard(lambda s, d: reshard(s, layout_for(SMALL), d), SMALL, 4, 2)
     assert second.passed and second.threshold == first.threshold
     assert floor_for(SMALL).source == "geometry" and floor_for(SMALL).path == path

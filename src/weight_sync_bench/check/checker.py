@@ -16,18 +16,20 @@ so it reuses that forward. Only shards that differ get a forward (and a diagnosi
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from weight_sync_bench.check.diagnosis import _bit_equal, diagnose, mismatching
-from weight_sync_bench.check.floor import computing, measure_geometry
-from weight_sync_bench.check.forwards import BACKENDS, inprocess_forward
+from weight_sync_bench.check import stream
+from weight_sync_bench.check.diagnosis import bit_equal, diagnose_plain, mismatching
+from weight_sync_bench.check.forwards import BACKENDS, Forward, inprocess_forward
+from weight_sync_bench.check.naming import layout_naming, name_shards
+from weight_sync_bench.check.threshold import environment_notes, resolve_floor
 from weight_sync_bench.check.user_code import call_user
-from weight_sync_bench.errors import FloorNotMeasured, InvalidNumber, InvalidShards
+from weight_sync_bench.check.verdict import Verdict, format_verdicts
+from weight_sync_bench.errors import InvalidNumber, InvalidShards
 from weight_sync_bench.layout.reshard import (
     reshard,
     reshard_tensor,
@@ -43,91 +45,23 @@ from weight_sync_bench.model.config import (
 )
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.tolerance.rules import (
-    TOKEN_SEED_OFFSET,
-    Floor,
-    check_environment,
-    floor_for,
-)
+from weight_sync_bench.model.stepwise import computing
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, Floor
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.mutations import Mutation
     from weight_sync_bench.layout.table import LayoutTable
 
+# Defined by the modules below, named here too: where the package's users have imported them.
+__all__ = ["BACKENDS", "Checker", "Forward", "ReshardFn", "SplitFn", "ThresholdRule", "Verdict",
+           "check_reshard", "check_split", "checker_for", "degree_pairs", "environment_notes",
+           "format_verdicts", "resolve_floor", "sweep"]
 
 Params = dict[str, torch.Tensor]
-# (config, rank-local shards at degree t, tokens) -> rank 0's full logits
-Forward = Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]
 SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
 ReshardFn = Callable[[list[dict[str, torch.Tensor]], int], list[dict[str, torch.Tensor]]]
 # (config, reference logits) -> threshold
 ThresholdRule = Callable[[ModelConfig, torch.Tensor], float]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """The outcome of one check. ``passed`` needs finite logits within the threshold *and*
-    shards equal to the declared split byte for byte (data movement has no tolerance)."""
-
-    config: str
-    src: int | None  # None when the shards came from a split of the full model
-    dst: int
-    max_abs_error: float
-    threshold: float
-    first_mismatch: str | None
-    mismatches: tuple[str, ...] = ()
-    diagnosis: tuple[str, ...] = ()
-    phase: str = "1a"
-    mutation: str | None = None
-    own_forward: bool = False  # False: the shards equal the declared split and reused its forward
-    # (source, destination) convention names when the check is of a conversion
-    # (``check_convert``): src and dst are then the degrees of those conventions.
-    conventions: tuple[str, str] | None = None
-    # How the running environment differs from the one the threshold was measured in
-    # (``tolerance.rules.check_environment``); empty when it is the same.
-    notes: tuple[str, ...] = ()
-    dtype: str = "fp32"  # the synced weights' dtype, in which the shards were compared
-    # The catalogued mutation the shards equal bit for bit, where the diagnosis finds one.
-    named_mutation: str | None = None
-
-    @property
-    def finite(self) -> bool:
-        return math.isfinite(self.max_abs_error)
-
-    @property
-    def ratio(self) -> float:
-        """Deviation over threshold: below 1 passes the tolerance, a layout bug is >> 1."""
-        return self.max_abs_error / self.threshold
-
-    @property
-    def passed(self) -> bool:
-        return self.finite and self.max_abs_error <= self.threshold and self.first_mismatch is None
-
-    @property
-    def route(self) -> str:
-        if self.conventions is not None:
-            return f"{self.conventions[0]}:{self.src} -> {self.conventions[1]}:{self.dst}"
-        return f"{self.src} -> {self.dst}" if self.src is not None else f"split -> {self.dst}"
-
-    def __str__(self) -> str:
-        head = f"{'PASS' if self.passed else 'FAIL'} {self.config} {self.route} (phase {self.phase}"
-        head += f", {self.dtype} weights" if self.dtype != "fp32" else ""
-        head += f", mutation {self.mutation})" if self.mutation else ")"
-        if not self.finite:
-            numbers = f"logits are not finite (max |error| {self.max_abs_error})"
-        else:
-            relation = "<=" if self.max_abs_error <= self.threshold else ">"
-            numbers = (f"max |logit error| {self.max_abs_error:.4g} {relation} threshold "
-                       f"{self.threshold:g} ({self.ratio:.3g}x)")
-        lines = [head, f"  {numbers}"]
-        if self.first_mismatch is None:
-            lines.append("  shards equal the declared layout byte for byte")
-        else:
-            lines.append(f"  first parameter that differs from the declared layout: "
-                         f"{self.first_mismatch} ({len(self.mismatches)} differ in all)")
-            lines.extend(f"    {line}" for line in self.diagnosis)
-        lines.extend(f"  note: {note}" for note in self.notes)
-        return "\n".join(lines)
 
 
 @dataclass
@@ -237,10 +171,15 @@ class Checker:
         if not differ:
             return Verdict(max_abs_error=self.declared_error(dst), first_mismatch=None, **common)
         first = differ[0]
+        assert isinstance(self.dtype, torch.dtype)
+        named = name_shards(layout_naming(self.config, self.layout, dst, self.dtype), checked,
+                            declared, differ, self.layout.names)
         return Verdict(max_abs_error=self.error(checked), first_mismatch=first,
                        mismatches=tuple(differ), own_forward=True,
-                       diagnosis=tuple(diagnose(self.full[first], self.layout[first],
-                                                [p[first] for p in checked])), **common)
+                       diagnosis=tuple(diagnose_plain(self.full[first], self.config,
+                                                      self.layout[first],
+                                                      [p[first] for p in checked])),
+                       named_mutation=named.mutation, named_meaning=named.meaning, **common)
 
 
     def reshard_verdict(self, src: int, dst: int) -> Verdict:
@@ -251,7 +190,7 @@ class Checker:
         source, declared = self.declared(src), self.declared(dst)
         for spec in self.layout:
             out = reshard_tensor([params[spec.name] for params in source], spec, dst)
-            if not all(_bit_equal(o, d[spec.name]) for o, d in zip(out, declared)):
+            if not all(bit_equal(o, d[spec.name]) for o, d in zip(out, declared)):
                 return self.verdict(reshard(source, self.layout, dst), src=src, dst=dst)
         assert self.threshold is not None
         return Verdict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
@@ -259,33 +198,10 @@ class Checker:
                        first_mismatch=None, notes=self.notes, dtype=self.dtype_name)
 
 
-def resolve_floor(config: ModelConfig, phase: str, dtype: str, *, measure: bool = False,
-                  forward: Forward = inprocess_forward) -> Floor:
-    """The floor covering a check (``floor_for``); with ``measure``, one measured for this
-    geometry when none does (cached: the next check of it reads it)."""
-    try:
-        return floor_for(config, phase, dtype)
-    except FloorNotMeasured:
-        if not measure:
-            raise
-    measure_geometry(config, phase=phase, dtype=dtype,
-                     forward=None if phase == "1a" else forward)
-    return floor_for(config, phase, dtype)
-
-
-def environment_notes(floor: Floor, config: ModelConfig, phase: str, dtype: str
-                      ) -> tuple[str, ...]:
-    """``check_environment``'s notes on the floor a check reads, named as a reader asks."""
-    what = f"the phase {phase} floor" if dtype == "fp32" else f"the phase {phase} {dtype} floor"
-    return check_environment(floor.artifact, what if floor.source == "committed"
-                             else f"{what} of {config.name}")
-
-
 def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:
     """Every ordered pair (src, dst) of supported degrees, src == dst included."""
     degrees = layout.supported_degrees()
     return [(s, d) for s in degrees for d in degrees]
-
 
 
 def checker_for(config: ModelConfig, *, seed: int = 0, backend: str = "inprocess",
@@ -387,26 +303,10 @@ def _streamed(fn: Callable[..., list[dict[str, torch.Tensor]]], config: ModelCon
               src: int | None, *, seed: int, threshold: float | None, backend: str,
               dtype: torch.dtype | str, measure_floor: bool, per: str,
               progress: Callable[..., None] | None) -> Verdict:
-    from weight_sync_bench.check.stream import stream_check  # it builds on this module
-
-    return stream_check(config, dst, fn=fn, src=src, per=per, seed=seed, dtype=dtype,
-                        threshold=threshold, measure_floor=measure_floor, progress=progress,
-                        backend=backend)
+    return stream.stream_check(config, dst, fn=fn, src=src, per=per, seed=seed, dtype=dtype,
+                               threshold=threshold, measure_floor=measure_floor,
+                               progress=progress, backend=backend)
 
 
 def _dtypes(checker: Checker) -> dict[str, torch.dtype]:
     return {n: x.dtype for n, x in checker.full.items()}
-
-
-def format_verdicts(verdicts: Sequence[Verdict]) -> str:
-    """A table: one row per verdict (config, route, error, threshold, ratio, forward, result)."""
-    rows = [["config", "src -> dst", "phase", "mutation", "max |error|", "threshold", "ratio",
-             "forward", "result"]]
-    for v in verdicts:
-        rows.append([v.config, v.route, v.phase, v.mutation or "-", f"{v.max_abs_error:.4g}",
-                     f"{v.threshold:g}", f"{v.ratio:.3g}x",
-                     "own" if v.own_forward else "declared", "PASS" if v.passed else "FAIL"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    notes = dict.fromkeys(note for v in verdicts for note in v.notes)
-    return "\n".join(lines + [f"note: {note}" for note in notes])

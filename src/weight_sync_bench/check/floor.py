@@ -19,6 +19,7 @@ A conversion whose destination forward has no cell at its degree is refused
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.check.forwards import gloo_logits, inprocess_forward
+from weight_sync_bench.check.streaming import Progress, stream_deviation
 from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.conventions import (
     CONVENTIONS,
@@ -51,6 +53,13 @@ from weight_sync_bench.model.config import (
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.model.stepwise import (
+    ReferenceSteps,
+    ShardedSteps,
+    computing,
+    draw,
+    stages,
+)
 from weight_sync_bench.tolerance.artifacts import (
     PHASES,
     SCHEMA,
@@ -70,8 +79,7 @@ from weight_sync_bench.tolerance.rules import (
 )
 
 if TYPE_CHECKING:
-    from weight_sync_bench.check.checker import Forward
-    from weight_sync_bench.check.stream import Progress
+    from weight_sync_bench.check.forwards import Forward
     from weight_sync_bench.conventions import Convention, Endpoint
 
 REPETITIONS = 20
@@ -97,12 +105,6 @@ def inprocess_runner(config: ModelConfig, degree: int, param_seed: int, token_se
     shards = split(params, layout_for(config), degree)
     return ShardedModel(config, shards, InProcessCollective(degree))(
         make_tokens(config, token_seed))[0]
-
-
-def computing(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Parameters as the forward computes with them: fp32, upcast exactly from bf16 or fp16
-    (the synced values, not the fp32 draws they were rounded from); fp32 ones as they are."""
-    return {n: x if x.dtype == torch.float32 else x.float() for n, x in params.items()}
 
 
 def forward_of(convention: Convention | str, config: ModelConfig, degree: int) -> str:
@@ -144,7 +146,7 @@ def convention_logits(where: Endpoint, config: ModelConfig,
     """Rank 0's logits of ``where``'s forward reading its stored ``shards`` (in their synced
     dtype; the forward computes in fp32 from them), as that framework reads them
     (``conventions.reading_plan``): in process (phase 1a) or one process per rank over gloo
-    (phase 1b, ``check.convert.gloo_logits``). What ``ConversionChecker.error`` judges and
+    (phase 1b, ``check.forwards.gloo_logits``). What ``ConversionChecker.error`` judges and
     a replicated-KV floor cell measures."""
     plan = reading_plan(where.convention, config, where.degree)
     inputs = [computing(x) for x in forward_inputs(shards, where.convention, config,
@@ -152,7 +154,6 @@ def convention_logits(where: Endpoint, config: ModelConfig,
     if phase == "1a":
         return ShardedModel(plan.forward.config, inputs, InProcessCollective(where.degree),
                             embedding=plan.forward.embedding)(tokens)[0]
-    from weight_sync_bench.check.convert import gloo_logits  # builds on check.checker
     return gloo_logits(plan.forward, inputs, tokens)
 
 
@@ -175,22 +176,18 @@ def stream_replicated_deviation(config: ModelConfig, degree: int, *, seed: int =
     stage's declared vLLM tensors are cut, read through the reading plan and upcast, and the
     vLLM forward steps; the same draws and steps as ``check.convert.stream_convert``, so the
     same logits as ``replicated_logits`` bit for bit."""
-    import time
-
-    from weight_sync_bench.check.stream import Progress as Step
-    from weight_sync_bench.check.stream import _draw, _Reference, _Sharded, stages
-
     target = endpoint(f"vllm:{degree}")
     pieces = target.pieces(config)
     plan = reading_plan(target.convention, config, degree)
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
-    reference = _Reference(config, tokens)
-    sharded = _Sharded.reading(plan, degree, tokens)
+    reference = ReferenceSteps(config, tokens)
+    sharded = ShardedSteps.over(plan.forward.config, InProcessCollective(degree), tokens,
+                                embedding=plan.forward.embedding)
     draws = iter_params(config, seed, dtype=parse_dtype(dtype))
     started, steps = time.perf_counter(), stages(config)
     with torch.no_grad():
         for k, (label, names) in enumerate(steps):
-            full = _draw(draws, names)
+            full = draw(draws, names)
             size = sum(x.numel() * x.element_size() for x in full.values())
             reference.take(names, full)
             sources = set(names)
@@ -202,7 +199,8 @@ def stream_replicated_deviation(config: ModelConfig, degree: int, *, seed: int =
             del stored
             sharded.take(names, inputs)
             if progress is not None:
-                progress(Step(k + 1, len(steps), label, size, time.perf_counter() - started))
+                progress(Progress(k + 1, len(steps), label, size,
+                                  time.perf_counter() - started))
     assert sharded.logits is not None and reference.expected is not None
     return (sharded.logits - reference.expected).abs().flatten()
 
@@ -335,10 +333,6 @@ def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp
         raise ToleranceMismatch(f"phase {phase} needs its own forward (the gloo one)")
     wide = replicated_degrees(config, max_degree)
     if phase == "1a":  # streamed: a real width is never held whole (check.stream)
-        from weight_sync_bench.check.stream import (
-            stream_deviation,  # builds on check.checker
-        )
-
         def report(rep: int, t: int, what: str = "") -> Callable[[Any], None] | None:
             if progress is None:
                 return None

@@ -44,10 +44,18 @@ from weight_sync_bench.model.sharded import ShardedModel
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
     from weight_sync_bench.collectives.gloo.rank import RankContext
+    from weight_sync_bench.conventions import ForwardLayout
+
+# Where a check's sharded forward runs: in this process (phase 1a) or one process per rank
+# over gloo (phase 1b).
+BACKENDS = ("inprocess", "gloo")
 
 # (full params, degree) -> rank-local dicts: a user's split function, as ``check.SplitFn``
 SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
 Params = dict[str, torch.Tensor]
+# A check's sharded forward: (config, rank-local shards at degree t, tokens) -> rank 0's full
+# logits (``inprocess_forward``, ``gloo_forward()``).
+Forward = Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]
 
 # The modules the sharded forward is made of: ShardedModel and the blocks it shares with the
 # reference. Not the collective (it differs between the phases by design) and not torch.
@@ -202,8 +210,7 @@ def phase1b_runner(pool: RankPool | None = None
     return runner
 
 
-def gloo_forward(pool: RankPool | None = None
-                 ) -> Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]:
+def gloo_forward(pool: RankPool | None = None) -> Forward:
     """``check.Forward`` for phase 1b: ``(config, shards, tokens)`` -> rank 0's logits, the
     caller's shards shipped to rank 0 and scattered by ``GlooTransport``, on ``pool`` (else
     the process's shared pool)."""
@@ -217,3 +224,37 @@ def inprocess_forward(config: ModelConfig, shards: list[Params], tokens: torch.T
                       ) -> torch.Tensor:
     """Phase 1a: every rank in this process over ``InProcessCollective``."""
     return ShardedModel(config, shards, InProcessCollective(len(shards)))(tokens)[0]
+
+
+def gloo_logits(forward: ForwardLayout, inputs: Sequence[Mapping[str, torch.Tensor]],
+                tokens: torch.Tensor) -> torch.Tensor:
+    """Phase 1b of a convention's forward: rank 0 of the process's shared rank pool holds
+    every rank's forward inputs, ``GlooTransport`` scatters them under ``forward.layout``
+    (whatever its placements: ``HeadReplicated``, a ``Shard(1)`` embedding), and each rank
+    runs ``ShardedModel.forward`` over ``GlooCollective`` with ``forward.embedding``, as
+    phase 1a runs it over ``InProcessCollective``. Returns rank 0's full logits."""
+    degree = len(inputs)
+    dtype = next(iter(inputs[0].values())).dtype
+    outcomes = shared_pool(max(4, degree)).run(
+        conversion_forward_task, degree,
+        kwargs={"forward": forward, "tokens": tokens, "dtype": dtype},
+        rank_kwargs=[{"inputs": [dict(x) for x in inputs] if rank == 0 else None}
+                     for rank in range(degree)])
+    return outcomes[0]
+
+
+def conversion_forward_task(ctx: RankContext, *, forward: ForwardLayout, tokens: torch.Tensor,
+                            dtype: torch.dtype,
+                            inputs: Sequence[Mapping[str, torch.Tensor]] | None
+                            ) -> torch.Tensor | None:
+    """The rank side of ``gloo_logits`` (``phase1b_task``'s transport and forward, under a
+    convention's forward layout rather than ``layout_for``'s)."""
+    sink = ParamSink()
+    GlooTransport(ctx, forward.layout, dtype=dtype).sync(inputs if ctx.rank == 0 else None,
+                                                         sink)
+    ctx.tracer.mark("forward")
+    model = ShardedModel(forward.config, [sink], GlooCollective(ctx),
+                         embedding=forward.embedding)
+    with torch.no_grad():
+        (logits,) = model(tokens)
+    return logits if ctx.rank == 0 else None

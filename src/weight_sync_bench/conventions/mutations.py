@@ -12,7 +12,10 @@ error would be caught by torch, not by the check), different bytes. Each says
   distinct mutated shard set once: ``"destination"`` (nothing beyond the destination:
   a correct converter's output does not depend on the source, and where the bug needs a
   particular source, ``applies`` says so) or ``"source degree"`` (the source's shard
-  boundaries, e.g. rank shards concatenated).
+  boundaries, e.g. rank shards concatenated);
+- ``changes``: the canonical parameters whose stored tensors it may change (a regex), so a
+  check naming a bug (``check.naming``) applies only the mutations that could have made
+  the tensor that differs.
 
 The bugs are written with the convention index maps: the canonical tensors are gathered
 back from the destination shards, changed as the bug changes them, and cut again (or the
@@ -80,6 +83,9 @@ class ConversionMutation:
     bug: Bug
     applies: Rule
     identity: Rule
+    # The canonical parameters (a regex over their names) whose stored tensors it may
+    # change; every other stored tensor it leaves as it was.
+    changes: str
     depends_on: DependsOn = "destination"
     # The fewest tokens per sequence at which the forward sees the bug with the kill margin:
     # a RoPE pairing error is exact at relative distance 0 and grows with it. The conversion
@@ -398,6 +404,10 @@ def _not(name: str, side: str) -> Rule:
     return rule
 
 
+_QKV = r"layers\.\d+\.qkv\.(weight|bias)"
+_QKV_WEIGHT = r"layers\.\d+\.qkv\.weight"
+
+
 def _no_replication(conversion: Conversion) -> str | None:
     c, t = conversion.config, conversion.dst.degree
     if t <= c.n_kv_heads:
@@ -660,57 +670,63 @@ def _no_dense_mlp(conversion: Conversion) -> str | None:
     return None if conversion.config.has_dense_mlp else "every layer is MoE: no dense fc1"
 
 
+_GATE_UP = r"layers\.\d+\.experts\.gate_up\.weight"
+_DOWN = r"layers\.\d+\.experts\.down\.weight"
+_EXPERTS = r"layers\.\d+\.experts\.(gate_up|down)\.weight"
+_ROUTER_BIAS = r"layers\.\d+\.router\.bias"
+
 MOE_MUTATIONS: tuple[ConversionMutation, ...] = (
     ConversionMutation(
         "w13_halves_swapped", "each expert's gate (w1) and up (w3) exchanged in w13",
         "vLLM #42821: a second load_weights writes [w1; w3] into the FlashInfer CUTLASS "
         "buffer process_weights_after_loading turned into [w3; w1]",
-        _w13_swapped, _moe, _never),
+        _w13_swapped, _moe, _never, _GATE_UP),
     ConversionMutation(
         "local_expert_id_as_global", "each EP rank's local expert j filled from global expert j",
         "THUDM/slime PR #1799: the local j of linear_fc1.weight{j} indexed the global fused "
-        "gate_up_proj under EP", _local_expert_ids, _moe, _ep),
+        "gate_up_proj under EP", _local_expert_ids, _moe, _ep, _EXPERTS),
     ConversionMutation(
         "ep_remainder_to_last", "vLLM's E % ep extra experts placed on the last ranks, not the "
         "first", "vLLM determine_expert_map: its docstring says the remainder goes to the last "
         "rank, its code gives it to the first", _ep_remainder_to_last, _uneven_linear,
-        _even_experts),
+        _even_experts, _EXPERTS),
     ConversionMutation(
         "router_bias_not_synced", "the router's selection bias left at its initial zeros",
         "NVIDIA-NeMo/Megatron-Bridge PR #4657: expert_bias <-> e_score_correction_bias mapped "
         "for MTP layers only (Kimi-K2 converted with the bias at zero)",
-        _router_bias(torch.zeros_like), _has_router_bias, _never),
+        _router_bias(torch.zeros_like), _has_router_bias, _never, _ROUTER_BIAS),
     ConversionMutation(
         "router_bias_negated", "the router's selection bias written with the wrong sign",
         "a selection-only bug: only which experts are chosen changes (issue 32, the routing "
-        "check)", _router_bias(torch.neg), _has_router_bias, _never),
+        "check)", _router_bias(torch.neg), _has_router_bias, _never, _ROUTER_BIAS),
     ConversionMutation(
         "expert_bucket_not_sent", "the last quarter of the experts never sent: a stale copy",
         "NovaSky-AI/SkyRL PR #1471: grouped expert export tasks split across buckets, fused "
-        "expert tensors never yielded", _bucket_not_sent, _moe, _never),
+        "expert tensors never yielded", _bucket_not_sent, _moe, _never, _EXPERTS),
     ConversionMutation(
         "fc1_etp_rank_concat", "Megatron's expert-TP fc1 shards [g0 u0 g1 u1] read as "
         "[gate | up]", "slime update_weight/common.py all_gather_param regroups fc1 "
         "[g0,u0,g1,u1] -> [g0,g1 | u0,u1]; a gather without it", _fc1_etp_concat,
-        _both(_moe, _megatron_etp), _etp_1, "source degree"),
+        _both(_moe, _megatron_etp), _etp_1, _GATE_UP, "source degree"),
     ConversionMutation(
         "fc2_split_on_wrong_dim", "Megatron's expert-TP fc2 shards joined on dim 0, viewed as "
         "[d, F]", "slime all_gather_param: 'bug in megatron's grouped moe' (TEGroupedLinear "
         "reports partition_dim 0 for fc2)", _fc2_wrong_dim, _both(_moe, _megatron_etp), _etp_1,
-        "source degree"),
+        _DOWN, "source degree"),
     ConversionMutation(
         "expert_transposed_twice", "each expert's down matrix transposed once too often",
         "ms-swift PR #9828 (UNCONFIRMED); Megatron-Bridge PR #3162 (gpt-oss down_proj "
         "double-transposed): only a square expert keeps its shape", _down_transposed,
-        _square_expert, _never),
+        _square_expert, _never, _DOWN),
     ConversionMutation(
         "shared_gate_dropped", "the shared expert's sigmoid gate never written (zeros)",
         "Qwen2-MoE shared_expert_gate missing from a mapping (Megatron-Bridge qwen35_bridge "
-        "maps it with a ReplicatedMapping)", _shared_gate_dropped, _has_shared_gate, _never),
+        "maps it with a ReplicatedMapping)", _shared_gate_dropped, _has_shared_gate, _never,
+        r"layers\.\d+\.shared_gate\.weight"),
     ConversionMutation(
         "qk_norm_from_next_layer", "Qwen3's q_norm / k_norm of layer i taken from layer i + 1",
         "a per-layer name mapped with the wrong layer index (transformers PR #24381's class)",
-        _qk_norm_shifted, _has_qk_norm, _one_layer),
+        _qk_norm_shifted, _has_qk_norm, _one_layer, r"layers\.\d+\.[qk]_norm\.weight"),
 )
 
 
@@ -718,37 +734,37 @@ CONVERSION_MUTATIONS: tuple[ConversionMutation, ...] = (
     ConversionMutation(
         "tp_rank_defaults_to_0", "every rank loads rank 0's shard of the fused qkv and gate_up",
         "vllm-gguf-plugin #103 (fix #106): kwargs.get('tp_rank', 0) in load_qkv_weight and "
-        "load_merged_column_weight", _tp_rank_zero, _never, _dst_t1),
+        "load_merged_column_weight", _tp_rank_zero, _never, _dst_t1, _FUSED.pattern),
     ConversionMutation(
         "kv_replica_modulo", "replicated KV head r % n_kv_heads instead of r * n_kv_heads // t",
         "KV-head replication offsets at t > n_kv_heads (sglang PRs #19086, #20967; "
-        "modelexpress PR #650)", _kv_replica_modulo, _only("vllm"), _no_replication),
+        "modelexpress PR #650)", _kv_replica_modulo, _only("vllm"), _no_replication, _QKV),
     ConversionMutation(
         "megatron_qkv_read_as_plain", "Megatron's grouped linear_qkv read as plain [Q | K | V]",
         "fused qkv stored grouped but split as plain (NeMo Automodel PR #1324, "
         "tt-forge-models PRs #798/#855)", _grouped_read_as_plain,
-        _both(_only("megatron", "src"), _not("megatron", "dst")), _one_kv_group),
+        _both(_only("megatron", "src"), _not("megatron", "dst")), _one_kv_group, _QKV),
     ConversionMutation(
         "plain_qkv_read_as_megatron", "a plain [Q | K | V] written into linear_qkv ungrouped",
         "the reverse of megatron_qkv_read_as_plain (same sources; vllm PR #36242's midpoint "
         "split of an interleaved GQA weight)", _plain_read_as_grouped,
-        _both(_only("megatron"), _not("megatron", "src")), _one_kv_group),
+        _both(_only("megatron"), _not("megatron", "src")), _one_kv_group, _QKV),
     ConversionMutation(
         "megatron_fc1_rank_concat",
         "Megatron's rank-local [gate_r | up_r] fc1 shards concatenated and read as [gate | up]",
         "SwiGLU [W; V] swizzle across TP shards (Megatron-LM #2769, PR #5714; Megatron-Bridge "
         "PR #5376)", _fc1_rank_concat, _only("megatron", "src"), _both(_src_t1, _no_dense_mlp),
-        "source degree"),
+        r"layers\.\d+\.gate_up\.weight", "source degree"),
     ConversionMutation(
         "rope_permute_missing", "Meta <-> HF RoPE permute of q and k not applied",
         "llama2.c PR #286, torchtitan PR #1441 (exact at distance 0, wrong as it grows)",
         _rope_bug(lambda c, m: _missing(c, False, m), lambda c, m: _missing(c, True, m)),
-        _one_side_meta, _head_dim_2, min_seq_len=16),
+        _one_side_meta, _head_dim_2, _QKV_WEIGHT, min_seq_len=16),
     ConversionMutation(
         "rope_permute_twice", "Meta <-> HF RoPE permute of q and k applied twice",
         "double conversion of already-converted q/k (same class as llama2.c PR #286)",
         _rope_bug(lambda c, m: _twice(c, False, m), lambda c, m: _twice(c, True, m)),
-        _one_side_meta, _head_dim_2, min_seq_len=16),
+        _one_side_meta, _head_dim_2, _QKV_WEIGHT, min_seq_len=16),
     ConversionMutation(
         "rope_k_permuted_with_n_heads", "k permuted with n_heads instead of n_kv_heads",
         "transformers PR #31788 / issue #31766, llama.cpp PR #3364, flash-attention PR #546",
@@ -756,25 +772,28 @@ CONVERSION_MUTATIONS: tuple[ConversionMutation, ...] = (
         _k_view_valid,
         lambda cv: ("n_heads == n_kv_heads: the two permutes coincide"
                     if cv.config.n_heads == cv.config.n_kv_heads else None),
-        min_seq_len=16),
+        _QKV_WEIGHT, min_seq_len=16),
     ConversionMutation(
         "qkv_bias_not_split", "the fused qkv bias cut contiguously, not with its rows' heads",
         "Qwen2-style qkv bias moved apart from its weight (Megatron-Bridge merge_qkv_biases "
         "exists for it; conventions.md section 1.7)", _qkv_bias_chunked, _fused_qkv_bias,
-        _bias_order_kept),
+        _bias_order_kept, r"layers\.\d+\.qkv\.bias"),
     ConversionMutation(
         "embedding_split_on_vocab",
         "Meta tok_embeddings cut on the vocabulary where Llama 2 splits the hidden dimension",
         "ParallelEmbedding (dim 1) vs VocabParallelEmbedding (dim 0): convert_llama_weights_"
-        "to_hf's concat_dim by llama_version", _embedding_split_on_vocab, _only("meta"), _dst_t1),
+        "to_hf's concat_dim by llama_version", _embedding_split_on_vocab, _only("meta"), _dst_t1,
+        r"tok_embeddings\.weight"),
     ConversionMutation(
         "embedding_joined_on_vocab",
         "Meta tok_embeddings shards joined on the vocabulary where they split the hidden one",
         "convert_llama_weights_to_hf with a Llama 3 concat_dim on a Llama 2 checkpoint",
-        _embedding_joined_on_vocab, _only("meta", "src"), _src_t1, "source degree"),
+        _embedding_joined_on_vocab, _only("meta", "src"), _src_t1, r"tok_embeddings\.weight",
+        "source degree"),
     ConversionMutation(
         "output_stale_copy", "the output layer left as a copy of the embedding table",
-        "tied/untied output handling: slime #345, NeMo-RL #227", _stale_output, _untied, _never),
+        "tied/untied output handling: slime #345, NeMo-RL #227", _stale_output, _untied, _never,
+        r"lm_head\.weight"),
     *MOE_MUTATIONS,
 )
 

@@ -253,18 +253,6 @@ class ConversionCase:
                 f", seed {self.seed}{what} (phase {self.phase})")
 
 
-@dataclass
-class FuzzConversionChecker(ConversionChecker):
-    """``check.convert.ConversionChecker`` over a fuzzed geometry: the fuzz weights and tokens
-    of (config, seed) and the random-geometry threshold rule (``make_checker``), instead of
-    the seed's init and a committed per-geometry floor."""
-
-    threshold_rule: ThresholdRule | None = None
-
-    def __post_init__(self) -> None:
-        self.checker = make_checker(self.config, self.seed, threshold_rule=self.threshold_rule)
-
-
 def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None = None, *,
                         threshold_rule: ThresholdRule | None = None) -> Outcome:
     """Convert the source convention's declared shards with the harness's converter
@@ -291,8 +279,8 @@ def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None 
         config = dataclasses.replace(config, seq_len=mutation.min_seq_len)
         case = dataclasses.replace(case, config=config)
     if checker is None or case is not drawn:  # a checker made for the drawn length won't do
-        checker = FuzzConversionChecker(case.config, seed=case.seed,
-                                        threshold_rule=threshold_rule)
+        checker = ConversionChecker(make_checker(case.config, case.seed,
+                                                 threshold_rule=threshold_rule))
     conversion = case.conversion()
     shards = convert(checker.source(conversion.src), conversion.src, conversion.dst, case.config)
     if mutation is not None:

@@ -590,13 +590,14 @@ def sample_replicated_kv(config: ModelConfig, seed: int) -> list[dict[str, Any]]
     harness's conversion from the first source endpoint where it applies and is live (a
     RoPE mutation only where the geometry's tokens reach its ``min_seq_len``). One record
     per degree."""
+    from weight_sync_bench.check.conversion import ConversionChecker
     from weight_sync_bench.check.floor import REPLICATED_KV, forward_of, replicated_degrees
     from weight_sync_bench.conventions import CONVENTIONS, convert, endpoint
     from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
     from weight_sync_bench.conventions.mutations import Conversion
-    from weight_sync_bench.fuzz.case import FuzzConversionChecker
+    from weight_sync_bench.fuzz.case import make_checker
 
-    checker = FuzzConversionChecker(config, seed=seed, threshold_rule=lambda c, r: math.inf)
+    checker = ConversionChecker(make_checker(config, seed, threshold_rule=lambda c, r: math.inf))
     assert checker.checker.reference is not None
     scale = float(checker.checker.reference.abs().max())
     sources = [endpoint(f"{n}:{t}") for n, c in CONVENTIONS.items()
@@ -680,16 +681,17 @@ def merge_replicated_kv(artifact: dict[str, Any], floors: dict[str, list[float]]
 
 def remeasure_replicated_floors(artifact: dict[str, Any]) -> list[float]:
     """Each validation sample's floor measured again in this process (its kernels)."""
+    from weight_sync_bench.check.conversion import ConversionChecker
     from weight_sync_bench.conventions import endpoint
-    from weight_sync_bench.fuzz.case import FuzzConversionChecker
+    from weight_sync_bench.fuzz.case import make_checker
 
     floors, key, checker = [], None, None
     for i, s in enumerate(artifact["samples"]):
         here = (tuple(sorted(s["geometry"].items())), s["seed"])
         if here != key:  # a geometry's degrees are adjacent
             config = config_of(s["geometry"], f"replicated-sample-{i}")
-            checker = FuzzConversionChecker(config, seed=s["seed"],
-                                            threshold_rule=lambda c, r: math.inf)
+            checker = ConversionChecker(make_checker(config, s["seed"],
+                                                     threshold_rule=lambda c, r: math.inf))
             key = here
         assert checker is not None
         floors.append(checker.declared_error(endpoint(f"vllm:{s['degree']}")))

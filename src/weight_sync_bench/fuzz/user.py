@@ -277,17 +277,6 @@ def _checker(function: UserFunction, case: Case, forward: Forward,
                         threshold_rule=threshold_rule)
 
 
-@dataclass
-class _FuzzConversionChecker(ConversionChecker):
-    """``ConversionChecker`` over a given ``Checker`` (the fuzz weights, tokens and threshold)."""
-
-    given: Checker | None = None
-
-    def __post_init__(self) -> None:
-        assert self.given is not None
-        self.checker = self.given
-
-
 def run_user_case(function: UserFunction, case: Case, *, forward: Forward = inprocess_forward,
                   threshold_rule: ThresholdRule | None = None) -> UserOutcome:
     """Call the user's function on ``case`` as the fixed checks do, with the geometry, and
@@ -313,7 +302,7 @@ def run_user_case(function: UserFunction, case: Case, *, forward: Forward = inpr
             verdict = checker.verdict(shards, src=case.src, dst=case.dst)
         else:
             assert function.src is not None and function.dst is not None
-            conv = _FuzzConversionChecker(config, seed=case.seed, given=checker)
+            conv = ConversionChecker(checker)  # the fuzz weights, tokens and threshold
             src = Endpoint(CONVENTIONS[function.src], case.src)
             dst = Endpoint(CONVENTIONS[function.dst], case.dst)
             out = call(fn, (conv.source(src), case.dst), role=role, config=config, name=name,

@@ -59,6 +59,7 @@ from weight_sync_bench.sync.verify import (
     ElementCheck,
     drop_task,
     expected,
+    first_difference,
     forward_task,
     load_task,
     reshard_task,
@@ -192,7 +193,7 @@ class SyncResult:
                          + ("bit-exact" if self.elements_passed else "DIFFERENT"))
         else:
             lines.append("  element check: not run (the forward alone)")
-        lines += [f"    {line}" for e in self.elements for line in e.lines]
+        lines += [f"    {line}" for line in first_difference(p.dst, self.elements)[1]]
         if self.verdict is not None:
             lines += ["  " + line for line in str(self.verdict).splitlines()]
         shown = self.verdict.notes if self.verdict is not None else ()
@@ -452,12 +453,11 @@ def judge(plan: Plan, logits: torch.Tensor, reference: torch.Tensor, threshold: 
     error = float((logits - reference).abs().max())
     checked = [r["elements"] for r in records
                if r["rank"] < dst.world and r["elements"] is not None]
-    differ = [n for e in checked for n in e.differ]
+    differ, diagnosis = first_difference(dst, checked)
     return Verdict(config=src.config.name, src=src.degree, dst=dst.degree,
                    max_abs_error=error, threshold=threshold,
-                   first_mismatch=differ[0] if differ else None,
-                   mismatches=tuple(dict.fromkeys(differ)),
-                   diagnosis=tuple(line for e in checked for line in e.lines),
+                   first_mismatch=differ[0] if differ else None, mismatches=differ,
+                   diagnosis=diagnosis,
                    phase=PHASE, mutation=plan.mutation, own_forward=True,
                    conventions=(src.label.split(":")[0], dst.label.split(":")[0]), notes=notes)
 

@@ -21,14 +21,14 @@ degree (the pool's prefix group). The functions run under ``torchrun`` as well
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from weight_sync_bench.check.convert import describe
+from weight_sync_bench.check.diagnosis import bit_equal, diagnose_rank
 from weight_sync_bench.check.user_code import user_frames
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.conventions import reading_plan
@@ -43,7 +43,7 @@ from weight_sync_bench.sync.execute import (
     rss_reset,
 )
 from weight_sync_bench.sync.planner import ELEMENT_SIZE, Plan
-from weight_sync_bench.sync.values import fill
+from weight_sync_bench.sync.values import fill, region_values
 
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.gloo.rank import RankContext
@@ -76,8 +76,9 @@ def expected(stored: Stored, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ElementCheck:
-    """One destination rank's bit-exact comparison: elements checked of its total, and a
-    line per stored tensor that differs (``first``: the first such name)."""
+    """One destination rank's bit-exact comparison: elements checked of its total, the stored
+    tensors that differ (in the layout's order) and the diagnosis of the first of them (one
+    line, ``check.diagnosis``'s, made after the timed region)."""
 
     rank: int
     checked: int
@@ -92,45 +93,45 @@ class ElementCheck:
 
 def check_elements(plan: Plan, rank: int, out: Mapping[str, torch.Tensor], seed: int
                    ) -> ElementCheck:
-    """Compare ``rank``'s destination tensors with what its boxes must hold. The structure
-    (names, shapes, dtypes) has been validated (``structure_error``)."""
+    """Compare ``rank``'s destination tensors with what its boxes must hold, bit for bit
+    (``bit_equal``: in slabs, no temporary as large as a tensor), then diagnose the first that
+    differs as every check does (``check.diagnosis.diagnose_rank``): its one canonical
+    parameter regenerated from the generator, each slice the rank holds matched to it. The
+    structure (names, shapes, dtypes) has been validated (``structure_error``)."""
     layout = plan.dst
     if rank >= layout.world:
         return ElementCheck(rank, 0, 0, (), ())
     shapes = layout.config.param_shapes()
     cover = cover_of(layout, validate=False)
     checked = total = 0
-    differ, lines = [], []
+    differ = []
     for name, stored in cover.ranks[rank].items():
-        want = expected(stored, shapes[stored.source], seed)
-        got = out[name].cpu()
         total += stored.numel
         checked += sum(b.length for b in stored.boxes) * (stored.numel // stored.shape[stored.dim])
-        bad = (got.contiguous().view(torch.int32) != want.view(torch.int32))
-        if not bool(bad.any()):
-            continue
-        differ.append(name)
-        positions = bad.movedim(stored.dim, 0).reshape(stored.shape[stored.dim], -1).any(1)
-        at = positions.nonzero().flatten().tolist()
-        piece = layout.pieces[rank][name]
-        declared = [int(piece.idx[p]) for p in at]
-        zero = bool((got.movedim(stored.dim, 0)[at] == 0).all())
-        lines.append(f"rank {rank} {name}: {int(bad.sum())} of {stored.numel} elements differ, "
-                     f"at local positions {_runs(at)} along dim {stored.dim}, declared "
-                     f"{stored.source} {describe(declared, piece, layout.config)}"
-                     + ("; they hold zeros (nothing wrote them)" if zero else
-                        "; they hold other values"))
-    return ElementCheck(rank, checked, total, tuple(differ), tuple(lines))
+        if not bit_equal(out[name].cpu(), expected(stored, shapes[stored.source], seed)):
+            differ.append(name)
+    lines: tuple[str, ...] = ()
+    if differ:
+        piece = layout.pieces[rank][differ[0]]
+        shape = shapes[piece.source]
+        canonical = region_values(seed, piece.source, shape, tuple((0, n) for n in shape))
+        line = diagnose_rank(canonical, layout.config, differ[0], rank, piece,
+                             out[differ[0]].cpu())
+        lines = (line,) if line is not None else ()
+    return ElementCheck(rank, checked, total, tuple(differ), lines)
 
 
-def _runs(indices: list[int]) -> str:
-    out: list[list[int]] = []
-    for i in indices:
-        if out and out[-1][1] == i:
-            out[-1][1] = i + 1
-        else:
-            out.append([i, i + 1])
-    return ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in out)
+def first_difference(layout: SyncLayout, checks: Sequence[ElementCheck]
+                     ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Every stored tensor that differs on some rank, in the layout's order, and the
+    diagnosis of the first of them: the lines of the ranks where it differs (each rank
+    diagnosed its own first, which is that one wherever it differs), as ``check_convert``
+    diagnoses the same tensors."""
+    order = {n: i for i, n in enumerate(dict.fromkeys(n for rank in layout.pieces for n in rank))}
+    differ = tuple(sorted({n for e in checks for n in e.differ}, key=order.__getitem__))
+    lines = tuple(line for e in checks if e.differ and e.differ[0] == differ[0]
+                  for line in e.lines) if differ else ()
+    return differ, lines
 
 
 def structure_error(plan: Plan, rank: int, out: object) -> str | None:
