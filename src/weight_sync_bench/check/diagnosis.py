@@ -116,6 +116,10 @@ def diagnose_rank(full: torch.Tensor, config: ModelConfig, name: str, rank: int,
     want = piece.take(full)
     if bit_equal(shard, want):
         return None  # byte-correct, whatever repeated slices (zeros, padding) locate says
+    if piece.stack > 1:  # a stacked tensor (vLLM's w13) is told by the selection it stacks
+        if shard.shape != want.shape:
+            return f"rank {rank} {name} has shape {list(shard.shape)}; declared {list(want.shape)}"
+        shard, want = piece.flat(shard), piece.flat(want)
     dim, declared = piece.dim, piece.idx.tolist()
     keys = _slice_keys(shard, dim)
     found: list[Index] = [None] * len(keys)
@@ -185,6 +189,34 @@ def _gate_up(indices: list[Index], config: ModelConfig) -> str:
     return _in_blocks(indices, [("gate", 0, config.ffn), ("up", config.ffn, 2 * config.ffn)])
 
 
+def _experts(indices: list[Index], config: ModelConfig, down: bool = False) -> str:
+    """An MoE layer's experts side by side, told per expert: ``experts 0-3 gate rows 0-63,
+    up rows 0-63; expert 5 up rows 0-63, gate rows 0-63`` (its down columns: ``expert 2
+    columns 0-63``); consecutive experts that hold the same rows of each share one phrase."""
+    f = config.expert_ffn
+    width = f if down else 2 * f
+    blocks = [("columns", 0, f)] if down else [("gate", 0, f), ("up", f, 2 * f)]
+
+    def expert(i: Index) -> int | None:
+        return None if i is None or i < 0 else i // width
+
+    phrases: list[tuple[int | None, int | None, str]] = []  # (first, last expert, text)
+    for e, group in itertools.groupby(indices, key=expert):
+        run = list(group)
+        if e is None:
+            phrases.append((None, None, _with_padding(run)))
+            continue
+        text = _in_blocks([i - e * width for i in run], blocks)  # type: ignore[operator]
+        text = text.replace("columns rows", "columns")
+        last = phrases[-1] if phrases else None
+        if last and last[0] is not None and last[1] == e - 1 and last[2] == text:
+            phrases[-1] = (last[0], e, text)
+        else:
+            phrases.append((e, e, text))
+    return "; ".join(t if a is None else f"expert {a} {t}" if a == b else f"experts {a}-{b} {t}"
+                     for a, b, t in phrases)
+
+
 def _vocabulary(indices: list[Index], config: ModelConfig) -> str:
     """``vocabulary rows 0-15999, padding x64``: token ids, and the rows a convention pads."""
     return _in_blocks(indices, [("vocabulary", 0, math.inf)])
@@ -196,6 +228,8 @@ VOCABULARY: dict[tuple[str, int], Words] = {
     ("gate_up.weight", 0): _gate_up,
     ("tok_embeddings.weight", 0): _vocabulary,
     ("lm_head.weight", 0): _vocabulary,
+    ("experts.gate_up.weight", 0): _experts,
+    ("experts.down.weight", 1): lambda indices, config: _experts(indices, config, down=True),
 }
 
 _AXIS = {0: "rows", 1: "columns"}

@@ -66,6 +66,11 @@ class ForwardLayout:
         return None
 
 
+def tp_world(at: Endpoint) -> int:
+    """Most conventions' ranks: one per TP rank."""
+    return at.degree
+
+
 @dataclass(frozen=True)
 class Convention:
     """A framework's storage convention for the harness's model, as data.
@@ -83,7 +88,7 @@ class Convention:
     reads: Callable[[ModelConfig, Endpoint], ForwardLayout]
     options: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False,
                                                    compare=False)
-    world: Callable[[Endpoint], int] = field(default=lambda at: at.degree, hash=False,
+    world: Callable[[Endpoint], int] = field(default=tp_world, hash=False,
                                              compare=False)
 
     def at(self, where: int | Endpoint) -> Endpoint:
