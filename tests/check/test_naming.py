@@ -13,6 +13,8 @@ distinct mutated shard set). What is expected comes from an oracle that shares n
 from __future__ import annotations
 
 import pytest
+
+from weight_sync_bench.errors import UnsupportedLayout
 import torch
 
 from weight_sync_bench import TOY, ModelConfig, layout_for, reshard, split
@@ -202,8 +204,33 @@ def test_the_verdict_says_what_the_named_mutation_means():
 # ---- conversions
 
 def _endpoints(config, max_degree=8):
+    if config.n_experts:  # the MoE endpoints: expert parallelism, its options
+        return [endpoint(e) for e in MOE_ENDPOINTS if _stores(config, e)]
     return [endpoint(f"{n}:{t}") for n, c in CONVENTIONS.items()
             for t in c.supported_degrees(config, max_degree)]
+
+
+def _stores(config, where):
+    try:
+        endpoint(where).pieces(config)
+    except UnsupportedLayout:
+        return False
+    return True
+
+
+MOE_ENDPOINTS = ("hf", "hf:experts=fused", "plain:2", "vllm:2", "vllm:tp=2,ep=2",
+                 "vllm:tp=4,ep=4", "vllm:tp=2,kernel=flashinfer_cutlass", "megatron:2",
+                 "megatron:tp=2,ep=2", "megatron:tp=2,ep=2,etp=1")
+# Qwen3-MoE's block with square experts (expert_ffn == d_model: a transposed expert keeps its
+# shape) and DeepSeek's with a selection bias, a gated shared expert and 6 experts (vLLM's
+# linear expert map over 4 EP ranks has a remainder)
+MOE_SQUARE = ModelConfig(name="moe_square", vocab=64, d_model=32, n_layers=2, n_heads=4,
+                         n_kv_heads=4, head_dim=8, ffn=48, qk_norm=True, n_experts=4, top_k=2,
+                         expert_ffn=32, norm_topk=True)
+MOE_BIAS = ModelConfig(name="moe_bias", vocab=64, d_model=32, n_layers=2, n_heads=4,
+                       n_kv_heads=4, head_dim=8, ffn=48, n_experts=6, top_k=2, expert_ffn=16,
+                       router="sigmoid", router_bias=True, norm_topk=True, shared_ffn=16,
+                       shared_gate=True)
 
 
 def _round_trip(shards, via):
@@ -228,7 +255,8 @@ def _conversion_oracle(checker, conversion, shards) -> set[str]:
 
 @pytest.fixture(scope="module")
 def checkers_by_name():
-    return {c.name: conversion_checker(c, threshold=1.0) for c in (SMALL, SMALL_BIAS)}
+    return {c.name: conversion_checker(c, threshold=1.0)
+            for c in (SMALL, SMALL_BIAS, MOE_SQUARE, MOE_BIAS)}
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +276,7 @@ def _live(config):
     return list(cells.values())
 
 
-CONVERSION_CELLS = _live(SMALL) + _live(SMALL_BIAS)
+CONVERSION_CELLS = _live(SMALL) + _live(SMALL_BIAS) + _live(MOE_SQUARE) + _live(MOE_BIAS)
 
 
 @pytest.mark.parametrize("mutation", CONVERSION_MUTATIONS, ids=lambda m: m.name)

@@ -206,6 +206,7 @@ def test_what_a_framework_cannot_store_names_its_rule(config, where, rule):
 
 @pytest.mark.parametrize("text, message", [
     ("vllm:tp=2,ep", "after ':' a TP degree alone or key=value items"),
+    ("vllm:two", "the degree after ':' must be a positive integer"),
     ("vllm:tp=2,tp=4", "tp given twice"),
     ("vllm:tp=2,experts=fused", "vllm has no option 'experts'; known: tp, ep, etp, placement, "
                                 "kernel"),

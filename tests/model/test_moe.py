@@ -330,7 +330,7 @@ def test_the_sharded_moe_forward_is_the_reference_under_every_expert_placement(c
     layout = _relaid(config, ep, etp, order)
     placement = next(s.placement for s in layout if isinstance(s.placement, Experts))
     model = ShardedModel(config, split(p, layout, t), InProcessCollective(t), experts=placement,
-                         guard=RoutingGuard.of(ref.routings, 1e-5))
+                         guard=RoutingGuard(ref.routings, 1e-5))
     (logits, *_) = model(tokens)
     torch.testing.assert_close(logits, expected, rtol=0, atol=5e-6)
     for i, own in model.routings.items():  # each rank chose what the reference chose
@@ -368,7 +368,29 @@ def test_sequence_parallel_moe_is_the_reference():
 
 
 def test_the_guard_keeps_the_references_choice_on_near_ties_only():
-    ref_experts = torch.tensor([[0, 1], [2, 3], [4, 5]])
-    guard = RoutingGuard({0: ref_experts}, {0: torch.tensor([False, True, False])})
+    from weight_sync_bench.model.routing import Routing
+
+    ref = Routing(torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.zeros(3, 8),
+                  torch.tensor([0.5, 1e-6, 0.2]))
+    guard = RoutingGuard({0: ref}, 1e-5)
     own = torch.tensor([[0, 1], [2, 7], [6, 5]])
     assert guard.choice(0, own).tolist() == [[0, 1], [2, 3], [6, 5]]
+    assert guard.choice(0, own[1:], torch.tensor([1, 2])).tolist() == [[2, 3], [6, 5]]
+    assert guard.near_ties() == (1, 3)
+
+
+def test_context_parallel_moe_routes_each_chunk_with_the_references_near_ties():
+    from weight_sync_bench.collectives.inprocess import InProcessGroups
+
+    c = QWEN3
+    p, tokens = init_params(c, 0), make_tokens(c, 1000)
+    ref = ReferenceModel(c, p)
+    expected = ref(tokens)
+    guard = RoutingGuard(ref.routings, float("inf"))  # every token takes the reference's
+    shards = split(p, layout_for(c), 2)
+    tp = InProcessGroups([[0, 1], [2, 3]])  # CP 2 x TP 2: positions (j, r) -> 2 j + r
+    cp = InProcessGroups([[0, 2], [1, 3]])
+    model = ShardedModel(c, shards + shards, tp, context=cp, guard=guard)
+    logits = model(tokens)
+    torch.testing.assert_close(torch.cat([logits[0], logits[2]], dim=1), expected, rtol=0,
+                               atol=5e-6)

@@ -45,6 +45,7 @@ from weight_sync_bench.model.config import (
 )
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.model.stepwise import computing
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, Floor
 
@@ -102,6 +103,11 @@ class Checker:
     dtype: torch.dtype | str = torch.float32  # the synced dtype (see the class docstring)
     measure_floor: bool = False  # measure (and cache) an unmeasured geometry's floor
     floor: Floor | None = field(init=False, default=None)  # where the threshold came from
+    # An MoE model's routing check: the reference's choices where within ``route_bound`` of
+    # flipping, kept in every sharded forward (``model.sharded.RoutingGuard``); the bound is
+    # the threshold (every committed MoE floor cell records the routing deviation it bounds,
+    # ``check.floor``), None for a dense model.
+    guard: RoutingGuard | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -118,10 +124,15 @@ class Checker:
                                 f"{self.dtype} ({len(odd)} parameters differ)")
         if self.tokens is None:
             self.tokens = make_tokens(self.config, TOKEN_SEED_OFFSET + self.seed)
-        self.reference = ReferenceModel(self.config, computing(self.params))(self.tokens)
+        model = ReferenceModel(self.config, computing(self.params))
+        self.reference = model(self.tokens)
         self._scratch = torch.empty_like(self.reference)
         if self.threshold is None and self.threshold_rule is not None:
             self.threshold = self.threshold_rule(self.config, self.reference)
+        if self.config.n_experts:
+            assert self.threshold is not None
+            self.guard = RoutingGuard(model.routings, self.threshold)
+        self.notes = (*self.notes, *self.config.notes)  # what the geometry does not model
 
     @property
     def dtype_name(self) -> str:
@@ -145,12 +156,23 @@ class Checker:
 
     def error(self, shards: list[Params]) -> float:
         """Max |sharded logits - reference| under these shards (NaN/inf pass through)."""
+        guard = {} if self.guard is None else {"guard": self.guard}
         return self.deviation(self.forward(self.config, [computing(p) for p in shards],
-                                           self.tokens))
+                                           self.tokens, **guard))
 
     def deviation(self, logits: torch.Tensor) -> float:
-        """Max |logits - reference| (NaN/inf pass through)."""
+        """Max |logits - reference| (NaN/inf pass through): ``logits`` the reference's shape,
+        or stacked per data-parallel replica (``check.floor.convention_logits``)."""
+        if logits.shape != self.reference.shape:
+            return float((logits - self.reference).abs().max())
         return float(torch.sub(logits, self.reference, out=self._scratch).abs_().max())
+
+    @property
+    def routing(self) -> dict[str, object]:
+        """The routing check's figures for a verdict (none for a dense model)."""
+        if self.guard is None:
+            return {}
+        return {"near_ties": self.guard.near_ties(), "route_bound": self.guard.bound}
 
     def declared_error(self, degree: int) -> float:
         if degree not in self._declared_error:
@@ -167,7 +189,7 @@ class Checker:
         assert self.threshold is not None
         common = dict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
                       phase=self.phase, mutation=mutation, notes=self.notes,
-                      dtype=self.dtype_name)
+                      dtype=self.dtype_name, **self.routing)
         if not differ:
             return Verdict(max_abs_error=self.declared_error(dst), first_mismatch=None, **common)
         first = differ[0]
@@ -195,7 +217,8 @@ class Checker:
         assert self.threshold is not None
         return Verdict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
                        phase=self.phase, max_abs_error=self.declared_error(dst),
-                       first_mismatch=None, notes=self.notes, dtype=self.dtype_name)
+                       first_mismatch=None, notes=self.notes, dtype=self.dtype_name,
+                       **self.routing)
 
 
 def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:

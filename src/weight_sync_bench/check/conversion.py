@@ -85,7 +85,8 @@ class ConversionChecker:
         tokens = self.checker.tokens
         assert tokens is not None
         return self.checker.deviation(convention_logits(
-            endpoint(where), self.config, shards, tokens, self.checker.phase))
+            endpoint(where), self.config, shards, tokens, self.checker.phase,
+            guard=self.checker.guard))
 
     def require(self, where: str | Endpoint) -> None:
         """``require_cell`` of the floor this checker's threshold came from (none where the
@@ -122,9 +123,9 @@ class ConversionChecker:
         common: dict[str, Any] = {
             "config": self.config.name, "src": source.degree, "dst": target.degree,
             "threshold": self.checker.threshold, "phase": self.checker.phase,
-            "mutation": mutation, "conventions": (source.name, target.name),
+            "mutation": mutation, "conventions": (endpoint_name(source), endpoint_name(target)),
             "notes": self.checker.notes,
-            "dtype": self.checker.dtype_name}
+            "dtype": self.checker.dtype_name, **self.checker.routing}
         if not differ:
             return Verdict(max_abs_error=self.declared_error(target), first_mismatch=None,
                            **common)
@@ -139,6 +140,13 @@ class ConversionChecker:
         return Verdict(max_abs_error=self.error(target, checked), first_mismatch=first,
                        mismatches=tuple(differ), own_forward=True, diagnosis=tuple(lines),
                        named_mutation=named.mutation, named_meaning=named.meaning, **common)
+
+
+def endpoint_name(where: Endpoint) -> str:
+    """An endpoint as a verdict names it: the convention's name where the TP degree says the
+    rest (``vllm``), else the whole endpoint (``megatron:tp=2,ep=4``)."""
+    text = str(where)
+    return where.name if text == f"{where.name}:{where.degree}" else text
 
 
 def conversion_checker(config: ModelConfig, *, seed: int = 0, backend: str = "inprocess",
@@ -162,8 +170,8 @@ def require_cell(floor: Floor | None, config: ModelConfig, target: Endpoint) -> 
     the floor measured and the command that measures the missing cell."""
     if floor is None:
         return
-    degree = target.degree
-    forward = forward_of(target.convention, config, degree)
+    degree = target.world
+    forward = forward_of(target.convention, config, target)
     measured = measured_degrees(floor.artifact, config.name, forward)
     if degree in measured:
         return

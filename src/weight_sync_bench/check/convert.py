@@ -50,6 +50,7 @@ public names are importable from here too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -65,12 +66,12 @@ from weight_sync_bench.check.conversion import (
 from weight_sync_bench.check.shards import validate_convention_shards
 from weight_sync_bench.check.streamed_conversion import ConvertFn, stage_convert, stream_convert
 from weight_sync_bench.check.user_code import call
-from weight_sync_bench.collectives.inprocess import InProcessCollective
-from weight_sync_bench.conventions import endpoint, forward_inputs, materialize, reading_plan
+from weight_sync_bench.check.floor import convention_logits
+from weight_sync_bench.conventions import endpoint, materialize
 from weight_sync_bench.errors import InvalidNumber
 from weight_sync_bench.model.config import init_params, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, derive_threshold
 
 if TYPE_CHECKING:
@@ -132,13 +133,11 @@ def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
     for seed in seeds:
         params = init_params(config, seed)
         tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
-        reference = ReferenceModel(config, params)(tokens)
+        model = ReferenceModel(config, params)
+        reference = model(tokens)
+        guard = RoutingGuard(model.routings, math.inf)  # the floor of the continuous part
         for ep in eps:
-            plan = reading_plan(ep.convention, config, ep.degree)
-            shards = materialize(ep.pieces(config), params)
-            logits = ShardedModel(plan.forward.config,
-                                  forward_inputs(shards, ep.convention, config, ep.degree),
-                                  InProcessCollective(ep.degree),
-                                  embedding=plan.forward.embedding)(tokens)[0]
+            logits = convention_logits(ep, config, materialize(ep.pieces(config), params),
+                                       tokens, guard=guard)
             worst = max(worst, float((logits - reference).abs().max()))
     return derive_threshold(worst)

@@ -34,6 +34,7 @@ from weight_sync_bench.conventions import (
     CONVENTIONS,
     endpoint,
     forward_inputs,
+    forward_model,
     materialize,
     reading_plan,
 )
@@ -80,6 +81,7 @@ from weight_sync_bench.tolerance.rules import (
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.forwards import Forward
+    from weight_sync_bench.model.sharded import RoutingGuard
     from weight_sync_bench.conventions import Convention, Endpoint
 
 REPETITIONS = 20
@@ -89,6 +91,10 @@ GEOMETRY_REPETITIONS = 4
 
 PLAIN_FORWARD = "plain"  # the plain layout's sharded forward (a cell without a forward field)
 REPLICATED_KV = "vllm-replicated-kv"  # vLLM's forward at t > n_kv_heads (HeadReplicated KV)
+# An MoE forward whose experts sit whole on expert-parallel ranks (or over data-parallel
+# replicas of the dense layers): its partial outputs are summed in another grouping than the
+# plain layout's experts split over every rank
+EXPERT_PARALLEL = "expert-parallel"
 # The largest degree whose replicated-KV cells a floor measurement adds: the largest the
 # harness checks (issue 13's full-width checks go up to 8; TOY's 8 heads stop there too).
 REPLICATED_MAX_DEGREE = 8
@@ -107,17 +113,22 @@ def inprocess_runner(config: ModelConfig, degree: int, param_seed: int, token_se
         make_tokens(config, token_seed))[0]
 
 
-def forward_of(convention: Convention | str, config: ModelConfig, degree: int) -> str:
+def forward_of(convention: Convention | str, config: ModelConfig,
+               degree: int | Endpoint) -> str:
     """Which forward a destination runs, as a floor's cells name it: ``REPLICATED_KV`` where
     the convention's forward layout replicates KV heads (``HeadReplicated``: vLLM at
-    ``t > n_kv_heads``), else ``PLAIN_FORWARD`` (once each rank's stored rows are read in
-    forward order, the plain layout's sharded forward; see ``check.convert``)."""
+    ``t > n_kv_heads``), ``EXPERT_PARALLEL`` where an MoE model's experts sit whole on EP ranks
+    or over data-parallel replicas, else ``PLAIN_FORWARD`` (once each rank's stored rows are
+    read in forward order, the plain layout's sharded forward; see ``check.convert``)."""
     conv = CONVENTIONS[convention] if isinstance(convention, str) else convention
-    layout = conv.forward_layout(config, degree).layout
-    if any(isinstance(spec.placement, HeadReplicated) for spec in layout):
+    forward = conv.forward_layout(config, degree)
+    if any(isinstance(spec.placement, HeadReplicated) for spec in forward.layout):
         if conv.name != "vllm":  # only vLLM's forward was measured replicated
             return f"{conv.name}-replicated-kv"
         return REPLICATED_KV
+    experts = forward.experts
+    if experts is not None and (experts.ep > 1 or experts.etp or forward.tp):
+        return EXPERT_PARALLEL
     return PLAIN_FORWARD
 
 
@@ -142,19 +153,22 @@ def replicated_degrees(config: ModelConfig, max_degree: int = REPLICATED_MAX_DEG
 
 def convention_logits(where: Endpoint, config: ModelConfig,
                       shards: Sequence[Mapping[str, torch.Tensor]], tokens: torch.Tensor,
-                      phase: str = "1a") -> torch.Tensor:
+                      phase: str = "1a", guard: RoutingGuard | None = None) -> torch.Tensor:
     """Rank 0's logits of ``where``'s forward reading its stored ``shards`` (in their synced
     dtype; the forward computes in fp32 from them), as that framework reads them
     (``conventions.reading_plan``): in process (phase 1a) or one process per rank over gloo
     (phase 1b, ``check.forwards.gloo_logits``). What ``ConversionChecker.error`` judges and
-    a replicated-KV floor cell measures."""
-    plan = reading_plan(where.convention, config, where.degree)
-    inputs = [computing(x) for x in forward_inputs(shards, where.convention, config,
-                                                   where.degree)]
+    a replicated-KV floor cell measures. Where the endpoint's world holds data-parallel
+    replicas of the dense layers (Megatron's experts wider than TP), each replica's first
+    rank's logits, stacked ``(replicas, B, T, V)``: every replica's weights are judged.
+    ``guard``: an MoE forward's routing guard (``model.sharded.RoutingGuard``)."""
+    plan = reading_plan(where.convention, config, where)
+    inputs = [computing(x) for x in forward_inputs(shards, where.convention, config, where)]
     if phase == "1a":
-        return ShardedModel(plan.forward.config, inputs, InProcessCollective(where.degree),
-                            embedding=plan.forward.embedding)(tokens)[0]
-    return gloo_logits(plan.forward, inputs, tokens)
+        logits = forward_model(plan.forward, inputs, guard=guard)(tokens)
+        tp = plan.forward.tp or len(inputs)
+        return logits[0] if tp == len(inputs) else torch.stack(logits[::tp])
+    return gloo_logits(plan.forward, inputs, tokens, guard=guard)
 
 
 def replicated_logits(config: ModelConfig, params: Mapping[str, torch.Tensor], degree: int,

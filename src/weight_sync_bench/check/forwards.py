@@ -35,11 +35,12 @@ from weight_sync_bench.collectives.gloo.transport import (
     SyncRecord,
 )
 from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.errors import UnsupportedLayout
 from weight_sync_bench.layout.reshard import split, validate_shards
 from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.model.sharded import RoutingGuard, ShardedModel
 
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
@@ -55,7 +56,9 @@ SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]
 Params = dict[str, torch.Tensor]
 # A check's sharded forward: (config, rank-local shards at degree t, tokens) -> rank 0's full
 # logits (``inprocess_forward``, ``gloo_forward()``).
-Forward = Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]
+# (config, shards, tokens[, guard=]) -> rank 0's logits; ``guard``: an MoE forward's routing
+# guard (``model.sharded.RoutingGuard``), None for a dense model
+Forward = Callable[..., torch.Tensor]
 
 # The modules the sharded forward is made of: ShardedModel and the blocks it shares with the
 # reference. Not the collective (it differs between the phases by design) and not torch.
@@ -113,6 +116,7 @@ def run_phase1b(config: ModelConfig, degree: int, *, param_seed: int, token_seed
                 pool: RankPool | None = None,
                 shards: Sequence[Mapping[str, torch.Tensor]] | None = None,
                 split_fn: SplitFn | None = None, tokens: torch.Tensor | None = None,
+                guard: RoutingGuard | None = None,
                 reference: bool = False, return_shards: bool = False,
                 deadline: float | None = None, fault: Fault | None = None) -> Phase1bResult:
     """One phase 1b check on ``pool`` (a one-off pool of ``degree`` ranks when None).
@@ -138,7 +142,7 @@ def run_phase1b(config: ModelConfig, degree: int, *, param_seed: int, token_seed
             raise TypeError(f"run_phase1b: split_fn {split_fn!r} must be picklable by reference "
                             f"(a module-level function) to run on rank 0: {exc}") from exc
     kwargs = {"config": config, "param_seed": param_seed, "token_seed": token_seed,
-              "tokens": tokens, "split_fn": split_fn, "reference": reference,
+              "tokens": tokens, "split_fn": split_fn, "reference": reference, "guard": guard,
               "return_shards": return_shards}
     rank_kwargs = [{"shards": shards if rank == 0 else None} for rank in range(degree)]
     if pool is None:
@@ -167,8 +171,8 @@ def phase1b_logits(config: ModelConfig, degree: int, *, param_seed: int, token_s
 
 def phase1b_task(ctx: RankContext, *, config: ModelConfig, param_seed: int, token_seed: int,
                  tokens: torch.Tensor | None, shards: Sequence[Mapping[str, torch.Tensor]] | None,
-                 split_fn: SplitFn | None, reference: bool, return_shards: bool
-                 ) -> dict[str, Any]:
+                 split_fn: SplitFn | None, reference: bool, return_shards: bool,
+                 guard: RoutingGuard | None = None) -> dict[str, Any]:
     """The rank side of ``run_phase1b``: transport, then the sharded forward."""
     layout = layout_for(config)
     full: dict[str, torch.Tensor] = {}
@@ -186,7 +190,7 @@ def phase1b_task(ctx: RankContext, *, config: ModelConfig, param_seed: int, toke
     ctx.tracer.mark("forward")
     if tokens is None:
         tokens = make_tokens(config, token_seed)
-    model = ShardedModel(config, [sink], GlooCollective(ctx))
+    model = ShardedModel(config, [sink], GlooCollective(ctx), guard=guard)
     with torch.no_grad():
         (logits,) = model(tokens)
     expected = None
@@ -214,30 +218,37 @@ def gloo_forward(pool: RankPool | None = None) -> Forward:
     """``check.Forward`` for phase 1b: ``(config, shards, tokens)`` -> rank 0's logits, the
     caller's shards shipped to rank 0 and scattered by ``GlooTransport``, on ``pool`` (else
     the process's shared pool)."""
-    def forward(config: ModelConfig, shards: list[Params], tokens: torch.Tensor) -> torch.Tensor:
+    def forward(config: ModelConfig, shards: list[Params], tokens: torch.Tensor,
+                guard: RoutingGuard | None = None) -> torch.Tensor:
         return run_phase1b(config, len(shards), param_seed=0, token_seed=0, shards=shards,
-                           tokens=tokens, pool=pool or shared_pool(max(4, len(shards)))).logits
+                           tokens=tokens, pool=pool or shared_pool(max(4, len(shards))),
+                           guard=guard).logits
     return forward
 
 
-def inprocess_forward(config: ModelConfig, shards: list[Params], tokens: torch.Tensor
-                      ) -> torch.Tensor:
+def inprocess_forward(config: ModelConfig, shards: list[Params], tokens: torch.Tensor,
+                      guard: RoutingGuard | None = None) -> torch.Tensor:
     """Phase 1a: every rank in this process over ``InProcessCollective``."""
-    return ShardedModel(config, shards, InProcessCollective(len(shards)))(tokens)[0]
+    return ShardedModel(config, shards, InProcessCollective(len(shards)), guard=guard)(tokens)[0]
 
 
 def gloo_logits(forward: ForwardLayout, inputs: Sequence[Mapping[str, torch.Tensor]],
-                tokens: torch.Tensor) -> torch.Tensor:
+                tokens: torch.Tensor, guard: RoutingGuard | None = None) -> torch.Tensor:
     """Phase 1b of a convention's forward: rank 0 of the process's shared rank pool holds
     every rank's forward inputs, ``GlooTransport`` scatters them under ``forward.layout``
     (whatever its placements: ``HeadReplicated``, a ``Shard(1)`` embedding), and each rank
     runs ``ShardedModel.forward`` over ``GlooCollective`` with ``forward.embedding``, as
     phase 1a runs it over ``InProcessCollective``. Returns rank 0's full logits."""
     degree = len(inputs)
+    if forward.tp and forward.tp != degree:
+        raise UnsupportedLayout(
+            f"{forward.config.name}: over gloo the forward runs one TP group; this layout holds "
+            f"{degree // forward.tp} data-parallel replicas of TP {forward.tp} (experts over "
+            f"{degree} ranks): check it in process (phase 1a)")
     dtype = next(iter(inputs[0].values())).dtype
     outcomes = shared_pool(max(4, degree)).run(
         conversion_forward_task, degree,
-        kwargs={"forward": forward, "tokens": tokens, "dtype": dtype},
+        kwargs={"forward": forward, "tokens": tokens, "dtype": dtype, "guard": guard},
         rank_kwargs=[{"inputs": [dict(x) for x in inputs] if rank == 0 else None}
                      for rank in range(degree)])
     return outcomes[0]
@@ -245,8 +256,8 @@ def gloo_logits(forward: ForwardLayout, inputs: Sequence[Mapping[str, torch.Tens
 
 def conversion_forward_task(ctx: RankContext, *, forward: ForwardLayout, tokens: torch.Tensor,
                             dtype: torch.dtype,
-                            inputs: Sequence[Mapping[str, torch.Tensor]] | None
-                            ) -> torch.Tensor | None:
+                            inputs: Sequence[Mapping[str, torch.Tensor]] | None,
+                            guard: RoutingGuard | None = None) -> torch.Tensor | None:
     """The rank side of ``gloo_logits`` (``phase1b_task``'s transport and forward, under a
     convention's forward layout rather than ``layout_for``'s)."""
     sink = ParamSink()
@@ -254,7 +265,7 @@ def conversion_forward_task(ctx: RankContext, *, forward: ForwardLayout, tokens:
                                                          sink)
     ctx.tracer.mark("forward")
     model = ShardedModel(forward.config, [sink], GlooCollective(ctx),
-                         embedding=forward.embedding)
+                         embedding=forward.embedding, experts=forward.experts, guard=guard)
     with torch.no_grad():
         (logits,) = model(tokens)
     return logits if ctx.rank == 0 else None

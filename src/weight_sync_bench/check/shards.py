@@ -24,12 +24,12 @@ if TYPE_CHECKING:
 def validate_convention_shards(shards: object, where: Endpoint, config: ModelConfig,
                                dtypes: Mapping[str, torch.dtype], *,
                                pieces: Pieces | None = None) -> None:
-    """Raise unless ``shards`` is a list of ``where.degree`` dicts holding exactly the
+    """Raise unless ``shards`` is a list of ``where.world`` dicts holding exactly the
     convention's stored names (str keys) with their declared shapes and the canonical
     parameters' dtypes. ``InvalidShards`` (``WrongShardShape`` for a shape or dtype) names
     the endpoint, the rank, the stored name, the expected and the actual value. ``pieces``:
     only these stored tensors (one stage of a streamed check), else all of them."""
-    degree, shapes = where.degree, config.param_shapes()
+    degree, shapes = where.world, config.param_shapes()
     pieces = pieces if pieces is not None else where.pieces(config)
     if not isinstance(shards, Sequence) or isinstance(shards, (str, bytes)):
         raise InvalidShards(f"{where}: expected a list of {degree} rank dicts, got "

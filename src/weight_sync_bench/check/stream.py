@@ -35,7 +35,7 @@ from weight_sync_bench.check.streaming import (
 from weight_sync_bench.check.threshold import environment_notes, resolve_floor
 from weight_sync_bench.check.verdict import Verdict
 from weight_sync_bench.collectives.gloo.pool import RankPool
-from weight_sync_bench.errors import InvalidNumber
+from weight_sync_bench.errors import InvalidNumber, UnsupportedLayout
 from weight_sync_bench.model.config import ModelConfig, dtype_name, parse_dtype
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.stepwise import stages
@@ -92,13 +92,20 @@ def stream_run(config: ModelConfig, dst: int, *, fn: StageFn | None = None,
                               **({"forward": gloo_forward(pool)} if phase == "1b" else {}))
         threshold, notes = floor.threshold, environment_notes(floor, config, phase, name)
     if backend == "gloo":
+        if config.n_experts:
+            raise UnsupportedLayout(f"{config.name}: a streamed MoE check runs in process "
+                                    "(phase 1a): the routing guard lives beside the reference "
+                                    "on rank 0; check it whole over gloo, or streamed in process")
         run = run_gloo(config, dst, fn, src, per, seed, weights, pool)
     else:
-        run = run_inprocess(config, layout, dst, fn, src, per, seed, weights, progress)
+        run = run_inprocess(config, layout, dst, fn, src, per, seed, weights, progress,
+                            route_bound=threshold)
     error = float((run.logits - run.expected).abs().max())
     verdict = Verdict(config=config.name, src=src, dst=dst, max_abs_error=error,
                       threshold=threshold, first_mismatch=run.differ[0] if run.differ else None,
                       mismatches=tuple(run.differ), diagnosis=tuple(run.diagnosis),
-                      own_forward=bool(run.differ), notes=notes, dtype=name,
-                      named_mutation=run.named.mutation, named_meaning=run.named.meaning)
+                      own_forward=bool(run.differ), notes=(*notes, *config.notes), dtype=name,
+                      named_mutation=run.named.mutation, named_meaning=run.named.meaning,
+                      near_ties=run.near_ties,
+                      route_bound=threshold if run.near_ties is not None else None)
     return verdict, run.rank_rss

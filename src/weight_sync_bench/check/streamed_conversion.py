@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from weight_sync_bench.check.checker import Verdict
-from weight_sync_bench.check.conversion import require_cell
+from weight_sync_bench.check.conversion import endpoint_name, require_cell
 from weight_sync_bench.check.diagnosis import bit_equal, diagnose
 from weight_sync_bench.check.shards import validate_convention_shards
 from weight_sync_bench.check.streaming import PER, Progress, drawn_units
@@ -26,8 +26,9 @@ from weight_sync_bench.check.user_code import describe as describe_fn
 from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.conventions import endpoint, reading_plan
 from weight_sync_bench.conventions.maps import Owners, gather_canonical, runs, translate
-from weight_sync_bench.errors import InvalidNumber, UserCodeError
+from weight_sync_bench.errors import InvalidNumber, UnsupportedLayout, UserCodeError
 from weight_sync_bench.model.config import dtype_name, make_tokens, parse_dtype
+from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.model.stepwise import ReferenceSteps, ShardedSteps
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
 
@@ -72,6 +73,9 @@ def _matches(mine: torch.Tensor, piece: Piece, given: Sequence[Mapping[str, torc
     if found is None:
         canon = gather_canonical(given, src, shapes, [piece.source])
         return bit_equal(mine, piece.take(canon[piece.source]))
+    if tuple(mine.shape) != piece.local_shape(shapes[piece.source]):
+        return False
+    mine = piece.flat(mine)  # a stacked tensor (vLLM's w13) as the selection it stacks
     for run in found:
         part = mine.narrow(piece.dim, run.at, run.length)
         if run.rank is None:
@@ -79,7 +83,8 @@ def _matches(mine: torch.Tensor, piece: Piece, given: Sequence[Mapping[str, torc
                 return False
         else:
             assert run.name is not None
-            held = given[run.rank][run.name].narrow(piece.dim, run.start, run.length)
+            source = src[run.rank][run.name].flat(given[run.rank][run.name])
+            held = source.narrow(piece.dim, run.start, run.length)
             if not bit_equal(part, held):
                 return False
     return True
@@ -122,13 +127,20 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
         threshold = floor.threshold
         notes = environment_notes(floor, config, "1a", name)
         require_cell(floor, config, target)  # a forward its floor never measured: refused
-    t = target.degree
+    t = target.world
     shapes = config.param_shapes()
-    plan = reading_plan(target.convention, config, t)
+    plan = reading_plan(target.convention, config, target)
+    if plan.forward.tp and plan.forward.tp != t:
+        raise UnsupportedLayout(f"{target}: a streamed conversion runs the destination's "
+                                f"forward over one TP group; {t} ranks hold "
+                                f"{t // plan.forward.tp} replicas of TP {plan.forward.tp}: "
+                                "check it whole (stream=None)")
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
     reference = ReferenceSteps(config, tokens)
+    guard = RoutingGuard(reference.model.routings, threshold) if config.n_experts else None
     sharded = ShardedSteps.over(plan.forward.config, InProcessCollective(t), tokens,
-                                embedding=plan.forward.embedding)
+                                embedding=plan.forward.embedding,
+                                experts=plan.forward.experts, guard=guard)
     differ: list[str] = []
     diagnosis: list[str] = []
     with torch.no_grad():
@@ -179,5 +191,8 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
     return Verdict(config=config.name, src=source.degree, dst=t, max_abs_error=error,
                    threshold=threshold, first_mismatch=differ[0] if differ else None,
                    mismatches=tuple(differ), diagnosis=tuple(diagnosis),
-                   own_forward=bool(differ), conventions=(source.name, target.name),
-                   notes=notes, dtype=name)
+                   own_forward=bool(differ), conventions=(endpoint_name(source),
+                                                          endpoint_name(target)),
+                   notes=(*notes, *config.notes), dtype=name,
+                   near_ties=None if guard is None else guard.near_ties(),
+                   route_bound=threshold if guard is not None else None)

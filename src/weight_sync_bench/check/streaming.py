@@ -45,6 +45,7 @@ are ``check.stream``'s.
 
 from __future__ import annotations
 
+import math
 import pickle
 import time
 from collections.abc import Callable, Iterator
@@ -83,6 +84,7 @@ from weight_sync_bench.model.config import (
     parse_dtype,
 )
 from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.model.stepwise import ReferenceSteps, ShardedSteps, draw, stages
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
 
@@ -215,6 +217,7 @@ class StreamRun:
     expected: torch.Tensor  # the reference's
     # per rank under gloo: (RSS when its task began, its high-water mark after), bytes
     rank_rss: tuple[tuple[int, int], ...] = ()
+    near_ties: tuple[int, int] | None = None  # an MoE model's (``RoutingGuard.near_ties``)
 
 
 def units(names: list[str], per: str) -> list[list[str]]:
@@ -246,11 +249,14 @@ def drawn_units(config: ModelConfig, seed: int, weights: torch.dtype, per: str,
 
 def run_inprocess(config: ModelConfig, layout: LayoutTable, dst: int, fn: StageFn | None,
                   src: int | None, per: str, seed: int, weights: torch.dtype,
-                  progress: Callable[[Progress], None] | None) -> StreamRun:
-    """The streamed forwards and byte comparison (the module docstring's steps 1-4)."""
+                  progress: Callable[[Progress], None] | None, *,
+                  route_bound: float = math.inf) -> StreamRun:
+    """The streamed forwards and byte comparison (the module docstring's steps 1-4); an MoE
+    model's routing guard at ``route_bound`` (``check.checker``)."""
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
     reference = ReferenceSteps(config, tokens)
-    sharded = ShardedSteps.over(config, InProcessCollective(dst), tokens)
+    guard = RoutingGuard(reference.model.routings, route_bound) if config.n_experts else None
+    sharded = ShardedSteps.over(config, InProcessCollective(dst), tokens, guard=guard)
     found = Found.of(config, layout, dst, weights)
     with torch.no_grad():
         for unit, full in drawn_units(config, seed, weights, per, reference, progress):
@@ -261,7 +267,8 @@ def run_inprocess(config: ModelConfig, layout: LayoutTable, dst: int, fn: StageF
             del out
         named = found.named(config, layout, dst, seed, weights)
     assert sharded.logits is not None and reference.expected is not None
-    return StreamRun(found.differ, found.diagnosis, named, sharded.logits, reference.expected)
+    return StreamRun(found.differ, found.diagnosis, named, sharded.logits, reference.expected,
+                     near_ties=None if guard is None else guard.near_ties())
 
 
 def run_gloo(config: ModelConfig, dst: int, fn: StageFn | None, src: int | None, per: str,

@@ -42,6 +42,11 @@ class Verdict:
     # no mutation is, and always where the shards equal the declared ones.
     named_mutation: str | None = None
     named_meaning: str | None = None
+    # An MoE model's routing check (``check.checker``): how many of the reference's (layer,
+    # token) expert choices were within ``route_bound`` of flipping, and of how many. Those
+    # took the reference's choice in the sharded forward; every other choice is its own.
+    near_ties: tuple[int, int] | None = None
+    route_bound: float | None = None
 
     @property
     def finite(self) -> bool:
@@ -58,8 +63,10 @@ class Verdict:
 
     @property
     def route(self) -> str:
-        if self.conventions is not None:
-            return f"{self.conventions[0]}:{self.src} -> {self.conventions[1]}:{self.dst}"
+        if self.conventions is not None:  # a name, or a whole endpoint (megatron:tp=2,ep=4)
+            a, b = (c if ":" in c else f"{c}:{t}" for c, t in zip(self.conventions,
+                                                                  (self.src, self.dst)))
+            return f"{a} -> {b}"
         return f"{self.src} -> {self.dst}" if self.src is not None else f"split -> {self.dst}"
 
     def __str__(self) -> str:
@@ -84,6 +91,11 @@ class Verdict:
                 which = (f"`{names[0]}`" if len(names) == 1 else
                          ", and exactly ".join(f"`{n}`" for n in names) + " (the same bytes here)")
                 lines.append(f"  this is exactly {which}: {self.named_meaning}")
+        if self.near_ties is not None:
+            near, total = self.near_ties
+            lines.append(f"  routing: {near} of {total} token choices within "
+                         f"{self.route_bound:g} of flipping took the reference's experts; "
+                         "every other is the sharded forward's own")
         lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 

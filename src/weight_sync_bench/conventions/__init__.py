@@ -33,7 +33,7 @@ from weight_sync_bench.conventions.maps import Piece, gather_canonical, material
 from weight_sync_bench.conventions.megatron import MEGATRON
 from weight_sync_bench.conventions.meta import META
 from weight_sync_bench.conventions.plain import PLAIN
-from weight_sync_bench.conventions.reading import forward_inputs, reading_plan
+from weight_sync_bench.conventions.reading import forward_inputs, forward_model, reading_plan
 from weight_sync_bench.conventions.table import render
 from weight_sync_bench.conventions.vllm import VLLM
 from weight_sync_bench.errors import UnknownConvention
@@ -42,7 +42,7 @@ from weight_sync_bench.model.config import ModelConfig, init_params
 CONVENTIONS: dict[str, Convention] = {c.name: c for c in (PLAIN, MEGATRON, VLLM, HF, META)}
 
 __all__ = ["CONVENTIONS", "Convention", "Endpoint", "ForwardLayout", "Piece", "convention_by_name",
-           "convert", "endpoint", "forward_inputs", "gather_canonical", "materialize",
+           "convert", "endpoint", "forward_inputs", "forward_model", "gather_canonical", "materialize",
            "reading_plan", "render", "shards_for"]
 
 

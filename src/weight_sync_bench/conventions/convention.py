@@ -194,7 +194,8 @@ class Endpoint:
     def __str__(self) -> str:
         if self.ep == 1 and not self.etp and not self.options:
             return f"{self.convention.name}:{self.degree}"
-        parts = [f"tp={self.degree}"] + ([f"ep={self.ep}"] if self.ep != 1 else []) + (
+        parts = ([f"tp={self.degree}"] if self.degree != 1 or self.ep != 1 or self.etp else []) + (
+            [f"ep={self.ep}"] if self.ep != 1 else []) + (
             [f"etp={self.etp}"] if self.etp else []) + [f"{k}={v}" for k, v in self.options]
         return f"{self.convention.name}:{','.join(parts)}"
 
@@ -299,7 +300,7 @@ def parse_endpoint(text: str | Endpoint, known: dict[str, Convention]) -> Endpoi
     convention = known[name]
     if not sep:
         return Endpoint(convention, 1)
-    if spec.isdigit() or not spec:
+    if "=" not in spec:  # a TP degree alone
         if not spec.isdigit() or int(spec) < 1:
             raise UnknownConvention(f"{text!r}: the degree after ':' must be a positive integer")
         return Endpoint(convention, int(spec))

@@ -21,10 +21,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from weight_sync_bench.collectives.inprocess import InProcessCollective, InProcessGroups
 from weight_sync_bench.conventions.maps import Piece, rows
+from weight_sync_bench.model.sharded import ShardedModel
 
 if TYPE_CHECKING:
     from weight_sync_bench.conventions.convention import Convention, Endpoint, ForwardLayout
+    from weight_sync_bench.model.sharded import RoutingGuard
     from weight_sync_bench.model.config import ModelConfig
 
 
@@ -134,3 +137,23 @@ def forward_inputs(shards: Sequence[Mapping[str, torch.Tensor]], convention: Con
     plan = reading_plan(convention, config, degree)
     return [{name: selection.apply(stored) for name, selection in rank.items()}
             for stored, rank in zip(shards, plan.ranks)]
+
+
+def forward_model(forward: ForwardLayout, inputs: Sequence[Mapping[str, torch.Tensor]], *,
+                  guard: RoutingGuard | None = None) -> ShardedModel:
+    """The in-process forward of a convention's layout over its forward inputs (one dict per
+    rank of the endpoint's world): ``ShardedModel`` over one TP group, or, where the world is
+    wider than TP (Megatron's experts spread over data-parallel replicas of the dense layers),
+    over the replicas' TP groups side by side (``InProcessGroups``, TP rank fastest) with the
+    experts' partial outputs summed over the whole world; the embedding and the experts as the
+    forward layout places them. The one place a convention's forward is built."""
+    world = len(inputs)
+    tp = forward.tp or world
+    if tp == world:
+        collective, experts_group = InProcessCollective(world), None
+    else:
+        collective = InProcessGroups([[d * tp + r for r in range(tp)]
+                                      for d in range(world // tp)])
+        experts_group = InProcessCollective(world)
+    return ShardedModel(forward.config, inputs, collective, embedding=forward.embedding,
+                        experts=forward.experts, experts_group=experts_group, guard=guard)

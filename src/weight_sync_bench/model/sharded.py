@@ -66,22 +66,34 @@ EMBEDDING: Placement = Shard(0)
 
 @dataclass(frozen=True)
 class RoutingGuard:
-    """The reference's routing where it must be kept: per MoE layer, the reference's choice
-    ``experts`` ``(N, k)`` and ``near`` ``(N,)``, the tokens whose choice is within the bound
-    of flipping (``Routing.margin <= bound``). A sharded rank routes every other token itself."""
+    """The reference's routing where it must be kept. ``routings``: the reference's own, per
+    MoE layer (``ReferenceModel.routings``, read when a layer routes, so a streamed check's
+    reference may step just ahead of the sharded one); ``bound``: the largest change of a
+    selection score a correct sharded forward may make (the routing threshold). A token whose
+    reference choice is within the bound of flipping (``Routing.margin <= bound``) takes the
+    reference's choice; a sharded rank routes every other token itself."""
 
-    experts: dict[int, torch.Tensor]
-    near: dict[int, torch.Tensor]
+    routings: Mapping[int, Routing]
+    bound: float
 
-    @classmethod
-    def of(cls, routings: Mapping[int, Routing], bound: float) -> RoutingGuard:
-        return cls({i: r.experts for i, r in routings.items()},
-                   {i: r.margin <= bound for i, r in routings.items()})
+    def near(self, layer: int) -> torch.Tensor:
+        """``(N,)`` bool: the tokens near-tied in the reference at ``layer``."""
+        return self.routings[layer].margin <= self.bound
 
-    def choice(self, layer: int, own: torch.Tensor) -> torch.Tensor:
-        """The experts a rank computes: its own choice, the reference's where near-tied."""
-        near = self.near[layer]
-        return torch.where(near[:, None], self.experts[layer], own) if bool(near.any()) else own
+    def near_ties(self) -> tuple[int, int]:
+        """``(near-tied, all)`` (layer, token) choices of the reference's routings."""
+        return (sum(int(self.near(i).sum()) for i in self.routings),
+                sum(r.margin.numel() for r in self.routings.values()))
+
+    def choice(self, layer: int, own: torch.Tensor, tokens: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """The experts a rank computes: its own choice, the reference's where near-tied;
+        ``tokens``: which of the reference's (flat ``B * T``) tokens ``own`` holds, in order
+        (a context-parallel chunk's), all of them when None."""
+        near, experts = self.near(layer), self.routings[layer].experts
+        if tokens is not None:
+            near, experts = near[tokens], experts[tokens]
+        return torch.where(near[:, None], experts, own) if bool(near.any()) else own
 
 
 class ShardedModel:
@@ -183,8 +195,13 @@ class ShardedModel:
         h = self.embed([tokens[:, a:b] for a, b in chunks])  # (B, Tc, d), (B, Tc / t, d) with SP
         self.embedding_output = h
         self.embedding_positions = self.residual_positions(chunks)
+        # which of the reference's flat (B * T) tokens an MoE layer routes on each rank: its
+        # context chunk's (the whole sequence without CP: all of them)
+        batch = torch.arange(tokens.shape[0])[:, None] * seq_len  # (B, 1)
+        flat = [None if self.context is None else (batch + torch.arange(a, b)[None]).flatten()
+                for a, b in chunks]
         return ShardedState(h, ropes, masks, chunks, c.n_heads // t,
-                            local_kv_heads(c.n_kv_heads, t))
+                            local_kv_heads(c.n_kv_heads, t), flat_tokens=flat)
 
     def block(self, state: ShardedState, i: int) -> None:
         for suffix in self.config.suffixes_of(i):
@@ -282,7 +299,7 @@ class ShardedModel:
             routing = route(logits, c, None if bias is None else bias[i])
             own.append(routing)
             chosen = (routing.experts if self.guard is None
-                      else self.guard.choice(layer, routing.experts))
+                      else self.guard.choice(layer, routing.experts, state.flat_tokens[i]))
             weights = gate_weights(logits, chosen, c)
             if edp > 1:  # token n is served by the replica with edp_rank == n % edp
                 served = (torch.arange(chosen.shape[0]) % edp
@@ -429,6 +446,7 @@ class ShardedState:
     chunks: list[tuple[int, int]]
     heads: int
     kv_heads: int
+    flat_tokens: list[torch.Tensor | None] = field(default_factory=list)  # see ``begin``
     x: Tensors | None = None  # the normed inputs a projection reads next
     y: Tensors | None = None  # the last step's outputs (features, partial sums, logits)
     # Qwen3's q and k norm weights of the layer being read, per rank (reset at its attention)

@@ -20,11 +20,11 @@ import torch
 
 from weight_sync_bench.memory import trim
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.model.sharded import EMBEDDING, ShardedModel
+from weight_sync_bench.model.sharded import EMBEDDING, RoutingGuard, ShardedModel
 
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.protocol import Collective
-    from weight_sync_bench.layout.placements import Placement
+    from weight_sync_bench.layout.placements import Experts, Placement
     from weight_sync_bench.model.config import ModelConfig
 
 Params = dict[str, torch.Tensor]
@@ -107,12 +107,15 @@ class ShardedSteps:
 
     @classmethod
     def over(cls, config: ModelConfig, collective: Collective, tokens: torch.Tensor, *,
-             embedding: Placement = EMBEDDING) -> ShardedSteps:
-        """The forward of ``config`` over ``collective``'s local ranks; ``embedding``: the
-        embedding's placement (a destination convention's forward may split the hidden
-        dimension: ``conventions.reading_plan``)."""
+             embedding: Placement = EMBEDDING, experts: Experts | None = None,
+             guard: RoutingGuard | None = None) -> ShardedSteps:
+        """The forward of ``config`` over ``collective``'s local ranks; ``embedding`` and
+        ``experts``: the embedding's and the experts' placements (a destination convention's
+        forward may split the hidden dimension, or place experts over EP ranks:
+        ``conventions.reading_plan``); ``guard``: an MoE forward's routing guard, over the
+        reference steps' routings (``ReferenceSteps.model.routings``)."""
         return cls(ShardedModel(config, [{} for _ in collective.ranks], collective,
-                                embedding=embedding), tokens)
+                                embedding=embedding, experts=experts, guard=guard), tokens)
 
     def take(self, names: list[str], shards: list[Params]) -> None:
         """The steps that read ``names`` from ``shards`` (per local rank), which are emptied
