@@ -21,7 +21,8 @@ from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN, FuzzDomain, IntRan
 from weight_sync_bench.model.config import ModelConfig
 from weight_sync_bench.model.plan import layout_for
 
-__all__ = ["Rejection", "cases", "degree_pairs", "geometries", "in_range", "moe_geometries",
+__all__ = ["MoeNeeds", "Rejection", "cases", "degree_pairs", "geometries", "in_range",
+           "moe_geometries",
            "rejected_layouts", "seeds"]
 
 
@@ -137,36 +138,71 @@ def rejected_layouts(draw: st.DrawFn) -> Rejection:
     return Rejection(config, t, parameter, rule)
 
 
+@dataclass(frozen=True)
+class MoeNeeds:
+    """What an MoE geometry must have for an MoE conversion mutation to be live in it: a
+    selection bias (``router_bias``), a gated shared expert (``shared_gate``), q/k norms over
+    two layers or more (``qk_norm``), square experts (``square``: expert_ffn == d_model), an
+    odd number of experts (``odd_experts``: vLLM's linear map over 2 or 4 EP ranks has a
+    remainder), two KV heads or more (``min_kv_heads``: a TP (and EP) degree of 2)."""
+
+    router_bias: bool = False
+    shared_gate: bool = False
+    qk_norm: bool = False
+    square: bool = False
+    odd_experts: bool = False
+    min_kv_heads: int = 1
+    min_experts: int = 2
+    wide_experts: bool = False
+
+
 @st.composite
 def moe_geometries(draw: st.DrawFn, domain: FuzzDomain = DOMAIN,
-                   moe: MoeDomain = MOE_DOMAIN) -> ModelConfig:
-    """An MoE ModelConfig inside ``domain`` and ``moe``: a dense geometry (``geometries``,
-    at least one layer MoE), then the experts: their number, ``top_k`` at most that, the router
+                   moe: MoeDomain = MOE_DOMAIN, needs: MoeNeeds = MoeNeeds()) -> ModelConfig:
+    """An MoE ModelConfig inside ``domain`` and ``moe`` meeting ``needs``: a dense geometry
+    (``geometries``), then the experts: their number, ``top_k`` at most that, the router
     (softmax; or sigmoid, with a selection bias or not), its groups (a divisor of the experts
     with two or more each, ``topk_groups`` of them kept, enough experts for ``top_k``),
     renormalisation, the experts' and a shared expert's widths (multiples of ``n_kv_heads``),
     the shared expert's gate, q/k norms, and Mixtral's names where its block allows. Drawn in
-    that order, each from what the earlier draws allow: nothing is rejected.
+    that order, each from what the earlier draws (and ``needs``) allow: nothing is rejected.
 
     Shrinks toward two experts, top-1, softmax, no groups, no shared expert, no q/k norms."""
     config = draw(geometries(domain))
-    e = draw(in_range(moe.n_experts))
+    kv = max(config.n_kv_heads, needs.min_kv_heads)
+    if needs.odd_experts and kv % 2:  # an even TP = EP degree that no odd count divides
+        kv += 1
+    if kv != config.n_kv_heads:  # the coupled sizes follow, as ``geometries`` draws them
+        config = config.replace(n_kv_heads=kv, n_heads=config.n_heads // config.n_kv_heads * kv,
+                                ffn=config.ffn // config.n_kv_heads * kv,
+                                vocab=config.vocab // config.n_kv_heads * kv)
+    if needs.qk_norm and config.n_layers < 2:
+        config = config.replace(n_layers=2)
+    counts = [e for e in range(max(moe.n_experts.lo, needs.min_experts), moe.n_experts.top + 1)
+              if not needs.odd_experts or e % 2]
+    e = draw(st.sampled_from(counts))
     top_k = draw(st.integers(moe.top_k.lo, min(moe.top_k.top, e)))
-    router = draw(st.sampled_from(("softmax", "sigmoid")))
+    router = "sigmoid" if needs.router_bias else draw(st.sampled_from(("softmax", "sigmoid")))
     groups = [g for g in range(1, e + 1) if e % g == 0 and (g == 1 or e // g >= 2)]
     n_groups = draw(st.sampled_from(groups))
     keep = [k for k in range(1, n_groups + 1) if top_k <= k * (e // n_groups)]
     topk_groups = draw(st.sampled_from(keep)) if n_groups > 1 else 1
     kv = config.n_kv_heads
-    shared = kv * draw(in_range(moe.shared_ffn_per_kv_head))
-    qk_norm = draw(st.booleans())
+    shared = kv * draw(st.integers(max(moe.shared_ffn_per_kv_head.lo, 1 if needs.shared_gate
+                                       else 0), moe.shared_ffn_per_kv_head.top))
+    qk_norm = needs.qk_norm or draw(st.booleans())
     dense = draw(st.integers(moe.dense_layers.lo, min(moe.dense_layers.top, config.n_layers - 1)))
+    if needs.square:  # the experts as wide as the model: d_model a multiple of n_kv_heads
+        expert_ffn = config.d_model
+    else:
+        expert_ffn = kv * draw(st.integers(8 if needs.wide_experts else
+                                           moe.expert_ffn_per_kv_head.lo, 16))
     fields = dict(n_experts=e, top_k=top_k, router=router, n_groups=n_groups,
                   topk_groups=topk_groups, norm_topk=draw(st.booleans()),
-                  router_bias=router == "sigmoid" and draw(st.booleans()),
-                  expert_ffn=kv * draw(in_range(moe.expert_ffn_per_kv_head)), shared_ffn=shared,
-                  shared_gate=shared > 0 and draw(st.booleans()), qk_norm=qk_norm,
-                  dense_layers=dense)
+                  router_bias=needs.router_bias or (router == "sigmoid" and draw(st.booleans())),
+                  expert_ffn=expert_ffn, shared_ffn=shared,
+                  shared_gate=needs.shared_gate or (shared > 0 and draw(st.booleans())),
+                  qk_norm=qk_norm, dense_layers=dense)
     mixtral_ok = not (shared or qk_norm or dense or router != "softmax" or n_groups > 1)
     fields["moe_style"] = "mixtral" if mixtral_ok and draw(st.booleans()) else "qwen"
     return config.replace(name="fuzz_moe", **fields)

@@ -25,16 +25,18 @@ import dataclasses
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
-from weight_sync_bench.fuzz.strategies import in_range, seeds
+from weight_sync_bench.fuzz.strategies import MoeNeeds, in_range, moe_geometries, seeds
 
 from weight_sync_bench.conventions import CONVENTIONS, Endpoint, endpoint
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.conventions.mutations import Conversion
 from weight_sync_bench.fuzz.case import ConversionCase
-from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain, IntRange
+from weight_sync_bench.errors import UnsupportedLayout
+from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN, FuzzDomain, IntRange, MoeDomain
 from weight_sync_bench.model.config import ModelConfig
 
-__all__ = ["Needs", "conversion_cases", "conversion_geometries", "endpoints", "needs_for"]
+__all__ = ["Needs", "conversion_cases", "conversion_geometries", "endpoints",
+           "moe_conversion_cases", "moe_endpoints", "needs_for"]
 
 REPLICATION = (1, 2, 4)  # KV-head replication factors k: vLLM at t = k * n_kv_heads
 
@@ -191,4 +193,78 @@ def conversion_cases(draw: st.DrawFn, mutation: str | None = None,
         src, dst = draw(st.sampled_from(_pairs(config, mutation)))
     return ConversionCase(config=config, src_convention=src.name, src=src.degree,
                           dst_convention=dst.name, dst=dst.degree, seed=draw(seeds(domain)),
+                          mutation=mutation)
+
+
+# ---------------------------------------------------------------- Mixture-of-Experts
+
+_MOE_NEEDS = {
+    "local_expert_id_as_global": MoeNeeds(min_kv_heads=2),
+    "ep_remainder_to_last": MoeNeeds(min_kv_heads=2, odd_experts=True),
+    "router_bias_not_synced": MoeNeeds(router_bias=True, min_experts=4, wide_experts=True),
+    "router_bias_negated": MoeNeeds(router_bias=True, min_experts=4, wide_experts=True),
+    "fc1_etp_rank_concat": MoeNeeds(min_kv_heads=2),
+    "fc2_split_on_wrong_dim": MoeNeeds(min_kv_heads=2),
+    "expert_transposed_twice": MoeNeeds(square=True),
+    "shared_gate_dropped": MoeNeeds(shared_gate=True),
+    "qk_norm_from_next_layer": MoeNeeds(qk_norm=True),
+}
+
+
+def moe_endpoints(config: ModelConfig, max_world: int = 8) -> list[Endpoint]:
+    """Every MoE endpoint that can store ``config`` with at most ``max_world`` ranks: each
+    convention at each TP degree (a divisor of ``n_heads``), with expert parallelism (EP 2, 4,
+    or the TP degree, expert-TP 1 or the default) and the options that change a layout
+    (Megatron's SequentialMLP, vLLM's round-robin map and FlashInfer's [w3; w1], HF v5's fused
+    experts); smallest world first."""
+    degrees = [t for t in range(1, config.n_heads + 1) if config.n_heads % t == 0]
+    texts = []
+    for t in degrees:
+        texts += [f"plain:{t}", f"megatron:{t}", f"vllm:{t}",
+                  f"vllm:tp={t},kernel=flashinfer_cutlass"]
+        for ep in sorted({2, 4, t} - {1}):
+            texts += [f"plain:tp={t},ep={ep}", f"megatron:tp={t},ep={ep}",
+                      f"megatron:tp={t},ep={ep},etp=1",
+                      f"megatron:tp={t},ep={ep},experts=sequential"]
+        if t > 1:
+            texts += [f"vllm:tp={t},ep={t}", f"vllm:tp={t},ep={t},placement=round_robin"]
+    texts += ["hf", "hf:experts=fused"]
+    found = []
+    for text in texts:
+        ep = endpoint(text)
+        try:
+            ep.pieces(config)
+        except UnsupportedLayout:
+            continue
+        if ep.world <= max_world:
+            found.append(ep)
+    return sorted(found, key=lambda e: e.world)
+
+
+def _moe_pairs(config: ModelConfig, mutation: str | None) -> list[tuple[Endpoint, Endpoint]]:
+    eps = moe_endpoints(config)
+    pairs = [(a, b) for a in eps for b in eps]
+    if mutation is None:
+        return pairs
+    m = CONVERSION_MUTATIONS[mutation]
+    applies = [(a, b) for a, b in pairs if m.not_applicable(Conversion(config, a, b)) is None]
+    live = [(a, b) for a, b in applies if m.identity_reason(Conversion(config, a, b)) is None]
+    assert applies, f"{mutation} applies to no MoE conversion of {config}"
+    return live or applies
+
+
+@st.composite
+def moe_conversion_cases(draw: st.DrawFn, mutation: str | None = None,
+                         domain: FuzzDomain = DOMAIN, moe: MoeDomain = MOE_DOMAIN
+                         ) -> ConversionCase:
+    """An MoE conversion to fuzz: a geometry (``moe_geometries``, meeting what ``mutation``
+    needs to be live), an ordered pair of its MoE endpoints (``moe_endpoints``: where the
+    mutation applies, and is live where possible), a seed. The case names each end by its
+    whole endpoint (``megatron:tp=2,ep=4``) and world size. Shrinks toward the smallest
+    geometry, the smallest worlds and seed 0."""
+    needs = _MOE_NEEDS.get(mutation, MoeNeeds()) if mutation is not None else MoeNeeds()
+    config = draw(moe_geometries(domain, moe, needs))
+    src, dst = draw(st.sampled_from(_moe_pairs(config, mutation)))
+    return ConversionCase(config=config, src_convention=str(src), src=src.world,
+                          dst_convention=str(dst), dst=dst.world, seed=draw(seeds(domain)),
                           mutation=mutation)

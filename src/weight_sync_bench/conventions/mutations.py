@@ -92,7 +92,10 @@ class ConversionMutation:
     # fuzz found rope_permute_missing/twice at 7x and 0.0002x with 4 tokens (corpus
     # a417f71d13ea11eb, 8426db6c58fd97b9, 4fef1ab671018ec0), at 465x and more with 8, and
     # >= 198x over 60 random geometries each with 16 (the fixed matrix's length too), so a
-    # fuzzed check of these runs at least 16 tokens (fuzz.case.run_conversion_case).
+    # fuzzed check of these runs at least 16 tokens (fuzz.case.run_conversion_case). A
+    # selection-only bug (a router bias) shows only where some token's choice flips: at 4
+    # tokens over 2 experts a zeroed bias flipped none in 10 of 245 fuzzed examples, so the
+    # fuzz draws 4 experts or more for it and runs 32 tokens a sequence.
     min_seq_len: int = 1
 
     def not_applicable(self, conversion: Conversion) -> str | None:
@@ -558,6 +561,13 @@ def _has_router_bias(conversion: Conversion) -> str | None:
     return None if conversion.config.router_bias else "the router has no selection bias"
 
 
+def _all_chosen(conversion: Conversion) -> str | None:
+    c = conversion.config
+    if c.top_k == c.n_experts:
+        return f"top_k == n_experts = {c.n_experts}: every token takes every expert, whatever it scores"
+    return None
+
+
 def _bucket_not_sent(shards: list[Params], conversion: Conversion) -> list[Params]:
     """The last quarter of the experts (a bucket, rounded up) never sent: their rows and
     columns keep a stale copy on every rank that holds them."""
@@ -673,7 +683,7 @@ def _no_dense_mlp(conversion: Conversion) -> str | None:
 _GATE_UP = r"layers\.\d+\.experts\.gate_up\.weight"
 _DOWN = r"layers\.\d+\.experts\.down\.weight"
 _EXPERTS = r"layers\.\d+\.experts\.(gate_up|down)\.weight"
-_ROUTER_BIAS = r"layers\.\d+\.router\.bias"
+ROUTER_BIAS = r"layers\.\d+\.router\.bias"
 
 MOE_MUTATIONS: tuple[ConversionMutation, ...] = (
     ConversionMutation(
@@ -694,11 +704,13 @@ MOE_MUTATIONS: tuple[ConversionMutation, ...] = (
         "router_bias_not_synced", "the router's selection bias left at its initial zeros",
         "NVIDIA-NeMo/Megatron-Bridge PR #4657: expert_bias <-> e_score_correction_bias mapped "
         "for MTP layers only (Kimi-K2 converted with the bias at zero)",
-        _router_bias(torch.zeros_like), _has_router_bias, _never, _ROUTER_BIAS),
+        _router_bias(torch.zeros_like), _has_router_bias, _all_chosen, ROUTER_BIAS,
+        min_seq_len=32),
     ConversionMutation(
         "router_bias_negated", "the router's selection bias written with the wrong sign",
         "a selection-only bug: only which experts are chosen changes (issue 32, the routing "
-        "check)", _router_bias(torch.neg), _has_router_bias, _never, _ROUTER_BIAS),
+        "check)", _router_bias(torch.neg), _has_router_bias, _all_chosen, ROUTER_BIAS,
+        min_seq_len=32),
     ConversionMutation(
         "expert_bucket_not_sent", "the last quarter of the experts never sent: a stale copy",
         "NovaSky-AI/SkyRL PR #1471: grouped expert export tasks split across buckets, fused "

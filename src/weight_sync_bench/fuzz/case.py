@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import torch
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +35,12 @@ from weight_sync_bench.check.checker import Checker, Forward, ThresholdRule
 from weight_sync_bench.check.convert import ConversionChecker
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import KILL_MARGIN, mutation_by_name
+from weight_sync_bench.conventions.mutations import ROUTER_BIAS
 from weight_sync_bench.errors import InvalidConfig
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
 from weight_sync_bench.layout.reshard import reshard
 from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
+from weight_sync_bench.model.reference import ReferenceModel
 
 PROPERTIES = ("invariant", "kill", "convert", "convert_kill")
 CONVERSION_PROPERTIES = ("convert", "convert_kill")
@@ -128,6 +132,15 @@ class Outcome:
     deviation: float  # max |sharded - reference| logit
     threshold: float
     shards_differ: bool  # the mutated shards differ from the declared split somewhere
+    # Why a selection-only mutation (a router's bias) changes nothing the forward computes on
+    # this example: no token's choice of experts moves (``run_conversion_case``). Only the
+    # bytes can show it there; the example counts as an identity one for the forward.
+    unchanged: str | None = None
+
+    @property
+    def identity_reason(self) -> str | None:
+        """Why the mutation changes nothing here: the case's rule, or this example's data."""
+        return self.case.identity_reason() or self.unchanged
 
     @property
     def ratio(self) -> float:
@@ -149,6 +162,8 @@ class Outcome:
         if prop in ("kill", "convert_kill"):
             if self.case.identity_reason() is not None:
                 return self.check_passed and not self.shards_differ
+            if self.unchanged is not None:  # the byte comparison catches it, not the forward
+                return self.shards_differ
             return self.killed
         if prop == "convert":
             return self.check_passed and not self.shards_differ
@@ -226,8 +241,8 @@ class ConversionCase:
         from weight_sync_bench.conventions import endpoint
         from weight_sync_bench.conventions.mutations import Conversion
 
-        return Conversion(self.config, endpoint(f"{self.src_convention}:{self.src}"),
-                          endpoint(f"{self.dst_convention}:{self.dst}"))
+        return Conversion(self.config, _end(self.src_convention, self.src),
+                          _end(self.dst_convention, self.dst))
 
     def identity_reason(self) -> str | None:
         """Why the conversion mutation changes no byte here (None: it does, or none is set)."""
@@ -249,8 +264,22 @@ class ConversionCase:
         extra = "".join(f" {k}={v}" for k, v in variants.items())
         return (f"d_model={g.d_model} layers={g.n_layers} heads={g.n_heads}/{g.n_kv_heads} "
                 f"head_dim={g.head_dim} ffn={g.ffn} vocab={g.vocab} tokens={g.batch}x{g.seq_len}"
-                f"{extra}, {self.src_convention}:{self.src} -> {self.dst_convention}:{self.dst}"
+                f"{extra}, {_end(self.src_convention, self.src)} -> "
+                f"{_end(self.dst_convention, self.dst)}"
                 f", seed {self.seed}{what} (phase {self.phase})")
+
+
+def _end(convention: str, degree: int):  # -> conventions.Endpoint
+    """A conversion case's end: a convention at a TP degree (``"vllm"``, 2), or a whole
+    endpoint (``"megatron:tp=2,ep=4"``, its world 8)."""
+    from weight_sync_bench.conventions import endpoint
+
+    if ":" not in convention:
+        return endpoint(f"{convention}:{degree}")
+    found = endpoint(convention)
+    if found.world != degree:
+        raise InvalidConfig(f"{convention}: {found.world} ranks, the case says {degree}")
+    return found
 
 
 def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None = None, *,
@@ -266,8 +295,8 @@ def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None 
     from weight_sync_bench.conventions import convert
     from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
 
-    if threshold_rule is None and forward_of(case.dst_convention, case.config,
-                                             case.dst) == REPLICATED_KV:
+    if threshold_rule is None and forward_of(case.conversion().dst.convention, case.config,
+                                             case.conversion().dst) == REPLICATED_KV:
         from weight_sync_bench.fuzz.floor import require_replicated_kv
         require_replicated_kv(case.config, case.dst, case.phase)  # refused before any draw
     drawn = case
@@ -287,5 +316,26 @@ def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None 
         shards = mutation.apply(shards, conversion)
     verdict = checker.verdict(shards, src=conversion.src, dst=conversion.dst,
                               mutation=case.mutation)
+    unchanged = None
+    if mutation is not None and mutation.changes == ROUTER_BIAS:  # selection-only
+        unchanged = _selection_unchanged(checker, conversion, shards)
     return Outcome(drawn, verdict.max_abs_error, verdict.threshold,
-                   shards_differ=verdict.first_mismatch is not None)
+                   shards_differ=verdict.first_mismatch is not None, unchanged=unchanged)
+
+
+def _selection_unchanged(checker: ConversionChecker, conversion, shards) -> str | None:
+    """Where the mutated selection bias moves no token's choice of experts at any layer (the
+    reference run again with the bias the destination holds): why, else None."""
+    from weight_sync_bench.conventions.maps import gather_canonical
+
+    config = checker.config
+    names = [n for n in config.param_shapes() if n.endswith("router.bias")]
+    held = gather_canonical(shards, conversion.dst.pieces(config), config.param_shapes(), names)
+    guard = checker.checker.guard
+    assert guard is not None and checker.checker.tokens is not None
+    model = ReferenceModel(config, {**checker.checker.full, **held})
+    model(checker.checker.tokens)
+    if all(torch.equal(model.routings[i].experts, guard.routings[i].experts)
+           for i in guard.routings):
+        return "the selection bias it leaves moves no token's choice of experts on these tokens"
+    return None

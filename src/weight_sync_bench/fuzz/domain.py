@@ -194,7 +194,9 @@ class MoeDomain:
 
     n_experts: IntRange = IntRange(2, 8)
     top_k: IntRange = IntRange(1, 4)  # at most n_experts
-    expert_ffn_per_kv_head: IntRange = IntRange(2, 16)
+    # up to d_model / n_kv_heads (square experts: a transposed expert keeps its shape); the
+    # strategies draw 2..16 but where a mutation needs square experts
+    expert_ffn_per_kv_head: IntRange = IntRange(2, 128)
     shared_ffn_per_kv_head: IntRange = IntRange(0, 16)
     dense_layers: IntRange = IntRange(0, 1)  # at most n_layers - 1: one MoE layer at least
 

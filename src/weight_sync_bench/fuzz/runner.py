@@ -186,7 +186,7 @@ class Tally:
 
     def add(self, outcome: Outcome) -> None:
         self.examples += 1
-        if outcome.case.identity_reason() is not None:
+        if outcome.identity_reason is not None:
             self.identity += 1
         else:
             self.killed += outcome.killed
@@ -246,7 +246,7 @@ def property_test(prop: str, mutation: str | None, tally: Tally, *, phase: str =
         except RankFailure as error:  # the harness failed, not the property: do not shrink
             raise HarnessAbort(error, case) from error
         tally.add(outcome)
-        identity = case.identity_reason()
+        identity = outcome.identity_reason
         event(f"t={case.src}->{case.dst}" + (" identity" if identity else ""))
         if identity is None and math.isfinite(outcome.ratio):
             # the invariant looks for large deviations, the kill property for small ones

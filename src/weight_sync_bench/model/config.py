@@ -599,12 +599,16 @@ class Init:
     spread for a normed input, as a trained router's are (its logits decide; with the
     linears' 0.02 every router would be nearly uniform, every top-k a near tie, and the
     shared expert's sigmoid gate a constant 0.5 that a converter could drop unseen). The
-    router's selection bias is a linear's N(0, std).
+    router's selection bias is N(0, selection_bias^2): of the order of the gaps between a
+    token's sigmoid scores (their spread is about 0.2 at unit logits), as a bias trained to
+    balance the experts' load is, so a bias left at zero or negated changes which experts
+    many tokens choose.
     """
 
     std: float = 0.02
     norm_spread: float = 0.1
     gate_scale: float = 1.0
+    selection_bias: float = 0.1
 
 
 DEFAULT_INIT = Init()
@@ -648,6 +652,8 @@ def draw_param(name: str, shape: tuple[int, ...], gen: torch.Generator,
         x = 1.0 + init.norm_spread * torch.randn(shape, generator=gen)
     elif name.endswith(("router.weight", "shared_gate.weight")):
         x = torch.randn(shape, generator=gen).mul_(init.gate_scale / shape[-1] ** 0.5)
+    elif name.endswith("router.bias"):
+        x = torch.randn(shape, generator=gen).mul_(init.selection_bias)
     else:  # scaled in place: one fp32 copy of the largest parameter at a time, not two
         x = torch.randn(shape, generator=gen).mul_(init.std)  # bit for bit init.std * randn
     return x if dtype == torch.float32 else x.to(dtype)
