@@ -76,16 +76,28 @@ def geometry_path(name: str, key: str, phase: str, dtype: str) -> Path:
 RUNTIME_FIELDS = ("torch", "numpy", "python", "machine", "cpu_capability")
 
 
-def cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo, where there is one."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The first /proc/cpuinfo field named by one of ``keys``, where there is one."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("model name", "Model", "cpu model")):
+                if line.startswith(keys):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or None
+    return None
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo, where there is one."""
+    return _cpuinfo("model name", "Model", "cpu model") or platform.processor() or None
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's vendor from /proc/cpuinfo (``vendor_id``: ``AuthenticAMD``,
+    ``GenuineIntel``), where there is one. MKL and oneDNN pick their kernels by vendor too, so
+    one kernel set (``cpu_capability``) sums in another order on another vendor's CPU."""
+    return _cpuinfo("vendor_id")
 
 
 def runtime() -> dict[str, Any]:
@@ -106,7 +118,8 @@ def environment() -> dict[str, Any]:
                                     capture_output=True, text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
-    return {**runtime(), "platform": platform.platform(), "cpu_model": cpu_model(),
+    return {**runtime(), "platform": platform.platform(), "cpu_vendor": cpu_vendor(),
+            "cpu_model": cpu_model(),
             "dtype": str(torch.get_default_dtype()), "torch_threads": torch.get_num_threads(),
             "commit": commit, "src_dirty": dirty}
 
