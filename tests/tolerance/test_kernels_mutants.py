@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from weight_sync_bench import ToleranceMismatch
+from weight_sync_bench.errors import ArtifactProtected
 from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.kernels import merge
 
@@ -154,3 +155,88 @@ def test_a_merged_training_quantity_lists_its_fields_as_the_committed_floor_does
     out = merge([_training("AVX2", 2e-7, 2e-6), _training("AVX512", 5e-7, 1e-8)])
     for fields in out["regimes"]["plain"].values():
         assert list(fields) == ["worst", "case", "kernel_set", "threshold"]
+
+
+# -- machine classes: the same kernel set sums in another order on another vendor's CPU
+
+def _on(vendor, artifact):
+    return {**artifact, "environment": {**artifact["environment"], "cpu_vendor": vendor,
+                                        "cpu_model": f"{vendor} model"}}
+
+
+def test_floors_measured_on_two_cpu_vendors_merge_into_one_that_covers_both():
+    amd = merge([_on("AuthenticAMD", _phase("AVX2", [0.0, 1e-6])),
+                 _on("AuthenticAMD", _phase("AVX512", [0.0, 9e-7]))])
+    intel = merge([_on("GenuineIntel", _phase("AVX2", [0.0, 1.6e-6])),
+                   _on("GenuineIntel", _phase("AVX512", [0.0, 1.4e-6]))])
+    out = merge([amd, intel])
+    assert out["kernel_sets"] == ["AuthenticAMD/AVX2", "AuthenticAMD/AVX512",
+                                  "GenuineIntel/AVX2", "GenuineIntel/AVX512"]
+    assert out["cells"][1]["by_kernel_set"] == {
+        "AuthenticAMD/AVX2": 1e-6, "AuthenticAMD/AVX512": 9e-7,
+        "GenuineIntel/AVX2": 1.6e-6, "GenuineIntel/AVX512": 1.4e-6}
+    assert out["cells"][1]["kernel_set"] == "GenuineIntel/AVX2"
+    assert out["worst_abs"] == 1.6e-6 and out["threshold"] == 1e-3
+    assert {v: e["cpu_model"] for v, e in out["machines"].items()} == {
+        "AuthenticAMD": "AuthenticAMD model", "GenuineIntel": "GenuineIntel model"}
+    swapped = merge([intel, amd])  # the order of the inputs orders the list, nothing else
+    assert swapped["worst_abs"] == out["worst_abs"] and [c["by_kernel_set"] for c in
+                                                         swapped["cells"]] == [
+        c["by_kernel_set"] for c in out["cells"]]
+    # an artifact written before the vendor was recorded: unqualified kernel sets, on the
+    # vendor its cpu_model names
+    older = merge([_phase("AVX2", [0.0, 1e-6])])
+    older["environment"]["cpu_model"] = "AMD EPYC"
+    assert merge([older, intel])["kernel_sets"] == ["AuthenticAMD/AVX2", "GenuineIntel/AVX2",
+                                                    "GenuineIntel/AVX512"]
+
+
+def test_merged_training_floors_name_each_quantity_and_cell_by_vendor_and_kernel_set():
+    amd = merge([_on("AuthenticAMD", _training("AVX2", 2e-7, 2e-6))])
+    intel = merge([_on("GenuineIntel", _training("AVX2", 5e-7, 1e-8))])
+    out = merge([amd, intel])
+    assert out["regimes"]["plain"]["loss"]["kernel_set"] == "GenuineIntel/AVX2"
+    assert out["regimes"]["plain"]["param_grad"]["kernel_set"] == "AuthenticAMD/AVX2"
+    assert [c["kernel_set"] for c in out["cells"]] == ["AuthenticAMD/AVX2", "GenuineIntel/AVX2"]
+
+
+def test_one_kernel_set_measured_twice_on_one_vendor_is_refused_on_two_it_is_not():
+    a, b = _on("GenuineIntel", _phase("AVX2", [0.0, 1e-6])), _phase("AVX2", [0.0, 2e-6])
+    with pytest.raises(ToleranceMismatch, match=r"two measurements under one kernel set: "
+                                                r"\['GenuineIntel/AVX2', 'GenuineIntel/AVX2'\]"):
+        merge([a, _on("GenuineIntel", b)])
+    assert merge([a, _on("AuthenticAMD", b)])["worst_abs"] == 2e-6  # the twin
+
+
+def test_measurements_under_another_torch_do_not_merge():
+    a = _on("AuthenticAMD", _phase("AVX2", [0.0, 1e-6]))
+    b = _on("GenuineIntel", _phase("AVX2", [0.0, 1e-6]))
+    a["environment"]["torch"], b["environment"]["torch"] = "2.13.0", "2.4.0"
+    with pytest.raises(ToleranceMismatch) as raised:
+        merge([a, b])
+    assert str(raised.value) == ("measurements in different environments cannot merge: torch "
+                                 "2.13.0, 2.4.0")
+
+
+def test_a_measurement_written_over_another_vendors_keeps_it_and_over_its_own_replaces_it():
+    amd = merge([_on("AuthenticAMD", _phase("AVX2", [0.0, 2e-6]))])
+    intel = merge([_on("GenuineIntel", _phase("AVX2", [0.0, 1e-6]))])
+    assert kernels.over(None, intel) is intel
+    both = kernels.over(amd, intel)
+    assert both["kernel_sets"] == ["AuthenticAMD/AVX2", "GenuineIntel/AVX2"]
+    assert both["worst_abs"] == 2e-6  # the other vendor's worst is kept, never lowered
+    again = merge([_on("GenuineIntel", _phase("AVX2", [0.0, 3e-7]))])
+    assert kernels.over(intel, again) is again  # its own vendor only: replaced
+    assert kernels.over(amd, intel, force=True) is intel
+    with pytest.raises(ArtifactProtected) as raised:  # both vendors, re-measured on one
+        kernels.over(both, again, where="phase1a.json")
+    assert str(raised.value).startswith(
+        "phase1a.json holds measurements on AuthenticAMD, GenuineIntel: measured again on "
+        "GenuineIntel, its AuthenticAMD figures cannot be told apart from the ones this "
+        "measurement replaces. Pass --force")
+    assert kernels.over(both, again, force=True) is again
+    other = merge([_on("GenuineIntel", _phase("AVX2", [0.0, 1e-6], repetitions=3))])
+    with pytest.raises(ArtifactProtected, match=r"holds measurements on AuthenticAMD that "
+                                                r"cannot merge with this one \(measurements "
+                                                r"of different things"):
+        kernels.over(amd, other)

@@ -39,9 +39,16 @@ from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.artifacts import (
     PHASES,
     artifact_path,
+    cpu_vendor,
+    read_json,
     write_artifact,
 )
-from weight_sync_bench.tolerance.rules import derive_threshold, floor_for
+from weight_sync_bench.tolerance.rules import (
+    artifact_drift,
+    cached_floor_path,
+    derive_threshold,
+    floor_for,
+)
 from weight_sync_bench.training import floor as training_floor
 from weight_sync_bench.training import sequence_floor
 
@@ -140,12 +147,22 @@ def measure_one_geometry(args: argparse.Namespace) -> int:
         except FloorNotMeasured:
             pass
         else:  # the per-geometry cache, or a committed floor that records this geometry
-            print(f"{config.name}: already measured ({floor.path}), threshold "
-                  f"{floor.threshold:g}; --force measures it again")
-            return EXIT_OK
-    repetitions = args.repetitions or phase_floor.GEOMETRY_REPETITIONS
+            elsewhere = artifact_drift(floor.artifact)
+            if not elsewhere or floor.source != "geometry":
+                print(f"{config.name}: already measured ({floor.path}), threshold "
+                      f"{floor.threshold:g}; --force measures it again")
+                return EXIT_OK
+            # measured on another machine class or kernel set: measured here, merged in
+            print(f"{config.name}: measured elsewhere ({floor.path}: {'; '.join(elsewhere)}); "
+                  "measuring it here", flush=True)
+    path = args.out or cached_floor_path(config, args.phase, args.dtype)
+    old = read_json(path) if path.is_file() else None
+    kept = kernels.kept_vendors(old, cpu_vendor(), force=args.force, where=str(path))
+    # merged into another machine class's measurement: the same sample as it
+    repetitions = args.repetitions or (old["repetitions"] if kept and old else
+                                       phase_floor.GEOMETRY_REPETITIONS)
     if args.kernel_sets == "all":
-        return _geometry_across_kernel_sets(args, config, repetitions)
+        return _geometry_across_kernel_sets(args, config, repetitions, path, old)
     forward = None
     if args.phase == "1b":
         from weight_sync_bench.check.forwards import gloo_forward  # the gloo launcher
@@ -161,18 +178,22 @@ def measure_one_geometry(args: argparse.Namespace) -> int:
                                                       out=args.out)
     finally:
         line.close()
+    merged = kernels.over(old, artifact, force=args.force, where=str(path))
+    if merged is not artifact:  # the other machine classes it kept
+        artifact = merged
+        write_artifact(artifact, path)
     print(phase_floor.format_table(artifact))
     print(f"wrote {path}")
     return EXIT_OK
 
 
 def _geometry_across_kernel_sets(args: argparse.Namespace, config: ModelConfig,
-                                 repetitions: int) -> int:
+                                 repetitions: int, path: Path, old: dict[str, Any] | None
+                                 ) -> int:
     """One geometry's floor under every available kernel set (``kernels.measure_under``, a
-    process each), merged (``tolerance.kernels.merge``: each cell keeps its worst) and
-    written to ``--out`` or where ``floor_for`` reads it."""
-    from weight_sync_bench.tolerance.rules import cached_floor_path
-
+    process each), merged (``tolerance.kernels.merge``: each cell keeps its worst), with the
+    other machine classes of ``old`` (the floor at ``path``) kept (``kernels.over``), and
+    written to ``path`` (``--out``, or where ``floor_for`` reads it)."""
     argv = ["geometry", "--phase", args.phase, "--dtype", args.dtype,
             "--repetitions", str(repetitions), "--force"]
     for flag, value in (("--hf-config", args.hf_config), ("--config", args.config),
@@ -187,8 +208,7 @@ def _geometry_across_kernel_sets(args: argparse.Namespace, config: ModelConfig,
                   flush=True)
             measured.append(kernels.measure_under(kernel_set, argv,
                                                   Path(scratch) / f"{kernel_set}.json"))
-    artifact = kernels.merge(measured)
-    path = args.out or cached_floor_path(config, args.phase, args.dtype)
+    artifact = kernels.over(old, kernels.merge(measured), force=args.force, where=str(path))
     write_artifact(artifact, path)
     print(phase_floor.format_table(artifact))
     print(f"kernel sets {', '.join(artifact['kernel_sets'])}; wrote {path}")
@@ -210,6 +230,7 @@ def measure(args: argparse.Namespace) -> int:
     if old is not None and isinstance(old.get("repetitions"), int):
         refuse_smaller(path, old=old["repetitions"], new=repetitions, what="repetitions",
                        force=args.force)
+    kernels.kept_vendors(old, cpu_vendor(), force=args.force, where=str(path))
     if args.kernel_sets == "all":
         artifact = _across_kernel_sets(args, repetitions)
         table = (phase_floor.format_table(artifact) if args.kind == "phase"
@@ -233,6 +254,12 @@ def measure(args: argparse.Namespace) -> int:
         artifact = measure_kind(repetitions, args.steps, args.phase)
         table = training_floor.format_table(artifact)
         summary = f"{len(artifact['cells'])} cells; "
+    merged = kernels.over(old, artifact, force=args.force, where=str(path))
+    if merged is not artifact:  # the machine classes it kept from the replaced artifact
+        artifact = merged
+        table = (phase_floor.format_table(artifact) if args.kind == "phase"
+                 else training_floor.format_table(artifact))
+        summary = f"kernel sets {', '.join(artifact['kernel_sets'])}; "
     write_artifact(artifact, path)
     print(table)
     if old is not None:

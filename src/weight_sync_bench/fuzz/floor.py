@@ -58,18 +58,25 @@ from weight_sync_bench.fuzz.domain import (
     is_builtin,
 )
 from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
+from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.artifacts import (
     SCHEMA,
     artifact_path,
     environment,
+    kernel_set_label,
+    kernel_sets_of,
+    measured_vendor,
     read_artifact,
     read_json,
+    runtime,
+    vendor_of,
 )
 from weight_sync_bench.tolerance.rules import (
     SAFETY,
     check_environment,
     derive_threshold,
     floor_for,
+    merges_here,
     strict_environment,
     threshold_for,
 )
@@ -275,11 +282,12 @@ def remeasure_floors(artifact: dict[str, Any], *, forward: Forward = inprocess_f
 def merge_kernel_sets(artifact: dict[str, Any], floors: dict[str, list[float]],
                       environment_now: dict[str, Any]) -> dict[str, Any]:
     """``artifact`` with every sample's floor re-measured under each kernel set of
-    ``floors`` (kernel set -> one floor per sample, ``remeasure_floors``): each sample
-    records ``by_kernel_set``, its first measured floor (``floor_as_measured``) and, as
-    ``floor``, the worst of them all, with the kernel set that gave it; ``kernel_sets``
-    lists the sets, and the rule is re-derived from the merged samples. A floor is never
-    lowered by a re-measurement. Pure."""
+    ``floors`` (kernel set, with its vendor -> one floor per sample, ``remeasure_floors``):
+    each sample records ``by_kernel_set`` (the kernel sets measured before, on any machine
+    class, kept; one measured again replaced), its first measured floor
+    (``floor_as_measured``) and, as ``floor``, the worst of them all, with the kernel set that
+    gave it; ``kernel_sets`` lists the sets, and the rule is re-derived from the merged
+    samples. A floor is never lowered by a re-measurement. Pure."""
     return rederive(_merged_samples(artifact, floors, environment_now))
 
 
@@ -294,15 +302,24 @@ def _merged_samples(artifact: dict[str, Any], floors: dict[str, list[float]],
                                     f"{len(samples)} samples")
     if not floors:
         raise ToleranceMismatch("no kernel set to merge")
+    kernels.require_alike([artifact.get("environment", {}), environment_now])
+    vendor = measured_vendor(artifact)  # the unqualified kernel sets of an older artifact ran there
     merged = []
     for i, s in enumerate(samples):
         first = s.get("floor_as_measured", s["floor"])
-        by_set = {k: v[i] for k, v in floors.items()}
+        by_set = {kernel_set_label(vendor, k): v for k, v in s.get("by_kernel_set", {}).items()}
+        by_set.update({k: v[i] for k, v in floors.items()})
         worst_set = max(by_set, key=lambda k: by_set[k])
         worst = max(first, by_set[worst_set])
         merged.append({**s, "floor": worst, "floor_as_measured": first, "by_kernel_set": by_set,
                        "kernel_set": worst_set if by_set[worst_set] >= first else "as measured"})
-    return {**artifact, "samples": merged, "kernel_sets": list(floors),
+    before = kernel_sets_of(artifact) if "kernel_sets" in artifact else []
+    machines = {**artifact.get("machines", {} if vendor is None else {
+        vendor: artifact.get("kernel_sets_measured", {}).get("environment", {})})}
+    if vendor_of(environment_now) is not None:
+        machines[str(vendor_of(environment_now))] = environment_now
+    return {**artifact, "samples": merged, "kernel_sets": list(dict.fromkeys([*before, *floors])),
+            **({"machines": machines} if machines else {}),
             "kernel_sets_measured": {
                 "environment": environment_now,
                 "what": "each sample's floor re-measured under each kernel set, each in a "
@@ -362,8 +379,6 @@ def floors_by_kernel_set(args: Callable[[Path], list[str]],
     import sys
     import tempfile
 
-    from weight_sync_bench.tolerance import kernels
-
     floors: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
         for kernel_set in kernel_sets or kernels.available():
@@ -376,8 +391,16 @@ def floors_by_kernel_set(args: Callable[[Path], list[str]],
                                         f"{kernel_set} failed (exit {run.returncode}):\n"
                                         f"{run.stderr[-2000:]}")
             measured = json.loads(out.read_text())
-            floors[measured["cpu_capability"]] = measured["floors"]
+            floors[kernel_set_label(measured.get("cpu_vendor"),
+                                    measured["cpu_capability"])] = measured["floors"]
     return floors
+
+
+def _kernels_here() -> dict[str, Any]:
+    """The kernel set this process runs and the vendor it runs on, as a re-measurement's
+    output names them for ``floors_by_kernel_set``."""
+    here = runtime()
+    return {"cpu_capability": here["cpu_capability"], "cpu_vendor": here["cpu_vendor"]}
 
 
 def _remeasure_main(argv: list[str]) -> int:
@@ -393,8 +416,7 @@ def _remeasure_main(argv: list[str]) -> int:
         from weight_sync_bench.check.forwards import gloo_forward
         forward = gloo_forward()
     floors = remeasure_floors(artifact, forward=forward)
-    out.write_text(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                               "floors": floors}))
+    out.write_text(json.dumps({**_kernels_here(), "floors": floors}))
     return 0
 
 
@@ -436,9 +458,10 @@ def environment_notes(phase: str = "1a", path: Path | None = None) -> tuple[str,
     """How the running process differs from the one the random-geometry floor was measured
     in (``tolerance.rules.check_environment``: a floor re-measured under several kernel sets
     covers each); under ``WSB_STRICT_ENV`` a ``ToleranceMismatch`` instead."""
-    return check_environment(load_random_floor(phase, path),
-                             f"the phase {phase} random-geometry floor",
-                             remedy=f"wsb floor --random N --phase {phase} --write")
+    artifact = load_random_floor(phase, path)
+    remedy = (f"wsb floor --kernel-sets all --phase {phase} --write" if merges_here(artifact)
+              else f"wsb floor --random N --phase {phase} --write")  # its samples, or new ones
+    return check_environment(artifact, f"the phase {phase} random-geometry floor", remedy)
 
 
 def _mtime(path: Path) -> int | None:
@@ -669,12 +692,16 @@ def replicated_kv_figures(artifact: dict[str, Any], rule: ThresholdRule) -> dict
 
 
 def merge_replicated_kv(artifact: dict[str, Any], floors: dict[str, list[float]],
-                        environment_now: dict[str, Any]) -> dict[str, Any]:
+                        environment_now: dict[str, Any], rule: ThresholdRule | None = None
+                        ) -> dict[str, Any]:
     """``merge_kernel_sets`` for the validation: every sample's floor the worst of its first
-    measurement and each kernel set's; the rule's figures derived again. Pure."""
+    measurement and each kernel set's; the figures of ``rule`` (the rule in force, where the
+    random-geometry floor's has moved; default: the one validated before) derived again.
+    Pure."""
     out = _merged_samples(artifact, floors, environment_now)
-    rule = ThresholdRule(**artifact["validated"]["rule"])
-    out["validated"] = {"rule": artifact["validated"]["rule"], **replicated_kv_figures(out, rule)}
+    rule = rule or ThresholdRule(**artifact["validated"]["rule"])
+    out["validated"] = {"rule": {"name": rule.name, "kind": rule.kind, "value": rule.value},
+                        **replicated_kv_figures(out, rule)}
     return out
 
 
@@ -784,8 +811,7 @@ def _replicated_main(argv: list[str]) -> int:
     out = args.out or replicated_kv_path(args.phase)
     if args.remeasure is not None:  # one kernel set's floors of an artifact's samples
         floors = remeasure_replicated_floors(read_json(args.remeasure))
-        out.write_text(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                                   "floors": floors}))
+        out.write_text(json.dumps({**_kernels_here(), "floors": floors}))
         return 0
     artifact = measure_replicated_kv(draw_replicated_geometries(args.geometries, args.seed),
                                      phase=args.phase, seed=args.seed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -72,8 +73,12 @@ def geometry_path(name: str, key: str, phase: str, dtype: str) -> Path:
 # What a floor depends on besides the code: the fields a check compares with the running
 # process (``tolerance.rules.environment_drift``). The CPU capability names the kernel set
 # torch dispatched to (ATEN_CPU_CAPABILITY): default, AVX2 and AVX-512 kernels sum in
-# different orders, so their floors differ.
-RUNTIME_FIELDS = ("torch", "numpy", "python", "machine", "cpu_capability")
+# different orders, so their floors differ. So does the CPU vendor: MKL and oneDNN dispatch
+# by vendor, so one kernel set sums in another order on an Intel CPU than on an AMD one.
+RUNTIME_FIELDS = ("torch", "numpy", "python", "machine", "cpu_vendor", "cpu_capability")
+# The fields every measurement merged into one floor shares: the vendor and the kernel set
+# are what merging spans (``tolerance.kernels``), the versions and architecture are not.
+COMPARED_ALIKE = tuple(f for f in RUNTIME_FIELDS if f not in ("cpu_vendor", "cpu_capability"))
 
 
 def _cpuinfo(*keys: str) -> str | None:
@@ -104,7 +109,7 @@ def runtime() -> dict[str, Any]:
     """The running process's versions, machine class and kernel set (cheap: no git)."""
     return {"torch": torch.__version__, "numpy": np.__version__,
             "python": platform.python_version(), "machine": platform.machine(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu_vendor": cpu_vendor(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def environment() -> dict[str, Any]:
@@ -118,10 +123,59 @@ def environment() -> dict[str, Any]:
                                     capture_output=True, text=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         commit, dirty = None, None
-    return {**runtime(), "platform": platform.platform(), "cpu_vendor": cpu_vendor(),
-            "cpu_model": cpu_model(),
+    return {**runtime(), "platform": platform.platform(), "cpu_model": cpu_model(),
             "dtype": str(torch.get_default_dtype()), "torch_threads": torch.get_num_threads(),
             "commit": commit, "src_dirty": dirty}
+
+
+# Which kernels a floor was measured under: a kernel set on a machine class, named
+# ``<vendor>/<kernel set>`` (``GenuineIntel/AVX512``). A floor merged over several lists them
+# in its ``kernel_sets`` field (``tolerance.kernels``); one measured under a single kernel set
+# names it through its environment (``cpu_vendor``, ``cpu_capability``). Every artifact
+# written before the vendor was recorded (2026-12-02) names its kernel sets unqualified and
+# its machine by ``cpu_model`` only: those names are read on the vendor that model names.
+
+
+def vendor_of(environment: dict[str, Any]) -> str | None:
+    """The CPU vendor a measurement's environment records; where it predates the field, the
+    vendor its ``cpu_model`` names (``AMD EPYC`` -> ``AuthenticAMD``); else None."""
+    if environment.get("cpu_vendor"):
+        return str(environment["cpu_vendor"])
+    model = str(environment.get("cpu_model") or "")
+    for word, vendor in (("AMD", "AuthenticAMD"), ("Intel", "GenuineIntel")):
+        if re.search(rf"\b{word}\b", model):
+            return vendor
+    return None
+
+
+def kernel_set_label(vendor: str | None, kernel_set: str) -> str:
+    """``kernel_set`` named with the vendor it ran on (``GenuineIntel/AVX512``); unqualified
+    where the vendor is unknown, or where ``kernel_set`` already names one."""
+    return kernel_set if vendor is None or "/" in kernel_set else f"{vendor}/{kernel_set}"
+
+
+def running_kernel_set(running: dict[str, Any] | None = None) -> str:
+    """The kernel set this process runs (``running``: a ``runtime()``), with its vendor."""
+    running = running if running is not None else runtime()
+    return kernel_set_label(running.get("cpu_vendor"), running["cpu_capability"])
+
+
+def measured_vendor(artifact: dict[str, Any]) -> str | None:
+    """The vendor an artifact's unqualified kernel sets ran on: that of the environment its
+    kernel sets were measured in (a random-geometry floor re-measured under them records it
+    apart, ``kernel_sets_measured``), else of its own environment."""
+    remeasured = artifact.get("kernel_sets_measured", {}).get("environment", {})
+    return vendor_of(remeasured) or vendor_of(artifact.get("environment", {}))
+
+
+def kernel_sets_of(artifact: dict[str, Any]) -> list[str]:
+    """The kernel sets, each with its vendor, an artifact was measured under: its
+    ``kernel_sets``, else the one its environment records (none where it records none)."""
+    vendor = measured_vendor(artifact)
+    if "kernel_sets" in artifact:
+        return [kernel_set_label(vendor, k) for k in artifact["kernel_sets"]]
+    capability = artifact.get("environment", {}).get("cpu_capability")
+    return [] if capability is None else [kernel_set_label(vendor, capability)]
 
 
 def write_artifact(artifact: dict[str, Any], path: Path) -> None:

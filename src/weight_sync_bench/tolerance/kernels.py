@@ -19,8 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from weight_sync_bench.errors import ToleranceMismatch
-from weight_sync_bench.tolerance.artifacts import read_json
+from weight_sync_bench.errors import ArtifactProtected, ToleranceMismatch
+from weight_sync_bench.tolerance.artifacts import (
+    COMPARED_ALIKE,
+    kernel_set_label,
+    kernel_sets_of,
+    measured_vendor,
+    read_json,
+)
 from weight_sync_bench.tolerance.rules import derive_threshold
 
 # The values ATEN_CPU_CAPABILITY takes on the CPUs this harness runs on (x86-64 and
@@ -55,22 +61,37 @@ def measure_under(kernel_set: str, argv: list[str], out: Path) -> dict[str, Any]
 
 
 def merge(artifacts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One artifact from the same measurement under several kernel sets: each cell (phase
-    floors) or each quantity's worst (training floors) is the worst over the kernel sets,
-    with the kernel set that gave it; ``kernel_sets`` lists them all. Pure."""
+    """One artifact from the same measurement under several kernel sets, on one machine
+    class or several: each cell (phase floors) or each quantity's worst (training floors) is
+    the worst over every kernel set of every input, with the kernel set that gave it.
+    ``kernel_sets`` lists them all, each with its vendor (``GenuineIntel/AVX512``): an input
+    already merged brings every kernel set it holds, so a floor measured on an AMD CPU and
+    the same floor measured on an Intel one merge into a floor that covers both. ``machines``
+    keeps the environment each vendor's measurement ran in (provenance: its CPU model,
+    commit, date). Refused: two inputs under one kernel set, inputs that measured different
+    things, or in different versions of torch, numpy, python or another architecture. Pure."""
     if not artifacts:
         raise ToleranceMismatch("no artifact to merge")
-    sets = [a["environment"]["cpu_capability"] for a in artifacts]
-    if len(set(sets)) != len(sets):
-        raise ToleranceMismatch(f"two measurements under one kernel set: {sets}")
-    shape = {k for k in artifacts[0] if k not in ("cells", "environment", "worst_abs",
-                                                  "threshold", "regimes")}
+    sets = [kernel_sets_of(a) for a in artifacts]
+    for i, named in enumerate(sets):
+        if not named:
+            raise ToleranceMismatch(f"measurement {i} names no kernel set (no kernel_sets "
+                                    "field, no cpu_capability in its environment)")
+    flat = [k for named in sets for k in named]
+    if len(set(flat)) != len(flat):
+        raise ToleranceMismatch(f"two measurements under one kernel set: {flat}")
+    shape = sorted({k for a in artifacts for k in a} - {
+        "cells", "environment", "worst_abs", "threshold", "regimes", "kernel_sets", "machines"})
     for a in artifacts[1:]:
         differ = [k for k in shape if a.get(k) != artifacts[0].get(k)]
         if differ:
             raise ToleranceMismatch(f"measurements of different things cannot merge: {differ}")
+    require_alike([a.get("environment", {}) for a in artifacts])
     out = copy.deepcopy(artifacts[0])
-    out["kernel_sets"] = sets
+    out["kernel_sets"] = flat
+    machines = _machines(artifacts)
+    if machines:
+        out["machines"] = machines
     if "regimes" in out:
         _merge_training(out, artifacts, sets)
     else:
@@ -78,28 +99,118 @@ def merge(artifacts: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _merge_cells(out: dict[str, Any], artifacts: list[dict[str, Any]], sets: list[str]) -> None:
+def require_alike(environments: list[dict[str, Any]]) -> None:
+    """``ToleranceMismatch`` unless the measurements' environments record one value of each
+    ``COMPARED_ALIKE`` field (where they record it): merged, they must be one floor."""
+    for field in COMPARED_ALIKE:
+        seen = {e[field] for e in environments if field in e}
+        if len(seen) > 1:
+            raise ToleranceMismatch(f"measurements in different environments cannot merge: "
+                                    f"{field} {', '.join(sorted(map(str, seen)))}")
+
+
+def _machines(artifacts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Vendor -> the environment of the first input measured on it (an input merged before
+    brings its own ``machines``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for a in artifacts:
+        vendor = measured_vendor(a)
+        for name, env in a.get("machines", {vendor: a.get("environment", {})}).items():
+            if name is not None:
+                out.setdefault(name, copy.deepcopy(env))
+    return out
+
+
+def _label(a: dict[str, Any], named: list[str], record: dict[str, Any]) -> str:
+    """The kernel set, with its vendor, that gave ``record`` (a cell or a quantity) of ``a``:
+    the one it names (an input merged before), else the input's only one."""
+    return kernel_set_label(measured_vendor(a), record["kernel_set"]) if "kernel_set" in record \
+        else named[0]
+
+
+def _merge_cells(out: dict[str, Any], artifacts: list[dict[str, Any]],
+                 sets: list[list[str]]) -> None:
+    counts = {len(a["cells"]) for a in artifacts}
+    if len(counts) > 1:
+        raise ToleranceMismatch(f"measurements list different numbers of cells: "
+                                f"{', '.join(str(len(a['cells'])) for a in artifacts)}")
     merged = []
     for i, cell in enumerate(out["cells"]):
         versions = [a["cells"][i] for a in artifacts]
         if any((v["config"], v["degree"]) != (cell["config"], cell["degree"]) for v in versions):
             raise ToleranceMismatch("measurements list their cells in different orders")
+        by_set: dict[str, float] = {}
+        for a, v, named in zip(artifacts, versions, sets):
+            vendor = measured_vendor(a)
+            by_set.update({kernel_set_label(vendor, k): w for k, w in v["by_kernel_set"].items()}
+                          if "by_kernel_set" in v else {named[0]: v["worst_abs"]})
         worst = max(range(len(versions)), key=lambda k: versions[k]["worst_abs"])
-        merged.append({**versions[worst], "kernel_set": sets[worst],
-                       "by_kernel_set": {s: v["worst_abs"] for s, v in zip(sets, versions)}})
+        merged.append({**versions[worst],
+                       "kernel_set": _label(artifacts[worst], sets[worst], versions[worst]),
+                       "by_kernel_set": by_set})
     out["cells"] = merged
     out["worst_abs"] = max(c["worst_abs"] for c in merged)
     out["threshold"] = derive_threshold(out["worst_abs"])
 
 
-def _merge_training(out: dict[str, Any], artifacts: list[dict[str, Any]], sets: list[str]
-                    ) -> None:
+def _merge_training(out: dict[str, Any], artifacts: list[dict[str, Any]],
+                    sets: list[list[str]]) -> None:
     for regime, quantities in out["regimes"].items():
         for q in quantities:
             versions = [a["regimes"][regime][q] for a in artifacts]
             worst = max(range(len(versions)), key=lambda k: versions[k]["worst"])
-            chosen = {k: v for k, v in versions[worst].items() if k != "threshold"}
-            quantities[q] = {**chosen, "kernel_set": sets[worst],
+            chosen = {k: v for k, v in versions[worst].items()
+                      if k not in ("kernel_set", "threshold")}
+            quantities[q] = {**chosen,
+                             "kernel_set": _label(artifacts[worst], sets[worst], versions[worst]),
                              "threshold": derive_threshold(chosen["worst"])}
-    out["cells"] = [{**cell, "kernel_set": s} for a, s in zip(artifacts, sets)
-                    for cell in a["cells"]]
+    out["cells"] = [{**cell, "kernel_set": _label(a, named, cell)}
+                    for a, named in zip(artifacts, sets) for cell in a["cells"]]
+
+
+def vendors(kernel_sets: list[str]) -> list[str]:
+    """The vendors named by vendor-qualified kernel sets, in order (unqualified ones: none)."""
+    return list(dict.fromkeys(k.split("/", 1)[0] for k in kernel_sets if "/" in k))
+
+
+def kept_vendors(old: dict[str, Any] | None, vendor: str | None, *, force: bool = False,
+                 where: str = "the artifact replaced") -> list[str]:
+    """The machine classes of ``old`` (the artifact a measurement on ``vendor``'s CPU is
+    about to replace) that the measurement keeps: every vendor ``old`` measured other than
+    ``vendor``; none where ``old`` is None or names no vendor (it predates the field and
+    its model), or with ``force``. ``ArtifactProtected`` where ``old`` holds ``vendor`` too
+    beside others: their figures could not be told apart from the ones this measurement
+    replaces. Called before measuring, so a refusal costs nothing."""
+    if old is None or force:
+        return []
+    had = vendors(kernel_sets_of(old))
+    others = [v for v in had if v != vendor]
+    if others and vendor in had:
+        raise ArtifactProtected(
+            f"{where} holds measurements on {', '.join(had)}: measured again on {vendor}, its "
+            f"{', '.join(others)} figures cannot be told apart from the ones this measurement "
+            f"replaces. {_remedy(others)}")
+    return others
+
+
+def over(old: dict[str, Any] | None, new: dict[str, Any], *, force: bool = False,
+         where: str = "the artifact replaced") -> dict[str, Any]:
+    """What a measurement ``new`` writes over ``old`` (the artifact at its target; None where
+    there is none): ``new`` merged with ``old``'s measurements on the machine classes
+    ``kept_vendors`` keeps (``merge``: worst over all), so a floor measured on one vendor's
+    CPU and then on another's covers both; else ``new`` alone. ``ArtifactProtected`` where
+    they cannot merge (``old`` measured something else), unless ``force``."""
+    here = vendors(kernel_sets_of(new))
+    others = kept_vendors(old, here[0] if here else None, force=force, where=where)
+    if not others:
+        return new
+    try:
+        return merge([old, new])  # type: ignore[list-item]
+    except ToleranceMismatch as exc:
+        raise ArtifactProtected(f"{where} holds measurements on {', '.join(others)} that "
+                                f"cannot merge with this one ({exc}). {_remedy(others)}") from None
+
+
+def _remedy(others: list[str]) -> str:
+    return (f"Pass --force to replace them with this measurement alone (then measure again on "
+            f"{' and '.join(others)}, where it merges in), or --out PATH to write it elsewhere")
