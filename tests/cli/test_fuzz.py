@@ -1,11 +1,12 @@
 """``wsb fuzz``, ``mutants``, ``floor`` and ``replay`` as a user runs them (through
-``cli_fuzz.register``, exactly as ``wsb``'s parser wires them in)."""
+``cli.fuzz.register`` and ``cli.floor.register``, exactly as ``wsb``'s parser wires them in)."""
 
 import argparse
 import json
 
 import pytest
 
+from weight_sync_bench.cli.floor import register as register_floor
 from weight_sync_bench.cli.fuzz import register
 from weight_sync_bench.errors import ToleranceMismatch, WsbError
 from weight_sync_bench.fuzz.case import Case, run_case
@@ -15,7 +16,9 @@ from weight_sync_bench.fuzz.domain import DOMAIN
 
 def wsb(*argv):
     parser = argparse.ArgumentParser(prog="wsb")
-    register(parser.add_subparsers(dest="command", required=True))
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register(subparsers)
+    register_floor(subparsers)
     args = parser.parse_args(argv)
     return args.func(args)
 

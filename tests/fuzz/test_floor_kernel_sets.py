@@ -11,12 +11,12 @@ import torch
 
 from weight_sync_bench.cli import main
 from weight_sync_bench.errors import ToleranceMismatch
-from weight_sync_bench.fuzz.floor import (
+from weight_sync_bench.fuzz.floor import remeasure_floors
+from weight_sync_bench.tolerance.kernels import merge_kernel_sets
+from weight_sync_bench.tolerance.sampled import (
     choose_rule,
     kernel_set_figures,
     load_random_floor,
-    merge_kernel_sets,
-    remeasure_floors,
     rule_from,
 )
 from weight_sync_bench.tolerance.artifacts import (

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from weight_sync_bench.cli.measure import main as measure_main
+from weight_sync_bench.cli.floor import as_floor_argv
+from weight_sync_bench.cli.main import main as wsb_main
 from weight_sync_bench.model.config import ModelConfig
 from weight_sync_bench.tolerance.artifacts import cpu_vendor, kernel_set_label, runtime
 from weight_sync_bench.tolerance.rules import (
@@ -38,9 +39,12 @@ def test_a_geometry_floor_is_measured_under_every_kernel_set_and_covers_each(tin
     chosen = ["default"] if here == "DEFAULT" else ["default", here.lower()]
     monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: chosen)
     path, config = tiny
-    assert measure_main(["geometry", "--hf-config", str(path), "--repetitions", "1"]) == 0
-    printed = capsys.readouterr().out
+    assert wsb_main(as_floor_argv(["geometry", "--hf-config", str(path), "--repetitions", "1"])) == 0
+    printed, progress = capsys.readouterr()
     artifact = json.loads(cached_floor_path(config).read_text())
+    # each kernel set's process shows its progress line (an ETA), relayed behind the set
+    assert f"kernel set {len(chosen)}/{len(chosen)} {chosen[-1]}: " in progress
+    assert "elapsed, ETA" in progress
     sets = artifact["kernel_sets"]
     assert sets == [kernel_set_label(cpu_vendor(), k.upper()) for k in chosen]
     assert f"kernel sets {', '.join(sets)}; wrote" in printed
@@ -60,8 +64,8 @@ def test_a_geometry_floor_is_measured_under_every_kernel_set_and_covers_each(tin
 
 def test_the_twin_measured_under_the_running_kernel_set_only_is_noted_under_another(tiny):
     path, config = tiny
-    assert measure_main(["geometry", "--hf-config", str(path), "--repetitions", "1",
-                         "--kernel-sets", "current"]) == 0
+    assert wsb_main(as_floor_argv(["geometry", "--hf-config", str(path), "--repetitions", "1",
+                         "--kernel-sets", "current"])) == 0
     artifact = json.loads(cached_floor_path(config).read_text())
     assert "kernel_sets" not in artifact
     other = "DEFAULT" if runtime()["cpu_capability"] != "DEFAULT" else "AVX2"
@@ -88,14 +92,14 @@ def test_a_geometry_floor_of_another_cpu_vendor_is_measured_here_and_keeps_it(ti
                         lambda: [running.lower()])
     path, config = tiny
     argv = ["geometry", "--hf-config", str(path), "--repetitions", "1"]
-    assert measure_main([*argv, "--kernel-sets", "current"]) == 0
+    assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "current"])) == 0
     cached = cached_floor_path(config)
     other = _as_if_measured_on(cached, "OtherVendor")
     here = cpu_vendor()
     (note,) = check_environment(other, "the floor")
     assert note == f"the floor measured elsewhere: cpu_vendor recorded OtherVendor running {here}"
     capsys.readouterr()
-    assert measure_main(argv) == 0  # no --force: not measured on this vendor yet
+    assert wsb_main(as_floor_argv(argv)) == 0  # no --force: not measured on this vendor yet
     assert "measured elsewhere" in capsys.readouterr().out
     merged = json.loads(cached.read_text())
     capability = other["environment"]["cpu_capability"]
@@ -105,7 +109,7 @@ def test_a_geometry_floor_of_another_cpu_vendor_is_measured_here_and_keeps_it(ti
         assert cell["by_kernel_set"][f"OtherVendor/{capability}"] == old["worst_abs"]
         assert cell["worst_abs"] == max(cell["by_kernel_set"].values())
     assert check_environment(merged, "the floor") == ()
-    assert measure_main(argv) == 0  # now it is: not measured again
+    assert wsb_main(as_floor_argv(argv)) == 0  # now it is: not measured again
     assert "already measured" in capsys.readouterr().out
     assert json.loads(cached.read_text()) == merged
 
@@ -118,17 +122,17 @@ def test_the_twin_a_floor_holding_this_vendor_beside_another_is_not_re_measured_
     monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: ["default"])
     path, config = tiny
     argv = ["geometry", "--hf-config", str(path), "--repetitions", "1"]
-    assert measure_main([*argv, "--kernel-sets", "current"]) == 0
+    assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "current"])) == 0
     cached = cached_floor_path(config)
     _as_if_measured_on(cached, "OtherVendor")
-    assert measure_main(argv) == 0
+    assert wsb_main(as_floor_argv(argv)) == 0
     both = cached.read_text()
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured before the refusal")
     monkeypatch.setattr("weight_sync_bench.tolerance.kernels.measure_under", no_measuring)
     capsys.readouterr()
-    assert measure_main([*argv, "--kernel-sets", "all", "--out", str(cached)]) == 2
+    assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "all", "--out", str(cached)])) == 2
     err = capsys.readouterr().err
     assert (f"{cached} holds measurements on OtherVendor, {cpu_vendor()}: measured again on "
             f"{cpu_vendor()}, its OtherVendor figures cannot be told apart") in err

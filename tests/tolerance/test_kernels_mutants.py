@@ -121,26 +121,52 @@ def test_available_keeps_the_kernel_sets_a_fresh_process_reports(monkeypatch):
     assert kernels.available() == ["default", "avx2"]  # avx512 fell back: not available
 
 
+class _Popen:
+    """``subprocess.Popen`` recorded: a process that writes ``stderr`` and exits ``returncode``."""
+
+    def __init__(self, monkeypatch, returncode=0, stderr=""):
+        self.calls, self.returncode, self.lines = [], returncode, stderr.splitlines(keepends=True)
+        monkeypatch.setattr(kernels.subprocess, "Popen", self)
+
+    def __call__(self, argv, **kwargs):
+        self.calls.append((argv, kwargs))
+        self.stderr = iter(self.lines)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait(self):
+        return self.returncode
+
+
 def test_measure_under_runs_the_measurement_with_the_kernel_set_and_reads_its_output(
         monkeypatch, tmp_path):
     out = tmp_path / "m.json"
     out.write_text('{"phase": "1a"}')
-    run = _Run(monkeypatch)
-    assert kernels.measure_under("avx512", ["--phase", "1a"], out) == {"phase": "1a"}
+    run = _Popen(monkeypatch, stderr="phase 1a: 1/2\n\nphase 1a: 2/2\n")
+    shown = []
+    assert kernels.measure_under("avx512", ["--phase", "1a"], out,
+                                 progress=shown.append) == {"phase": "1a"}
     ((argv, kwargs),) = run.calls
     assert argv == [sys.executable, "-m", "weight_sync_bench.tolerance", "--phase", "1a",
                     "--kernel-sets", "current", "--out", str(out)]
     assert kwargs["env"]["ATEN_CPU_CAPABILITY"] == "avx512" and "PATH" in kwargs["env"]
-    assert kwargs["capture_output"] is True and kwargs["text"] is True  # stderr quoted as text
+    assert kwargs["stderr"] is subprocess.PIPE and kwargs["text"] is True  # stderr as text
+    assert kwargs["stdout"] is subprocess.DEVNULL  # its tables: the parent prints the merge
+    assert shown == ["phase 1a: 1/2", "phase 1a: 2/2"]  # its progress line, as it came
 
 
 def test_a_failed_measurement_names_the_kernel_set_exit_code_and_stderr_tail(monkeypatch,
                                                                             tmp_path):
-    _Run(monkeypatch, returncode=3, stderr="x" * 2500 + "boom")
+    _Popen(monkeypatch, returncode=3, stderr="x" * 2500 + "\nboom")
     with pytest.raises(ToleranceMismatch) as raised:
         kernels.measure_under("avx2", [], tmp_path / "m.json")
     assert str(raised.value) == ("measuring under ATEN_CPU_CAPABILITY=avx2 failed (exit 3):\n"
-                                 + ("x" * 2500 + "boom")[-2000:])
+                                 + ("x" * 2500 + "\nboom")[-2000:])
 
 
 @pytest.mark.parametrize("name", ["training.json", "training_1b.json"])

@@ -46,6 +46,7 @@ from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.tolerance.rules import (
     TOKEN_SEED_OFFSET,
     Floor,
+    ThresholdRule,
     check_environment,
     floor_for,
 )
@@ -60,8 +61,6 @@ Params = dict[str, torch.Tensor]
 Forward = Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]
 SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
 ReshardFn = Callable[[list[dict[str, torch.Tensor]], int], list[dict[str, torch.Tensor]]]
-# (config, reference logits) -> threshold
-ThresholdRule = Callable[[ModelConfig, torch.Tensor], float]
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,9 @@ from weight_sync_bench.check.diagnosis import (
     slice_index,
 )
 from weight_sync_bench.check.floor import (
-    PLAIN_FORWARD,
     REPLICATED_MAX_DEGREE,
     convention_logits,
     forward_of,
-    measured_degrees,
 )
 from weight_sync_bench.check.user_code import check_signature, frame_error
 from weight_sync_bench.check.user_code import describe as describe_fn
@@ -110,6 +108,7 @@ from weight_sync_bench.model.config import (
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.tolerance.phase import PLAIN_FORWARD, measured_degrees
 from weight_sync_bench.tolerance.rules import (
     TOKEN_SEED_OFFSET,
     derive_threshold,

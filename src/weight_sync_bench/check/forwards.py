@@ -213,3 +213,9 @@ def inprocess_forward(config: ModelConfig, shards: list[Params], tokens: torch.T
                       ) -> torch.Tensor:
     """Phase 1a: every rank in this process over ``InProcessCollective``."""
     return ShardedModel(config, shards, InProcessCollective(len(shards)))(tokens)[0]
+
+
+def phase_forward(phase: str) -> Callable[[ModelConfig, list[Params], torch.Tensor], torch.Tensor]:
+    """The forward of a phase: every rank in this process (1a), or the shared gloo rank pool
+    (1b)."""
+    return inprocess_forward if phase == "1a" else gloo_forward()

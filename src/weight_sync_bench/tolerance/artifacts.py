@@ -59,6 +59,20 @@ def artifact_path(phase: str = "1a", *, kind: str = "phase", dtype: str = "fp32"
     return tolerance_dir() / name
 
 
+def plot_path(phase: str = "1a") -> Path:
+    """The plot drawn beside the random-geometry floor (``random_floor_<phase>.png``)."""
+    return artifact_path(phase, kind="random_floor").with_suffix(".png")
+
+
+def mtime(path: Path) -> int | None:
+    """``path``'s modification time in ns (None where there is no file): the version of an
+    artifact a cache of what it implies is keyed by."""
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
 GEOMETRY_DIR = "geometry"  # per-geometry floors, measured on first use, under tolerance_dir()
 
 

@@ -1,13 +1,19 @@
-"""Floors measured under every CPU kernel set torch can be made to use here.
+"""Floors measured under every CPU kernel set torch can be made to use here, on every CPU
+vendor they were measured on, merged.
 
 The floor depends on which kernels run: torch dispatches its CPU kernels by the capability
 it detects (``torch.backends.cpu.get_cpu_capability()``), and the default, AVX2 and AVX-512
-kernels sum in different orders. On the machine the committed floors were first measured
-on, phase 1a's worst was 9.5e-7 under AVX-512 (threshold 1e-4) and 1.0e-6 under the default
-and AVX2 kernels (threshold 1e-3): a threshold from one kernel set jumps by 10x on the next
-machine. So each committed floor is measured once per kernel set, each in a process of its
-own (``ATEN_CPU_CAPABILITY`` is read when torch is imported), and the artifacts are merged:
-every cell keeps its worst over the kernel sets, and the threshold is derived from that.
+kernels sum in different orders; MKL and oneDNN also dispatch by CPU vendor, so one kernel
+set sums in another order on an Intel CPU than on an AMD one. On the AMD machine the
+committed floors were first measured on, phase 1a's worst was 9.5e-7 under AVX-512
+(threshold 1e-4) and 1.0e-6 under the default and AVX2 kernels (threshold 1e-3): a threshold
+from one kernel set jumps by 10x on the next machine. So each committed floor is measured
+once per kernel set, each in a process of its own (``ATEN_CPU_CAPABILITY`` is read when
+torch is imported, ``measure_under``), and the artifacts are merged: every cell keeps its
+worst over the kernel sets (``merge``; a random-geometry floor's samples, ``merge_samples``),
+and the threshold is derived from that. Measured again on another vendor's CPU, a floor
+keeps the first vendor's figures (``over``): each kernel set is named with its vendor
+(``GenuineIntel/AVX512``; ``tolerance.artifacts.kernel_set_label``).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import copy
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +33,11 @@ from weight_sync_bench.tolerance.artifacts import (
     kernel_sets_of,
     measured_vendor,
     read_json,
+    running_kernel_set,
+    vendor_of,
 )
 from weight_sync_bench.tolerance.rules import derive_threshold
+from weight_sync_bench.tolerance.sampled import SampledRule, rederive, validated
 
 # The values ATEN_CPU_CAPABILITY takes on the CPUs this harness runs on (x86-64 and
 # aarch64); a value the CPU cannot run makes torch fall back, which ``available`` detects.
@@ -47,16 +57,27 @@ def available() -> list[str]:
     return [k for k in CANDIDATES if capability_under(k).lower() == k]
 
 
-def measure_under(kernel_set: str, argv: list[str], out: Path) -> dict[str, Any]:
-    """Run ``python -m weight_sync_bench.tolerance *argv --out out`` with
-    ``ATEN_CPU_CAPABILITY=kernel_set`` and return the artifact it wrote."""
+def measure_under(kernel_set: str, argv: list[str], out: Path,
+                  progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run ``python -m weight_sync_bench.tolerance *argv --kernel-sets current --out out``
+    (``wsb floor``'s measurement of one kernel set) with ``ATEN_CPU_CAPABILITY=kernel_set``
+    and return the artifact it wrote; ``progress`` gets each line it writes to stderr (its
+    progress line) as it comes."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": kernel_set}
-    run = subprocess.run([sys.executable, "-m", "weight_sync_bench.tolerance", *argv,
-                          "--kernel-sets", "current", "--out", str(out)],
-                         capture_output=True, text=True, env=env)
-    if run.returncode != 0:
+    tail = ""
+    with subprocess.Popen([sys.executable, "-m", "weight_sync_bench.tolerance", *argv,
+                           "--kernel-sets", "current", "--out", str(out)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          env=env) as run:
+        assert run.stderr is not None
+        for line in run.stderr:
+            tail = (tail + line)[-2000:]
+            if progress is not None and line.strip():
+                progress(line.strip())
+        code = run.wait()
+    if code != 0:
         raise ToleranceMismatch(f"measuring under ATEN_CPU_CAPABILITY={kernel_set} failed "
-                                f"(exit {run.returncode}):\n{run.stderr[-2000:]}")
+                                f"(exit {code}):\n{tail}")
     return read_json(out)
 
 
@@ -214,3 +235,75 @@ def over(old: dict[str, Any] | None, new: dict[str, Any], *, force: bool = False
 def _remedy(others: list[str]) -> str:
     return (f"Pass --force to replace them with this measurement alone (then measure again on "
             f"{' and '.join(others)}, where it merges in), or --out PATH to write it elsewhere")
+
+
+# -- a random-geometry floor's samples (and its replicated-KV validation's): each sample's
+# floor re-measured under each kernel set (``fuzz.floor.remeasure_floors``), the worst kept
+
+
+def merge_kernel_sets(artifact: dict[str, Any], floors: dict[str, list[float]],
+                      environment_now: dict[str, Any]) -> dict[str, Any]:
+    """``artifact`` with every sample's floor re-measured under each kernel set of
+    ``floors`` (kernel set, with its vendor -> one floor per sample,
+    ``fuzz.floor.remeasure_floors``): each sample records ``by_kernel_set`` (the kernel
+    sets measured before, on any machine class, kept; one measured again replaced), its
+    first measured floor (``floor_as_measured``) and, as ``floor``, the worst of them all,
+    with the kernel set that gave it; ``kernel_sets`` lists the sets, and the rule is
+    re-derived from the merged samples. A floor is never lowered by a re-measurement. Pure."""
+    return rederive(merge_samples(artifact, floors, environment_now))
+
+
+def merge_samples(artifact: dict[str, Any], floors: dict[str, list[float]],
+                  environment_now: dict[str, Any]) -> dict[str, Any]:
+    """``merge_kernel_sets`` without the figures derived from the samples: what the random
+    floor and its replicated-KV validation merge alike. Pure."""
+    samples = artifact["samples"]
+    for kernel_set, values in floors.items():
+        if len(values) != len(samples):
+            raise ToleranceMismatch(f"{len(values)} floors re-measured under {kernel_set} for "
+                                    f"{len(samples)} samples")
+    if not floors:
+        raise ToleranceMismatch("no kernel set to merge")
+    require_alike([artifact.get("environment", {}), environment_now])
+    vendor = measured_vendor(artifact)  # where an older artifact's bare kernel sets ran
+    merged = []
+    for i, s in enumerate(samples):
+        first = s.get("floor_as_measured", s["floor"])
+        by_set = {kernel_set_label(vendor, k): v for k, v in s.get("by_kernel_set", {}).items()}
+        by_set.update({k: v[i] for k, v in floors.items()})
+        worst_set = max(by_set, key=lambda k: by_set[k])
+        worst = max(first, by_set[worst_set])
+        merged.append({**s, "floor": worst, "floor_as_measured": first, "by_kernel_set": by_set,
+                       "kernel_set": worst_set if by_set[worst_set] >= first else "as measured"})
+    before = kernel_sets_of(artifact) if "kernel_sets" in artifact else []
+    machines = {**artifact.get("machines", {} if vendor is None else {
+        vendor: artifact.get("kernel_sets_measured", {}).get("environment", {})})}
+    if vendor_of(environment_now) is not None:
+        machines[str(vendor_of(environment_now))] = environment_now
+    return {**artifact, "samples": merged, "kernel_sets": list(dict.fromkeys([*before, *floors])),
+            **({"machines": machines} if machines else {}),
+            "kernel_sets_measured": {
+                "environment": environment_now,
+                "what": "each sample's floor re-measured under each kernel set, each in a "
+                        "process of its own (ATEN_CPU_CAPABILITY); the mutation deviations "
+                        "are the first measurement's"}}
+
+
+def merge_replicated_kv(artifact: dict[str, Any], floors: dict[str, list[float]],
+                        environment_now: dict[str, Any], rule: SampledRule | None = None
+                        ) -> dict[str, Any]:
+    """``merge_kernel_sets`` for the validation: every sample's floor the worst of its first
+    measurement and each kernel set's; the figures of ``rule`` (the rule in force, where the
+    random-geometry floor's has moved; default: the one validated before) derived again.
+    Pure."""
+    out = merge_samples(artifact, floors, environment_now)
+    rule = rule or SampledRule(**artifact["validated"]["rule"])
+    return validated(out, rule)
+
+
+def sample_floors(artifact: dict[str, Any]) -> dict[str, list[float]]:
+    """The floors of one kernel set's re-measurement (``wsb floor random --from PATH
+    --kernel-sets current``: ``merge_kernel_sets`` of PATH and the running kernel set): that
+    kernel set, with its vendor -> every sample's floor under it."""
+    here = running_kernel_set(artifact["kernel_sets_measured"]["environment"])
+    return {here: [s["by_kernel_set"][here] for s in artifact["samples"]]}

@@ -4,7 +4,7 @@ A row-parallel matmul sums partial products across ranks in another order than t
 matmul, so correct sharded logits differ from the reference in the low bits. The threshold
 must admit that reordering and still catch a layout bug, so it is measured, never typed in:
 
-    python -m weight_sync_bench.tolerance            # writes tolerance/phase1a.json
+    wsb floor phase --write     # (python -m weight_sync_bench.tolerance --write) phase1a.json
 
 Per destination cell (config, t) over ``repetitions`` model and token seeds it records, in
 units of 2^-23: ``max_ulp`` (the max over every logit of every repetition: a tail statistic
@@ -21,10 +21,13 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
 from weight_sync_bench.model.config import (
@@ -53,6 +56,11 @@ SAFETY = 100  # the threshold sits at least this many times above the worst obse
 
 
 TOKEN_SEED_OFFSET = 1000  # repetition r uses model seed r and token seed 1000 + r
+
+# What judges a check's logits: (config, reference logits) -> threshold. The rules derived
+# here from a measurement (``tolerance.sampled.SampledRule``, ``threshold_for`` bound to a
+# config) and a caller's own function alike.
+ThresholdRule = Callable[[ModelConfig, torch.Tensor], float]
 
 
 def derive_threshold(worst_abs: float, safety: int = SAFETY) -> float:
