@@ -142,8 +142,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     """Add ``floor`` and its kinds to ``wsb``."""
     floor = subparsers.add_parser(
         "floor", parents=[_random_options()], help="measure a numerical floor",
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Without a KIND: the random-geometry floor (wsb floor random).")
+        description="Measure a numerical floor and write its artifact: under every CPU kernel "
+                    "set, merged, beside other CPU vendors' figures (--out PATH, or --write "
+                    "to replace the committed one).",
+        epilog="Without a KIND: the random-geometry floor (wsb floor random). python -m "
+               "weight_sync_bench.tolerance [KIND] is wsb floor, phase by default.")
     kinds = floor.add_subparsers(dest="kind", metavar="KIND")
     for kind, parent, text in (
             ("phase", _measure_options, "the logits floor of TOY and TOY_KV4 "

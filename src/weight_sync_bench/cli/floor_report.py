@@ -10,7 +10,7 @@ from typing import Any
 
 from weight_sync_bench.errors import WsbError
 from weight_sync_bench.tolerance.phase import PLAIN_FORWARD, cell_forward
-from weight_sync_bench.tolerance.rules import SAFETY, derive_threshold, threshold_from
+from weight_sync_bench.tolerance.rules import SAFETY, threshold_from
 from weight_sync_bench.tolerance.sampled import SampledRule, kernel_set_figures, rule_from
 from weight_sync_bench.tolerance.training import thresholds_from
 
@@ -101,7 +101,7 @@ def figures(kind: str, artifact: dict[str, Any]) -> list[tuple[str, str]]:
         if kind in ("phase", "geometry"):
             return rows + [("cells", str(len(artifact["cells"]))),
                            ("worst |error|", f"{artifact['worst_abs']:.4g}"),
-                           ("threshold", f"{derive_threshold(artifact['worst_abs']):g}")]
+                           ("threshold", f"{threshold_from(artifact):g}")]
         rows += [("steps", str(artifact.get("steps", "?"))),
                  ("cells", str(len(artifact["cells"])))]
         for regime in artifact["regimes"]:

@@ -291,6 +291,24 @@ def validation(phase: str = "1a", path: Path | None = None
     return _validation(phase, path, mtime(path), mtime(artifact_path(phase, kind="random_floor")))
 
 
+def why_not_validated(degree: int, phase: str = "1a", path: Path | None = None) -> str | None:
+    """Why the validation at ``path`` does not validate the rule in force for a fuzzed
+    conversion to vLLM at ``degree`` (None where it does): it must record the
+    random-geometry floor's domain, reach ``degree`` and show the rule (re-derived from both
+    artifacts) with zero false positives and ``SAFETY`` x headroom over its samples.
+    ``ToleranceMismatch`` where either artifact cannot be read."""
+    figures, degrees, same_domain = validation(phase, path)
+    if not same_domain:
+        return "it was measured over another fuzz domain than the random-geometry floor's"
+    if degree not in degrees:
+        return f"it measured t={', '.join(map(str, degrees))}, not t={degree}"
+    if figures["false_positives"] or figures["min_headroom"] < SAFETY:
+        return (f"the rule in force has {figures['false_positives']} false positives and "
+                f"{figures['min_headroom']:.3g}x headroom over its samples (needs 0 and "
+                f"{SAFETY}x)")
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def _validation(phase: str, path: Path, stamp: int | None, floor_stamp: int | None
                 ) -> tuple[dict[str, Any], list[int], bool]:

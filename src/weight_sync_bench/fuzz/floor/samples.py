@@ -27,12 +27,7 @@ from weight_sync_bench.fuzz.domain import (
 from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
 from weight_sync_bench.tolerance.artifacts import artifact_path, mtime
 from weight_sync_bench.tolerance.phase import REPLICATED_KV
-from weight_sync_bench.tolerance.rules import (
-    SAFETY,
-    floor_for,
-    strict_environment,
-    threshold_for,
-)
+from weight_sync_bench.tolerance.rules import floor_for, strict_environment, threshold_for
 from weight_sync_bench.tolerance.sampled import (
     SampledRule,
     environment_notes,
@@ -42,7 +37,7 @@ from weight_sync_bench.tolerance.sampled import (
     replicated_kv_command,
     replicated_kv_path,
     rule_from,
-    validation,
+    why_not_validated,
 )
 
 
@@ -326,9 +321,7 @@ def require_replicated_kv(config: ModelConfig, degree: int, phase: str = "1a",
     ``degree`` (> n_kv_heads: the replicated-KV forward) comes from a measurement of that
     forward: for TOY and TOY_KV4 the committed phase floor's cell at ``degree``
     (``check.convert.require_cell``); for a fuzzed geometry the validation artifact, which
-    must exist, record the random-geometry floor's domain, reach ``degree``, and show the
-    rule in force (re-derived from both artifacts) with zero false positives and
-    ``SAFETY`` x headroom over its samples."""
+    must validate the rule in force there (``tolerance.sampled.why_not_validated``)."""
     from weight_sync_bench.check.convert import require_cell
     from weight_sync_bench.conventions import endpoint
 
@@ -341,18 +334,9 @@ def require_replicated_kv(config: ModelConfig, degree: int, phase: str = "1a",
             f"{config.n_kv_heads} (the replicated-KV forward) only where {path.name} "
             "validates it")
     try:
-        figures, degrees, same_domain = validation(phase, path)
+        why = why_not_validated(degree, phase, path)
     except ToleranceMismatch as exc:
         raise FloorNotMeasured(f"{what}: {exc}", command=command) from None
-    why = None
-    if not same_domain:
-        why = "it was measured over another fuzz domain than the random-geometry floor's"
-    elif degree not in degrees:
-        why = f"it measured t={', '.join(map(str, degrees))}, not t={degree}"
-    elif figures["false_positives"] or figures["min_headroom"] < SAFETY:
-        why = (f"the rule in force has {figures['false_positives']} false positives and "
-               f"{figures['min_headroom']:.3g}x headroom over its samples (needs 0 and "
-               f"{SAFETY}x)")
     if why is not None:
         raise FloorNotMeasured(f"{what}: {why}. Measure it with `{command}`", command=command)
 
