@@ -151,14 +151,16 @@ Groups = list[tuple[str, str, list[TrainingCase]]]  # (regime, label, cases shar
 
 def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a", *,
             groups: Groups | None = None, kind: str = "training",
+            train: Callable[[TrainingCase], Trace | None] | None = None,
             progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
     """Run every case of the domain (``groups``, default the DP x TP one) correctly and
     return the artifact of the worst of each quantity (``tolerance.training.artifact``).
     Phase 1b trains over gloo on a rank pool, on the cases of its domain (``in_domain``; a
     group left empty is skipped). ``kind`` names the artifact (``sequence_floor`` measures
-    the SP / CP domain into one of its own). ``progress(done, total, what)`` after each
-    group of cases sharing a reference."""
-    train = _trainer(phase)
+    the SP / CP domain into one of its own). ``train`` trains a case's sharded side (its
+    forward and backward; default the phase's: in process, or over gloo on the shared rank
+    pool). ``progress(done, total, what)`` after each group of cases sharing a reference."""
+    train = _trainer(phase) if train is None else train
     worst = {regime: {q: {"worst": 0.0, "case": "", "where": ""} for q in QUANTITIES}
              for regime in REGIMES}
     cells, domain = [], {f: 0 for f in DOMAIN_FIELDS}
