@@ -20,9 +20,9 @@ import torch
 
 torch.set_num_threads(1)
 
+from weight_sync_bench.errors import WsbError  # noqa: E402
 from weight_sync_bench.model.config import TOY, TOY_KV4, ModelConfig, shipped_hf_config  # noqa: E402
 from weight_sync_bench.tolerance import rules  # noqa: E402
-from weight_sync_bench.errors import WsbError  # noqa: E402
 
 try:
     from weight_sync_bench.tolerance import sampled as random_rules
@@ -30,9 +30,9 @@ try:
     from weight_sync_bench.tolerance.phase import measured_degrees
     load_training = training_rules.load
 except ImportError:  # before the move
+    from weight_sync_bench.check.floor import measured_degrees
     from weight_sync_bench.fuzz import floor as random_rules
     from weight_sync_bench.training import floor as training_rules
-    from weight_sync_bench.check.floor import measured_degrees
     load_training = training_rules.load
 from weight_sync_bench.fuzz import floor as fuzz_floor  # noqa: E402
 from weight_sync_bench.training import floor as training_floor  # noqa: E402
@@ -63,7 +63,8 @@ for phase, dtype in (("1a", "fp32"), ("1a", "bf16"), ("1a", "fp16"), ("1b", "fp3
                                  "plain": measured_degrees(art, config.name, "plain"),
                                  "replicated": measured_degrees(art, config.name,
                                                                 "vllm-replicated-kv")}
-    out[key]["threshold_for toy"] = outcome(rules.threshold_for, TOY, phase) if dtype == "fp32" else None
+    out[key]["threshold_for toy"] = (outcome(rules.threshold_for, TOY, phase)
+                                     if dtype == "fp32" else None)
 
 # per-geometry floors
 geo = {}

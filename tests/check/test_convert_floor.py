@@ -14,13 +14,17 @@ import pytest
 
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig, check_convert, convert
 from weight_sync_bench.check import floor
-from weight_sync_bench.tolerance.phase import measured_degrees
 from weight_sync_bench.check.convert import ConversionChecker
 from weight_sync_bench.cli.main import main
 from weight_sync_bench.conventions import materialize
 from weight_sync_bench.errors import FloorNotMeasured
 from weight_sync_bench.tolerance.artifacts import write_artifact
-from weight_sync_bench.tolerance.rules import cached_floor_path, derive_threshold, load_artifact
+from weight_sync_bench.tolerance.phase import measured_degrees
+from weight_sync_bench.tolerance.rules import (
+    cached_floor_path,
+    derive_threshold,
+    load_artifact,
+)
 
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
 

@@ -10,10 +10,10 @@ import pytest
 
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig
 from weight_sync_bench.check import floor
-from weight_sync_bench.cli.floor_report import phase_table
-from weight_sync_bench.tolerance.phase import cell_forward, measured_degrees
 from weight_sync_bench.check.convert import ConversionChecker
+from weight_sync_bench.cli.floor_report import phase_table
 from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.phase import cell_forward, measured_degrees
 from weight_sync_bench.tolerance.rules import load_artifact
 
 # 8 heads over 2 KV heads: vLLM replicates at t = 4 and 8; the plain layout stops at 2

@@ -12,8 +12,8 @@ import pytest
 
 from weight_sync_bench.check.checker import check_split, sweep
 from weight_sync_bench.cli import main
-from weight_sync_bench.cli.main import build_parser, exit_code
 from weight_sync_bench.cli.floor import as_floor_argv
+from weight_sync_bench.cli.main import build_parser, exit_code
 from weight_sync_bench.cli.main import main as wsb_main
 from weight_sync_bench.cli.output import EXIT_CODES, Terminated
 from weight_sync_bench.errors import (

@@ -10,7 +10,7 @@ from weight_sync_bench.cli.floor import register as register_floor
 from weight_sync_bench.cli.fuzz import register
 from weight_sync_bench.errors import ToleranceMismatch, WsbError
 from weight_sync_bench.fuzz.case import Case, run_case
-from weight_sync_bench.fuzz.corpus import corpus_dir, entry_paths, make_entry
+from weight_sync_bench.fuzz.corpus import corpus_dir, make_entry
 from weight_sync_bench.fuzz.domain import DOMAIN
 
 

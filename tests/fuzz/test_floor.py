@@ -10,7 +10,9 @@ import torch
 from weight_sync_bench.check.mutations import KILL_MARGIN, MUTATIONS
 from weight_sync_bench.fuzz.domain import DOMAIN, fuzz_init, is_builtin
 from weight_sync_bench.fuzz.floor import fuzz_threshold_rule, measure_random
-from weight_sync_bench.tolerance.artifacts import plot_path
+from weight_sync_bench.model.config import TOY, TOY_KV4
+from weight_sync_bench.tolerance.artifacts import artifact_path, plot_path
+from weight_sync_bench.tolerance.rules import SAFETY, threshold_for
 from weight_sync_bench.tolerance.sampled import (
     SampledRule,
     candidate_rules,
@@ -20,9 +22,6 @@ from weight_sync_bench.tolerance.sampled import (
     load_random_floor,
     rule_from,
 )
-from weight_sync_bench.model.config import TOY, TOY_KV4
-from weight_sync_bench.tolerance.artifacts import artifact_path
-from weight_sync_bench.tolerance.rules import SAFETY, threshold_for
 
 
 @pytest.fixture(scope="module")

@@ -12,18 +12,18 @@ import torch
 from weight_sync_bench.cli import main
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.fuzz.floor import remeasure_floors
+from weight_sync_bench.tolerance.artifacts import (
+    artifact_path,
+    cpu_vendor,
+    kernel_set_label,
+    running_kernel_set,
+)
 from weight_sync_bench.tolerance.kernels import merge_kernel_sets
 from weight_sync_bench.tolerance.sampled import (
     choose_rule,
     kernel_set_figures,
     load_random_floor,
     rule_from,
-)
-from weight_sync_bench.tolerance.artifacts import (
-    artifact_path,
-    cpu_vendor,
-    kernel_set_label,
-    running_kernel_set,
 )
 
 ENV = {"cpu_capability": "X"}

@@ -39,7 +39,8 @@ def test_a_geometry_floor_is_measured_under_every_kernel_set_and_covers_each(tin
     chosen = ["default"] if here == "DEFAULT" else ["default", here.lower()]
     monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: chosen)
     path, config = tiny
-    assert wsb_main(as_floor_argv(["geometry", "--hf-config", str(path), "--repetitions", "1"])) == 0
+    assert wsb_main(as_floor_argv(["geometry", "--hf-config", str(path),
+                                   "--repetitions", "1"])) == 0
     printed, progress = capsys.readouterr()
     artifact = json.loads(cached_floor_path(config).read_text())
     # each kernel set's process shows its progress line (an ETA), relayed behind the set
