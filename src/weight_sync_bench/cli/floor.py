@@ -61,6 +61,7 @@ def as_floor_argv(argv: list[str], default_kind: str = "phase") -> list[str]:
 
 # -- the options of each kind
 
+
 def _where(parser: argparse.ArgumentParser, force: str) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--out", type=Path, default=None,

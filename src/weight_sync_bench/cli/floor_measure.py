@@ -61,6 +61,7 @@ def ticker(line: ProgressLine) -> Callable[[int, int, str], None] | None:
 
 # -- phase, training, sequence
 
+
 def measure_kind(args: argparse.Namespace, line: ProgressLine) -> int:
     if args.dtype != "fp32" and args.kind != "phase":
         raise InvalidConfig(f"--dtype {args.dtype}: the {args.kind} floor is measured on fp32 "
@@ -115,6 +116,7 @@ def _wrote(artifact: dict[str, Any], path: Path) -> str:
 
 
 # -- geometry
+
 
 def geometry_config(args: argparse.Namespace) -> ModelConfig:
     """The geometry ``--hf-config PATH`` (with ``--layers``, ``--vocab``) or ``--config

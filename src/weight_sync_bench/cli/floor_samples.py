@@ -43,6 +43,7 @@ from weight_sync_bench.tolerance.sampled import (
 
 # -- random: floor samples on random geometries
 
+
 def measure_random(args: argparse.Namespace, line: ProgressLine) -> int:
     """``random``: new samples (``--random N``), or the samples of an artifact measured again
     (``--from PATH``, default the committed one, under every kernel set unless ``current``):
@@ -190,6 +191,7 @@ def _new_draw_over(old: dict[str, Any] | None, path: Path, kind: str, *, force: 
 
 
 # -- replicated-kv: the rule validated on vLLM's replicated-KV forward
+
 
 def measure_replicated(args: argparse.Namespace, line: ProgressLine) -> int:
     """``replicated-kv``: the validation drawn anew (``--geometries N --seed S``), or the
