@@ -19,7 +19,12 @@ from weight_sync_bench.cli.main import main
 from weight_sync_bench.conventions import materialize
 from weight_sync_bench.errors import FloorNotMeasured
 from weight_sync_bench.tolerance.artifacts import write_artifact
-from weight_sync_bench.tolerance.rules import cached_floor_path, derive_threshold, load_artifact
+from weight_sync_bench.tolerance.phase import measured_degrees
+from weight_sync_bench.tolerance.rules import (
+    cached_floor_path,
+    derive_threshold,
+    load_artifact,
+)
 
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
 
@@ -123,7 +128,7 @@ def test_a_per_geometry_floor_measures_the_replicated_cells_up_to_8_and_refuses_
     assert check_convert(harness("hf", "vllm:8", SMALL), SMALL, "hf", "vllm:8",
                          measure_floor=True).passed  # measured on first use, t = 4 and 8 too
     path = cached_floor_path(SMALL)
-    assert floor.measured_degrees(json.loads(path.read_text()), SMALL.name,
+    assert measured_degrees(json.loads(path.read_text()), SMALL.name,
                                   floor.REPLICATED_KV) == [4, 8]
     with pytest.raises(FloorNotMeasured) as info:  # t=16: past the measurement's bound
         check_convert(never, SMALL, "hf", "vllm:16", measure_floor=True)

@@ -11,7 +11,9 @@ import pytest
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig
 from weight_sync_bench.check import floor
 from weight_sync_bench.check.convert import conversion_checker
+from weight_sync_bench.cli.floor_report import phase_table
 from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.phase import cell_forward, measured_degrees
 from weight_sync_bench.tolerance.rules import load_artifact
 
 # 8 heads over 2 KV heads: vLLM replicates at t = 4 and 8; the plain layout stops at 2
@@ -25,13 +27,13 @@ def test_every_committed_phase_floor_has_the_replicated_kv_cells_of_each_config(
     artifact = load_artifact(phase, artifact_path(phase, dtype=dtype))
     assert set(artifact["configs"]) == {"toy", "toy_kv4"}
     for config in (TOY, TOY_KV4):
-        wide = floor.measured_degrees(artifact, config.name, floor.REPLICATED_KV)
+        wide = measured_degrees(artifact, config.name, floor.REPLICATED_KV)
         assert wide == floor.replicated_degrees(config) == (
             [4, 8] if config is TOY else [8]), (phase, dtype, config.name)
-        plain = floor.measured_degrees(artifact, config.name, floor.PLAIN_FORWARD)
+        plain = measured_degrees(artifact, config.name, floor.PLAIN_FORWARD)
         assert plain == [t for t in (1, 2, 4) if t <= config.n_kv_heads]
     # every cell of the replicated forward is a measurement as the plain ones are
-    cells = [c for c in artifact["cells"] if floor.cell_forward(c) == floor.REPLICATED_KV]
+    cells = [c for c in artifact["cells"] if cell_forward(c) == floor.REPLICATED_KV]
     assert all(c["elements"] == artifact["cells"][0]["elements"] > 0 for c in cells)
     assert all(c["worst_abs"] > 0 for c in cells)  # t > 1: o_proj sums t partials
     # measured under every kernel set the plain cells were, each keeping the worst
@@ -55,7 +57,7 @@ def test_a_replicated_cell_is_the_deviation_of_the_forward_check_convert_runs():
         artifact = floor.measure("1a", configs=[SMALL], repetitions=1, dtype=dtype,
                                  replicated=True)
         wide = {c["degree"]: c for c in artifact["cells"]
-                if floor.cell_forward(c) == floor.REPLICATED_KV}
+                if cell_forward(c) == floor.REPLICATED_KV}
         assert sorted(wide) == [4, 8]
         checker = conversion_checker(SMALL, threshold=1.0, dtype=dtype)
         for t, cell in wide.items():
@@ -67,7 +69,7 @@ def test_measuring_the_replicated_cells_leaves_the_plain_ones_as_they_were():
     both = floor.measure("1a", configs=[SMALL], repetitions=2, replicated=True)["cells"]
     plain = floor.measure("1a", configs=[SMALL], repetitions=2)["cells"]  # chosen configs: plain
     assert [c["degree"] for c in plain] == [1, 2] and all("forward" not in c for c in plain)
-    assert plain == [c for c in both if floor.cell_forward(c) == floor.PLAIN_FORWARD]
+    assert plain == [c for c in both if cell_forward(c) == floor.PLAIN_FORWARD]
 
 
 @pytest.mark.parametrize("config", [SMALL, SMALL.replace(name="small_tied", tie_embeddings=True,
@@ -77,19 +79,19 @@ def test_the_streamed_per_geometry_floor_has_the_whole_model_replicated_cells(co
     whole = floor.measure("1a", configs=[config], repetitions=2, replicated=True)["cells"]
     artifact, path = floor.measure_geometry(config, repetitions=2, out=tmp_path / "g.json")
     assert artifact["cells"] == whole  # streamed, bit for bit the whole-model measurement
-    assert floor.measured_degrees(artifact, config.name, floor.REPLICATED_KV) == [4, 8]
+    assert measured_degrees(artifact, config.name, floor.REPLICATED_KV) == [4, 8]
     assert json.loads(path.read_text())["cells"] == whole
     # the bound: past it no cell, unless asked for
     wider = config.replace(name=f"{config.name}16", n_heads=16)
     bounded, _ = floor.measure_geometry(wider, repetitions=1, out=tmp_path / "w.json")
-    assert floor.measured_degrees(bounded, wider.name, floor.REPLICATED_KV) == [4, 8]
+    assert measured_degrees(bounded, wider.name, floor.REPLICATED_KV) == [4, 8]
     reached, _ = floor.measure_geometry(wider, repetitions=1, out=tmp_path / "w16.json",
                                         max_degree=16)
-    assert floor.measured_degrees(reached, wider.name, floor.REPLICATED_KV) == [4, 8, 16]
+    assert measured_degrees(reached, wider.name, floor.REPLICATED_KV) == [4, 8, 16]
 
 
 def test_the_table_names_the_forward_of_each_replicated_cell():
-    table = floor.format_table(load_artifact("1a"))
+    table = phase_table(load_artifact("1a"))
     assert "toy_kv4, t=8 (vllm-replicated-kv)" in table
     assert "toy_kv4, t=4  " in table  # a plain cell carries no label
 
@@ -109,4 +111,4 @@ def test_the_shipped_per_geometry_floors_need_no_replicated_cell_up_to_8():
         config = ModelConfig(name=name, **{k: bool(v) if k in VARIANT_FIELDS[1:] else v
                                            for k, v in recorded["geometry"].items()})
         assert floor.replicated_degrees(config) == [], name
-        assert floor.measured_degrees(artifact, name, floor.REPLICATED_KV) == [], name
+        assert measured_degrees(artifact, name, floor.REPLICATED_KV) == [], name

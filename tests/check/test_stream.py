@@ -228,9 +228,10 @@ def test_the_streamed_floor_measurement_is_the_whole_model_one_cell_for_cell():
 
     from weight_sync_bench.check import floor
     from weight_sync_bench.check.stream import stream_deviation
+    from weight_sync_bench.tolerance import phase as record
 
     whole = floor.measure("1a", configs=[TOY_KV4], repetitions=1)["cells"]
-    streamed = [floor._cell("toy_kv4", t, [stream_deviation(TOY_KV4, t, seed=0).numpy()])
+    streamed = [record.cell("toy_kv4", t, [stream_deviation(TOY_KV4, t, seed=0).numpy()])
                 for t in (1, 2, 4)]
     assert streamed == whole
     assert np.isfinite([c["worst_abs"] for c in whole]).all()

@@ -12,8 +12,9 @@ import pytest
 
 from weight_sync_bench.check.checker import check_split, sweep
 from weight_sync_bench.cli import main
+from weight_sync_bench.cli.floor import as_floor_argv
 from weight_sync_bench.cli.main import build_parser, exit_code
-from weight_sync_bench.cli.measure import main as measure_main
+from weight_sync_bench.cli.main import main as wsb_main
 from weight_sync_bench.cli.output import EXIT_CODES, Terminated
 from weight_sync_bench.errors import (
     CorruptCorpusEntry,
@@ -107,7 +108,7 @@ def test_a_bad_number_is_a_usage_error_naming_the_argument(argv, names, capsys):
 @pytest.mark.parametrize("argv", [["--repetitions", "0"], ["training", "--steps", "0"]])
 def test_the_measuring_command_validates_its_numbers_too(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
-        measure_main(argv)
+        wsb_main(as_floor_argv(argv))
     assert exit_.value.code == 2 and "must be > 0, got 0" in capsys.readouterr().err
 
 

@@ -1,19 +1,24 @@
 """``wsb fuzz``, ``mutants``, ``floor`` and ``replay`` as a user runs them (through
-``cli_fuzz.register``, exactly as ``wsb``'s parser wires them in)."""
+``cli.fuzz.register`` and ``cli.floor.register``, exactly as ``wsb``'s parser wires them in)."""
 
 import argparse
 import json
 
 import pytest
 
+from weight_sync_bench.cli.floor import register as register_floor
 from weight_sync_bench.cli.fuzz import register
 from weight_sync_bench.errors import ToleranceMismatch, WsbError
-from weight_sync_bench.fuzz.corpus import entry_paths
+from weight_sync_bench.fuzz.case import Case, run_case
+from weight_sync_bench.fuzz.corpus import corpus_dir, make_entry
+from weight_sync_bench.fuzz.domain import DOMAIN
 
 
 def wsb(*argv):
     parser = argparse.ArgumentParser(prog="wsb")
-    register(parser.add_subparsers(dest="command", required=True))
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    register(subparsers)
+    register_floor(subparsers)
     args = parser.parse_args(argv)
     return args.func(args)
 
@@ -58,10 +63,37 @@ def test_find_smallest_writes_the_mutation_at_its_smallest_geometry(capsys, tmp_
     assert str(path) in capsys.readouterr().out
 
 
-def test_replay_prints_a_status_per_entry(capsys):
-    assert wsb("replay", *map(str, entry_paths()[:2])) == 0
+def test_replay_prints_a_status_per_entry(capsys, tmp_path):
+    """Each entry's status follows from where it was found, on any machine: entries made
+    here replay "still failing" (the same deviation, bit for bit, in the environment they
+    recorded, CPU vendor included), "environment changed" where one records another vendor's
+    CPU and another deviation (MKL and oneDNN sum in another order there), "drifted" where
+    the deviation moved in the same environment; a committed entry of a bug since fixed is
+    "fixed". (A committed entry found on one vendor's CPU replays "still failing" there and
+    may replay "environment changed" on another's: those are not pinned here.)"""
+    outcome = run_case(Case(DOMAIN.smallest().replace(n_kv_heads=2, n_heads=2, ffn=4, vocab=16),
+                            src=1, dst=2, seed=0, mutation="lm_head_reversed"))
+    made = make_entry("invariant", outcome, worst_deviation=outcome.deviation,
+                      worst_ratio=outcome.ratio, profile="wsb-test", hypothesis_seed=None,
+                      hypothesis_version=None)
+    moved = {**made["measured"], "deviation": outcome.deviation * 2}
+    entries = {"here.json": made,
+               "elsewhere.json": {**made, "measured": moved, "found": {
+                   **made["found"], "versions": {**made["found"]["versions"],
+                                                 "cpu_vendor": "OtherVendor"}}},
+               "drifted.json": {**made, "measured": moved}}
+    for name, entry in entries.items():
+        (tmp_path / name).write_text(json.dumps(entry))
+    fixed = corpus_dir() / "4fef1ab671018ec0.json"  # rope_permute_twice, a bug since fixed
+    assert wsb("replay", *(str(tmp_path / n) for n in entries), str(fixed)) == 0
     out = capsys.readouterr().out
-    assert out.count("still failing") >= 2 and "claim holds on 2/2" in out
+    status = {line.split()[0]: line for line in out.splitlines() if ".json " in line}
+    assert "still failing" in status["here.json"]
+    assert "environment changed" in status["elsewhere.json"]
+    assert "drifted" in status["drifted.json"]
+    assert "fixed" in status[fixed.name]
+    assert ("1 still failing, 1 environment changed, 1 drifted, 1 fixed; the project's claim "
+            "holds on 4/4") in out
 
 
 def test_floor_writes_samples_rules_and_plot(capsys, tmp_path):

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from weight_sync_bench.cli import main
-from weight_sync_bench.cli.measure import main as measure_main
+from weight_sync_bench.cli.floor import as_floor_argv
+from weight_sync_bench.cli.main import main as wsb_main
 
 CHECKOUT = Path(__file__).resolve().parents[2] / "tolerance"
 
@@ -68,16 +69,16 @@ def test_a_smaller_sample_needs_force_and_the_figures_are_printed_side_by_side(t
 def test_the_tolerance_command_needs_write_and_force_too(tolerance, tmp_path, capsys):
     target = tolerance / "phase1a.json"
     before = _stamp(target)
-    assert measure_main([]) == 2
+    assert wsb_main(as_floor_argv([])) == 2
     assert f"would replace the committed {target}: pass --write" in capsys.readouterr().err
-    assert measure_main(["--write", "--repetitions", "1"]) == 2
+    assert wsb_main(as_floor_argv(["--write", "--repetitions", "1"])) == 2
     assert f"{target} holds 20 repetitions; this measurement would have 1: pass --force" in (
         capsys.readouterr().err)
     assert _stamp(target) == before
     out_path = tmp_path / "mine.json"
     shutil.copy(target, out_path)  # --out onto an existing file: compared, then replaced
-    assert measure_main(["--out", str(out_path), "--repetitions", "1", "--force",
-                         "--kernel-sets", "current"]) == 0
+    assert wsb_main(as_floor_argv(["--out", str(out_path), "--repetitions", "1", "--force",
+                         "--kernel-sets", "current"])) == 0
     out = capsys.readouterr().out
     assert "replaced (mine.json)" in out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()

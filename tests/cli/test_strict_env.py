@@ -31,8 +31,22 @@ def test_the_fuzz_notes_a_foreign_random_floor_and_strict_env_refuses_it(toleran
                  "--strict-env"]) == 2
     err = capsys.readouterr().err
     assert "measured in another environment (WSB_STRICT_ENV is set): torch recorded 1.0.0" in err
-    assert "Re-measure it here with wsb floor --random N --phase 1a --write" in err
+    assert "Re-measure it here with wsb floor --random N --phase 1a --write" in err  # new samples
     assert "WSB_STRICT_ENV" not in os.environ  # put back after the command
+
+
+def test_a_random_floor_of_another_cpu_vendor_is_refused_naming_its_re_measurement_here(
+        tolerance, capsys):
+    """Another vendor's kernels sum in another order: the committed samples are re-measured
+    here (every kernel set, merged in), not drawn again."""
+    artifact = json.loads((tolerance / "random_floor_1a.json").read_text())
+    artifact["kernel_sets"] = [f"OtherVendor/{k.split('/')[-1]}" for k in artifact["kernel_sets"]]
+    (tolerance / "random_floor_1a.json").write_text(json.dumps(artifact))
+    assert main(["fuzz", "--examples", "1", "-q", "--mutation", "kv_swapped",
+                 "--strict-env"]) == 2
+    err = capsys.readouterr().err
+    assert "is not among the kernel sets the floor was measured under (OtherVendor/" in err
+    assert "Re-measure it here with wsb floor --kernel-sets all --phase 1a --write" in err
 
 
 def test_the_twin_a_random_floor_of_this_environment_passes_strict(tolerance, capsys):

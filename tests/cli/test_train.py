@@ -7,7 +7,8 @@ import pytest
 
 from weight_sync_bench.cli.train import register
 from weight_sync_bench.errors import InvalidConfig, InvalidMesh
-from weight_sync_bench.training.compare import EXACT, QUANTITIES
+from weight_sync_bench.tolerance.training import QUANTITIES
+from weight_sync_bench.training.compare import EXACT
 
 
 def _run(argv):

@@ -76,7 +76,8 @@ def test_entry_records_case_measurement_and_provenance(tmp_path):
     assert created and data["schema"] == 1 and data["property"] == "invariant"
     assert data["case"]["degrees"] == {"src": 1, "dst": 2}
     assert data["case"]["seeds"] == {"param": 0, "token": 1000}
-    assert set(data["found"]["versions"]) == {"torch", "numpy", "hypothesis", "python", "platform"}
+    assert set(data["found"]["versions"]) == {"torch", "numpy", "hypothesis", "python", "platform",
+                                              "cpu_vendor"}
     assert data["found"]["hypothesis_seed"] == 7 and data["found"]["profile"] == "wsb-test"
     assert data["measured"]["ratio"] > 10
     assert load_entry(path).case == Case(CASE.config.replace(name=f"corpus:{path.stem}"),
@@ -122,6 +123,14 @@ def test_classify_tells_fixed_drifted_and_environment_changed_apart(tmp_path):
     assert classify(shifted, outcome) == "drifted"
     older = moved | {"found": moved["found"] | {"versions": versions() | {"torch": "2.4.0"}}}
     assert classify(type(entry)(entry.path, older, entry.case), outcome) == "environment changed"
+    # MKL and oneDNN dispatch by CPU vendor: found on another vendor's CPU, or (every entry
+    # found before the vendor was recorded) on an unnamed one, a moved deviation is the
+    # environment's doing, not a drift
+    for vendor in ("OtherVendor", None):
+        recorded = versions() | {"cpu_vendor": vendor}
+        elsewhere = moved | {"found": moved["found"] | {"versions": recorded}}
+        assert classify(type(entry)(entry.path, elsewhere, entry.case), outcome) == \
+            "environment changed", vendor
     clean = run_case(Case(CASE.config, 1, 2, 0))  # the invariant holds without the mutation
     assert classify(entry, clean) == "fixed"
 

@@ -9,21 +9,19 @@ import torch
 
 from weight_sync_bench.check.mutations import KILL_MARGIN, MUTATIONS
 from weight_sync_bench.fuzz.domain import DOMAIN, fuzz_init, is_builtin
-from weight_sync_bench.fuzz.floor import (
-    ThresholdRule,
+from weight_sync_bench.fuzz.floor import fuzz_threshold_rule, measure_random
+from weight_sync_bench.model.config import TOY, TOY_KV4
+from weight_sync_bench.tolerance.artifacts import artifact_path, plot_path
+from weight_sync_bench.tolerance.rules import SAFETY, threshold_for
+from weight_sync_bench.tolerance.sampled import (
+    SampledRule,
     candidate_rules,
     choose_rule,
     evaluate_rule,
-    fuzz_threshold_rule,
     holdout,
     load_random_floor,
-    measure_random,
-    plot_path,
     rule_from,
 )
-from weight_sync_bench.model.config import TOY, TOY_KV4
-from weight_sync_bench.tolerance.artifacts import artifact_path
-from weight_sync_bench.tolerance.rules import SAFETY, threshold_for
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +105,7 @@ def _sample(floor, scale, kill):
 def test_choose_rule_prefers_relative_when_the_floor_follows_the_logit_scale():
     samples = [_sample(1e-6, 1.0, 1e-2), _sample(1e-5, 10.0, 1e-1)]
     chosen, _ = choose_rule(samples)
-    assert chosen == ThresholdRule("relative", "relative", 1e-4)
+    assert chosen == SampledRule("relative", "relative", 1e-4)
 
 
 def test_choose_rule_prefers_absolute_when_the_floor_does_not_follow_the_scale():

@@ -11,15 +11,20 @@ import torch
 
 from weight_sync_bench.cli import main
 from weight_sync_bench.errors import ToleranceMismatch
-from weight_sync_bench.fuzz.floor import (
+from weight_sync_bench.fuzz.floor import remeasure_floors
+from weight_sync_bench.tolerance.artifacts import (
+    artifact_path,
+    cpu_vendor,
+    kernel_set_label,
+    running_kernel_set,
+)
+from weight_sync_bench.tolerance.kernels import merge_kernel_sets
+from weight_sync_bench.tolerance.sampled import (
     choose_rule,
     kernel_set_figures,
     load_random_floor,
-    merge_kernel_sets,
-    remeasure_floors,
     rule_from,
 )
-from weight_sync_bench.tolerance.artifacts import artifact_path
 
 ENV = {"cpu_capability": "X"}
 
@@ -59,6 +64,33 @@ def test_a_re_measurement_never_lowers_a_floor_and_says_which_measurement_set_it
     assert again["samples"][0]["floor_as_measured"] == 4e-6 and again["samples"][0]["floor"] == 4e-6
 
 
+def test_a_re_measurement_on_another_cpu_vendor_keeps_the_first_vendors_figures():
+    """MKL and oneDNN dispatch by vendor: the floors re-measured on an Intel CPU join the AMD
+    CPU's (each kernel set named with its vendor), worst kept; re-measured again on one
+    vendor, that vendor's figures are replaced and the other's kept."""
+    amd, intel = {"cpu_vendor": "AuthenticAMD"}, {"cpu_vendor": "GenuineIntel"}
+    first = merge_kernel_sets(_artifact([1e-6] * 6), {"AuthenticAMD/AVX2": [2e-6] + [1e-6] * 5},
+                              amd)
+    both = merge_kernel_sets(first, {"GenuineIntel/AVX2": [1e-6] * 5 + [5e-6]}, intel)
+    assert both["kernel_sets"] == ["AuthenticAMD/AVX2", "GenuineIntel/AVX2"]
+    assert both["machines"] == {"AuthenticAMD": amd, "GenuineIntel": intel}
+    head, tail = both["samples"][0], both["samples"][-1]
+    assert (head["floor"], head["kernel_set"]) == (2e-6, "AuthenticAMD/AVX2")
+    assert (tail["floor"], tail["kernel_set"]) == (5e-6, "GenuineIntel/AVX2")
+    assert rule_from(both).threshold(1.0) == pytest.approx(1e-3)  # 100 x 5e-6, held out too
+    again = merge_kernel_sets(both, {"GenuineIntel/AVX2": [1e-6] * 6}, intel)
+    assert again["kernel_sets"] == both["kernel_sets"]
+    assert again["samples"][0]["by_kernel_set"] == {"AuthenticAMD/AVX2": 2e-6,
+                                                    "GenuineIntel/AVX2": 1e-6}
+    assert again["samples"][-1]["floor"] == 1e-6  # Intel's 5e-6 replaced by its re-measure
+    # a committed artifact of before the vendor was recorded: its sets ran on the vendor its
+    # re-measurement's cpu_model names
+    older = {**merge_kernel_sets(_artifact([1e-6] * 6), {"AVX2": [1e-6] * 6}, {}),
+             "kernel_sets_measured": {"environment": {"cpu_model": "AMD EPYC"}}}
+    assert merge_kernel_sets(older, {"GenuineIntel/AVX2": [1e-6] * 6}, intel)["kernel_sets"] == [
+        "AuthenticAMD/AVX2", "GenuineIntel/AVX2"]
+
+
 def test_floors_that_do_not_match_the_samples_are_refused():
     artifact = _artifact([1e-6] * 4)
     with pytest.raises(ToleranceMismatch, match="3 floors re-measured under B for 4 samples"):
@@ -81,6 +113,8 @@ def test_the_committed_random_floors_carry_the_kernel_sets_of_the_other_floors(p
     artifact = load_random_floor(phase)
     phase_floor = json.loads(artifact_path(phase).read_text())
     assert artifact["kernel_sets"] == phase_floor["kernel_sets"]  # measured under every set
+    assert all("/" in k for k in artifact["kernel_sets"])  # each on a named CPU vendor
+    assert set(artifact["machines"]) == {k.split("/")[0] for k in artifact["kernel_sets"]}
     for s in artifact["samples"]:
         assert set(s["by_kernel_set"]) == set(artifact["kernel_sets"])
         assert s["floor"] == max(s["floor_as_measured"], *s["by_kernel_set"].values())
@@ -91,7 +125,7 @@ def test_the_committed_random_floors_carry_the_kernel_sets_of_the_other_floors(p
 
 def test_committed_samples_re_measured_here_reproduce_the_running_kernel_sets_figures():
     artifact = load_random_floor("1a")
-    here = torch.backends.cpu.get_cpu_capability()
+    here = running_kernel_set()  # the kernel set on this CPU vendor: MKL dispatches by both
     if here not in artifact["kernel_sets"]:
         pytest.skip(f"this process runs {here}, not among {artifact['kernel_sets']}")
     part = {**artifact, "samples": artifact["samples"][:40]}
@@ -118,7 +152,7 @@ def test_wsb_floor_re_measures_an_artifacts_samples_under_every_kernel_set(tmp_p
     source.write_text(json.dumps(small))
     assert main(["floor", "--kernel-sets", "all", "--from", str(source), "--out", str(out)]) == 0
     merged = json.loads(out.read_text())
-    assert merged["kernel_sets"] == [k.upper() for k in sets]
+    assert merged["kernel_sets"] == [kernel_set_label(cpu_vendor(), k.upper()) for k in sets]
     assert [s["by_kernel_set"] for s in merged["samples"]] == [
         {k: s["by_kernel_set"][k] for k in merged["kernel_sets"]}
         for s in committed["samples"][:6]]

@@ -21,6 +21,7 @@ from weight_sync_bench.fuzz import floor
 from weight_sync_bench.check.conversion import ConversionChecker
 from weight_sync_bench.fuzz.case import ConversionCase, make_checker, run_case
 from weight_sync_bench.fuzz.domain import DOMAIN
+from weight_sync_bench.tolerance import kernels, sampled
 from weight_sync_bench.tolerance.rules import SAFETY, derive_threshold
 
 # 2 KV heads, 4 query heads: vLLM stores it at t = 4 (each KV head on 2 ranks)
@@ -30,10 +31,10 @@ COMMAND = "python -m weight_sync_bench.fuzz.floor replicated-kv --write"
 
 
 def test_the_committed_validation_shows_the_rule_in_force_holds_on_the_replicated_forward():
-    artifact = floor.load_replicated_kv()
-    random_floor = floor.load_random_floor()
-    rule = floor.rule_from(random_floor)
-    figures = floor.replicated_kv_figures(artifact, rule)  # re-derived, not read
+    artifact = sampled.load_replicated_kv()
+    random_floor = sampled.load_random_floor()
+    rule = sampled.rule_from(random_floor)
+    figures = sampled.replicated_kv_figures(artifact, rule)  # re-derived, not read
     assert artifact["domain"] == random_floor["domain"] == DOMAIN.to_json()
     assert artifact["forward"] == phase_floor.REPLICATED_KV
     assert figures["false_positives"] == 0 and figures["min_headroom"] >= SAFETY
@@ -43,7 +44,8 @@ def test_the_committed_validation_shows_the_rule_in_force_holds_on_the_replicate
     for key in ("false_positives", "min_headroom", "min_kill_ratio", "degrees"):
         assert artifact["validated"][key] == figures[key], key
     assert {2, 4, 8, 16} <= set(figures["degrees"])  # every replication the fuzz draws mostly
-    assert artifact["geometries"] >= 300 and set(artifact["kernel_sets"]) >= {"DEFAULT"}
+    assert artifact["geometries"] >= 300 and all("/" in k for k in artifact["kernel_sets"])
+    assert {k.split("/")[1] for k in artifact["kernel_sets"]} >= {"DEFAULT"}
     assert all(s["degree"] > s["geometry"]["n_kv_heads"] for s in artifact["samples"])
     assert all(not DOMAIN.violations(floor.config_of(s["geometry"], "s"))
                for s in artifact["samples"])
@@ -56,7 +58,7 @@ def test_a_sample_is_vllms_forward_at_every_replicated_degree_with_the_live_muta
     assert record["floor"] == checker.declared_error("vllm:4") > 0
     assert record["scale"] == float(checker.checker.reference.abs().max())
     assert "kv_replica_modulo" in record["kills"]  # the bug only replication has
-    rule = floor.rule_from(floor.load_random_floor())
+    rule = sampled.rule_from(sampled.load_random_floor())
     assert all(d / rule.threshold(record["scale"]) >= KILL_MARGIN
                for d in record["kills"].values())
 
@@ -75,7 +77,7 @@ def test_the_draw_is_reproducible_inside_the_domain_and_replicated():
 def test_a_kernel_set_that_raises_a_floor_raises_the_figures():
     artifact = floor.measure_replicated_kv([(GEOMETRY, 0)])
     first = artifact["samples"][0]["floor"]
-    merged = floor.merge_replicated_kv(artifact, {"DEFAULT": [first], "AVX2": [first * 50]},
+    merged = kernels.merge_replicated_kv(artifact, {"DEFAULT": [first], "AVX2": [first * 50]},
                                        {"x": 1})
     (sample,) = merged["samples"]
     assert sample["floor"] == first * 50 and sample["floor_as_measured"] == first

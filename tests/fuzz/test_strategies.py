@@ -13,8 +13,9 @@ from weight_sync_bench.fuzz.strategies import (
 
 from weight_sync_bench.errors import InvalidConfig, ToleranceMismatch
 from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain, IntRange, fuzz_tokens
-from weight_sync_bench.fuzz.floor import fuzz_threshold_rule, load_random_floor
+from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.tolerance.sampled import load_random_floor
 
 
 def test_the_floor_samples_were_drawn_over_this_domain():

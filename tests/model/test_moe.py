@@ -194,7 +194,6 @@ def test_group_limited_choice_is_deepseek_v3s_and_its_margin_bounds_every_flip()
         assert torch.equal(moved.sort(dim=-1).values, experts.sort(dim=-1).values)
     # and the margin is tight: moving the k-th and (k+1)-th expert score of the closest
     # token 1.01 margins toward each other flips it (where its group margin is not smaller)
-    expert_margin = torch.tensor([float("inf")] * len(scores))
     hit = 0
     for i in range(len(scores)):
         allowed = scores[i].clone()

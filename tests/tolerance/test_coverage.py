@@ -20,7 +20,8 @@ from weight_sync_bench import (
     split,
 )
 from weight_sync_bench.check import threshold as threshold_module
-from weight_sync_bench.cli.measure import main as measure_main
+from weight_sync_bench.cli.floor import as_floor_argv
+from weight_sync_bench.cli.main import main as wsb_main
 from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
 from weight_sync_bench.layout.reshard import reshard
 from weight_sync_bench.model.config import (
@@ -134,10 +135,10 @@ def test_the_geometry_command_measures_once_and_reports_the_cache_the_second_tim
     # test_geometry_kernel_sets.py's (a process per set, 10 s more here)
     argv = ["geometry", "--hf-config", str(source), "--layers", "1", "--repetitions", "2",
             "--kernel-sets", "current"]
-    assert measure_main(argv) == 0
+    assert wsb_main(as_floor_argv(argv)) == 0
     config = ModelConfig.from_hf_config(source, n_layers=1)
     assert f"wrote {cached_floor_path(config)}" in capsys.readouterr().out
-    assert measure_main(argv) == 0
+    assert wsb_main(as_floor_argv(argv)) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"tiny_qwen: already measured ({cached_floor_path(config)})")
     assert check_split(declared(config), config, 2).passed  # read from the cache
@@ -145,7 +146,7 @@ def test_the_geometry_command_measures_once_and_reports_the_cache_the_second_tim
 
 def test_the_geometry_command_measures_nothing_a_committed_floor_already_covers(tolerance,
                                                                               capsys):
-    assert measure_main(["geometry", "--config", "toy", "--dtype", "bf16"]) == 0
+    assert wsb_main(as_floor_argv(["geometry", "--config", "toy", "--dtype", "bf16"])) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"toy: already measured ({tolerance / 'phase1a_bf16.json'}), "
                           "threshold 0.001")

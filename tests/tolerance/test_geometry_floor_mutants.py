@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from weight_sync_bench import TOY, TOY_KV4
-from weight_sync_bench.cli.measure import build_parser, geometry_config
+from weight_sync_bench.cli.floor_measure import geometry_config
+from weight_sync_bench.cli.main import build_parser
 from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
 from weight_sync_bench.model.config import (
     Init,
@@ -142,7 +143,7 @@ def _command_config(command):
     """The geometry the CLI reads from a printed ``measure_command``."""
     argv = shlex.split(command)
     assert argv[:4] == ["python", "-m", "weight_sync_bench.tolerance", "geometry"], command
-    args = build_parser().parse_args(argv[3:])
+    args = build_parser().parse_args(["floor", *argv[3:]])  # the alias of `wsb floor`
     return geometry_config(args), args.phase, args.dtype
 
 

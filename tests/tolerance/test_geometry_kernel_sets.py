@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from weight_sync_bench.cli.measure import main as measure_main
+from weight_sync_bench.cli.floor import as_floor_argv
+from weight_sync_bench.cli.main import main as wsb_main
 from weight_sync_bench.model.config import ModelConfig
-from weight_sync_bench.tolerance.artifacts import runtime
+from weight_sync_bench.tolerance.artifacts import cpu_vendor, kernel_set_label, runtime
 from weight_sync_bench.tolerance.rules import (
     cached_floor_path,
     check_environment,
@@ -38,11 +39,16 @@ def test_a_geometry_floor_is_measured_under_every_kernel_set_and_covers_each(tin
     chosen = ["default"] if here == "DEFAULT" else ["default", here.lower()]
     monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: chosen)
     path, config = tiny
-    assert measure_main(["geometry", "--hf-config", str(path), "--repetitions", "1"]) == 0
-    printed = capsys.readouterr().out
+    assert wsb_main(as_floor_argv(["geometry", "--hf-config", str(path),
+                                   "--repetitions", "1"])) == 0
+    printed, progress = capsys.readouterr()
     artifact = json.loads(cached_floor_path(config).read_text())
+    # each kernel set's process shows its progress line (an ETA), relayed behind the set
+    assert f"kernel set {len(chosen)}/{len(chosen)} {chosen[-1]}: " in progress
+    assert "elapsed, ETA" in progress
     sets = artifact["kernel_sets"]
-    assert sets == [k.upper() for k in chosen] and f"kernel sets {', '.join(sets)}; wrote" in printed
+    assert sets == [kernel_set_label(cpu_vendor(), k.upper()) for k in chosen]
+    assert f"kernel sets {', '.join(sets)}; wrote" in printed
     for cell in artifact["cells"]:
         assert set(cell["by_kernel_set"]) == set(sets)
         assert cell["worst_abs"] == max(cell["by_kernel_set"].values())
@@ -52,16 +58,84 @@ def test_a_geometry_floor_is_measured_under_every_kernel_set_and_covers_each(tin
     # no drift note under any of the kernel sets it was measured under
     for kernel_set in sets:
         recorded = {**artifact["environment"], "kernel_sets": sets}
-        assert environment_drift(recorded, {**runtime(), "cpu_capability": kernel_set}) == []
+        capability = kernel_set.split("/")[-1]
+        assert environment_drift(recorded, {**runtime(), "cpu_capability": capability}) == []
     assert check_environment(artifact, "the floor") == ()
 
 
 def test_the_twin_measured_under_the_running_kernel_set_only_is_noted_under_another(tiny):
     path, config = tiny
-    assert measure_main(["geometry", "--hf-config", str(path), "--repetitions", "1",
-                         "--kernel-sets", "current"]) == 0
+    assert wsb_main(as_floor_argv(["geometry", "--hf-config", str(path), "--repetitions", "1",
+                         "--kernel-sets", "current"])) == 0
     artifact = json.loads(cached_floor_path(config).read_text())
     assert "kernel_sets" not in artifact
     other = "DEFAULT" if runtime()["cpu_capability"] != "DEFAULT" else "AVX2"
     (note,) = environment_drift(artifact["environment"], {**runtime(), "cpu_capability": other})
     assert note == f"cpu_capability recorded {artifact['environment']['cpu_capability']} running {other}"
+
+
+def _as_if_measured_on(path, vendor):
+    """The floor at ``path`` rewritten as if its measurement ran on ``vendor``'s CPU."""
+    artifact = json.loads(path.read_text())
+    artifact["environment"].update(cpu_vendor=vendor, cpu_model=f"{vendor} CPU")
+    path.write_text(json.dumps(artifact))
+    return artifact
+
+
+def test_a_geometry_floor_of_another_cpu_vendor_is_measured_here_and_keeps_it(tiny, capsys,
+                                                                             monkeypatch):
+    """MKL and oneDNN dispatch by vendor, so another vendor's floor does not cover this CPU;
+    measured here, the floor covers both (worst over all), and the other vendor's figures
+    stay as they were measured."""
+    monkeypatch.delenv("WSB_STRICT_ENV", raising=False)
+    running = runtime()["cpu_capability"]  # one kernel set, the running one (a process each)
+    monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available",
+                        lambda: [running.lower()])
+    path, config = tiny
+    argv = ["geometry", "--hf-config", str(path), "--repetitions", "1"]
+    assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "current"])) == 0
+    cached = cached_floor_path(config)
+    other = _as_if_measured_on(cached, "OtherVendor")
+    here = cpu_vendor()
+    (note,) = check_environment(other, "the floor")
+    assert note == f"the floor measured elsewhere: cpu_vendor recorded OtherVendor running {here}"
+    capsys.readouterr()
+    assert wsb_main(as_floor_argv(argv)) == 0  # no --force: not measured on this vendor yet
+    assert "measured elsewhere" in capsys.readouterr().out
+    merged = json.loads(cached.read_text())
+    capability = other["environment"]["cpu_capability"]
+    assert merged["kernel_sets"] == [f"OtherVendor/{capability}", f"{here}/{running}"]
+    assert set(merged["machines"]) == {"OtherVendor", here}
+    for old, cell in zip(other["cells"], merged["cells"], strict=True):
+        assert cell["by_kernel_set"][f"OtherVendor/{capability}"] == old["worst_abs"]
+        assert cell["worst_abs"] == max(cell["by_kernel_set"].values())
+    assert check_environment(merged, "the floor") == ()
+    assert wsb_main(as_floor_argv(argv)) == 0  # now it is: not measured again
+    assert "already measured" in capsys.readouterr().out
+    assert json.loads(cached.read_text()) == merged
+
+
+def test_the_twin_a_floor_holding_this_vendor_beside_another_is_not_re_measured_silently(
+        tiny, capsys, monkeypatch):
+    """Measured again on a vendor it holds beside another, the other vendor's figures could
+    not be told apart from the ones replaced: refused before anything is measured, unless
+    --force (which replaces them all)."""
+    monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: ["default"])
+    path, config = tiny
+    argv = ["geometry", "--hf-config", str(path), "--repetitions", "1"]
+    assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "current"])) == 0
+    cached = cached_floor_path(config)
+    _as_if_measured_on(cached, "OtherVendor")
+    assert wsb_main(as_floor_argv(argv)) == 0
+    both = cached.read_text()
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured before the refusal")
+    monkeypatch.setattr("weight_sync_bench.tolerance.kernels.measure_under", no_measuring)
+    capsys.readouterr()
+    assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "all", "--out", str(cached)])) == 2
+    err = capsys.readouterr().err
+    assert (f"{cached} holds measurements on OtherVendor, {cpu_vendor()}: measured again on "
+            f"{cpu_vendor()}, its OtherVendor figures cannot be told apart") in err
+    assert "Pass --force to replace them" in err
+    assert cached.read_text() == both

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from weight_sync_bench import ToleranceMismatch
+from weight_sync_bench.errors import ArtifactProtected
 from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.kernels import merge
 
@@ -120,26 +121,52 @@ def test_available_keeps_the_kernel_sets_a_fresh_process_reports(monkeypatch):
     assert kernels.available() == ["default", "avx2"]  # avx512 fell back: not available
 
 
+class _Popen:
+    """``subprocess.Popen`` recorded: a process that writes ``stderr`` and exits ``returncode``."""
+
+    def __init__(self, monkeypatch, returncode=0, stderr=""):
+        self.calls, self.returncode, self.lines = [], returncode, stderr.splitlines(keepends=True)
+        monkeypatch.setattr(kernels.subprocess, "Popen", self)
+
+    def __call__(self, argv, **kwargs):
+        self.calls.append((argv, kwargs))
+        self.stderr = iter(self.lines)
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait(self):
+        return self.returncode
+
+
 def test_measure_under_runs_the_measurement_with_the_kernel_set_and_reads_its_output(
         monkeypatch, tmp_path):
     out = tmp_path / "m.json"
     out.write_text('{"phase": "1a"}')
-    run = _Run(monkeypatch)
-    assert kernels.measure_under("avx512", ["--phase", "1a"], out) == {"phase": "1a"}
+    run = _Popen(monkeypatch, stderr="phase 1a: 1/2\n\nphase 1a: 2/2\n")
+    shown = []
+    assert kernels.measure_under("avx512", ["--phase", "1a"], out,
+                                 progress=shown.append) == {"phase": "1a"}
     ((argv, kwargs),) = run.calls
     assert argv == [sys.executable, "-m", "weight_sync_bench.tolerance", "--phase", "1a",
                     "--kernel-sets", "current", "--out", str(out)]
     assert kwargs["env"]["ATEN_CPU_CAPABILITY"] == "avx512" and "PATH" in kwargs["env"]
-    assert kwargs["capture_output"] is True and kwargs["text"] is True  # stderr quoted as text
+    assert kwargs["stderr"] is subprocess.PIPE and kwargs["text"] is True  # stderr as text
+    assert kwargs["stdout"] is subprocess.DEVNULL  # its tables: the parent prints the merge
+    assert shown == ["phase 1a: 1/2", "phase 1a: 2/2"]  # its progress line, as it came
 
 
 def test_a_failed_measurement_names_the_kernel_set_exit_code_and_stderr_tail(monkeypatch,
                                                                             tmp_path):
-    _Run(monkeypatch, returncode=3, stderr="x" * 2500 + "boom")
+    _Popen(monkeypatch, returncode=3, stderr="x" * 2500 + "\nboom")
     with pytest.raises(ToleranceMismatch) as raised:
         kernels.measure_under("avx2", [], tmp_path / "m.json")
     assert str(raised.value) == ("measuring under ATEN_CPU_CAPABILITY=avx2 failed (exit 3):\n"
-                                 + ("x" * 2500 + "boom")[-2000:])
+                                 + ("x" * 2500 + "\nboom")[-2000:])
 
 
 @pytest.mark.parametrize("name", ["training.json", "training_1b.json"])
@@ -154,3 +181,88 @@ def test_a_merged_training_quantity_lists_its_fields_as_the_committed_floor_does
     out = merge([_training("AVX2", 2e-7, 2e-6), _training("AVX512", 5e-7, 1e-8)])
     for fields in out["regimes"]["plain"].values():
         assert list(fields) == ["worst", "case", "kernel_set", "threshold"]
+
+
+# -- machine classes: the same kernel set sums in another order on another vendor's CPU
+
+def _on(vendor, artifact):
+    return {**artifact, "environment": {**artifact["environment"], "cpu_vendor": vendor,
+                                        "cpu_model": f"{vendor} model"}}
+
+
+def test_floors_measured_on_two_cpu_vendors_merge_into_one_that_covers_both():
+    amd = merge([_on("AuthenticAMD", _phase("AVX2", [0.0, 1e-6])),
+                 _on("AuthenticAMD", _phase("AVX512", [0.0, 9e-7]))])
+    intel = merge([_on("GenuineIntel", _phase("AVX2", [0.0, 1.6e-6])),
+                   _on("GenuineIntel", _phase("AVX512", [0.0, 1.4e-6]))])
+    out = merge([amd, intel])
+    assert out["kernel_sets"] == ["AuthenticAMD/AVX2", "AuthenticAMD/AVX512",
+                                  "GenuineIntel/AVX2", "GenuineIntel/AVX512"]
+    assert out["cells"][1]["by_kernel_set"] == {
+        "AuthenticAMD/AVX2": 1e-6, "AuthenticAMD/AVX512": 9e-7,
+        "GenuineIntel/AVX2": 1.6e-6, "GenuineIntel/AVX512": 1.4e-6}
+    assert out["cells"][1]["kernel_set"] == "GenuineIntel/AVX2"
+    assert out["worst_abs"] == 1.6e-6 and out["threshold"] == 1e-3
+    assert {v: e["cpu_model"] for v, e in out["machines"].items()} == {
+        "AuthenticAMD": "AuthenticAMD model", "GenuineIntel": "GenuineIntel model"}
+    swapped = merge([intel, amd])  # the order of the inputs orders the list, nothing else
+    assert swapped["worst_abs"] == out["worst_abs"] and [c["by_kernel_set"] for c in
+                                                         swapped["cells"]] == [
+        c["by_kernel_set"] for c in out["cells"]]
+    # an artifact written before the vendor was recorded: unqualified kernel sets, on the
+    # vendor its cpu_model names
+    older = merge([_phase("AVX2", [0.0, 1e-6])])
+    older["environment"]["cpu_model"] = "AMD EPYC"
+    assert merge([older, intel])["kernel_sets"] == ["AuthenticAMD/AVX2", "GenuineIntel/AVX2",
+                                                    "GenuineIntel/AVX512"]
+
+
+def test_merged_training_floors_name_each_quantity_and_cell_by_vendor_and_kernel_set():
+    amd = merge([_on("AuthenticAMD", _training("AVX2", 2e-7, 2e-6))])
+    intel = merge([_on("GenuineIntel", _training("AVX2", 5e-7, 1e-8))])
+    out = merge([amd, intel])
+    assert out["regimes"]["plain"]["loss"]["kernel_set"] == "GenuineIntel/AVX2"
+    assert out["regimes"]["plain"]["param_grad"]["kernel_set"] == "AuthenticAMD/AVX2"
+    assert [c["kernel_set"] for c in out["cells"]] == ["AuthenticAMD/AVX2", "GenuineIntel/AVX2"]
+
+
+def test_one_kernel_set_measured_twice_on_one_vendor_is_refused_on_two_it_is_not():
+    a, b = _on("GenuineIntel", _phase("AVX2", [0.0, 1e-6])), _phase("AVX2", [0.0, 2e-6])
+    with pytest.raises(ToleranceMismatch, match=r"two measurements under one kernel set: "
+                                                r"\['GenuineIntel/AVX2', 'GenuineIntel/AVX2'\]"):
+        merge([a, _on("GenuineIntel", b)])
+    assert merge([a, _on("AuthenticAMD", b)])["worst_abs"] == 2e-6  # the twin
+
+
+def test_measurements_under_another_torch_do_not_merge():
+    a = _on("AuthenticAMD", _phase("AVX2", [0.0, 1e-6]))
+    b = _on("GenuineIntel", _phase("AVX2", [0.0, 1e-6]))
+    a["environment"]["torch"], b["environment"]["torch"] = "2.13.0", "2.4.0"
+    with pytest.raises(ToleranceMismatch) as raised:
+        merge([a, b])
+    assert str(raised.value) == ("measurements in different environments cannot merge: torch "
+                                 "2.13.0, 2.4.0")
+
+
+def test_a_measurement_written_over_another_vendors_keeps_it_and_over_its_own_replaces_it():
+    amd = merge([_on("AuthenticAMD", _phase("AVX2", [0.0, 2e-6]))])
+    intel = merge([_on("GenuineIntel", _phase("AVX2", [0.0, 1e-6]))])
+    assert kernels.over(None, intel) is intel
+    both = kernels.over(amd, intel)
+    assert both["kernel_sets"] == ["AuthenticAMD/AVX2", "GenuineIntel/AVX2"]
+    assert both["worst_abs"] == 2e-6  # the other vendor's worst is kept, never lowered
+    again = merge([_on("GenuineIntel", _phase("AVX2", [0.0, 3e-7]))])
+    assert kernels.over(intel, again) is again  # its own vendor only: replaced
+    assert kernels.over(amd, intel, force=True) is intel
+    with pytest.raises(ArtifactProtected) as raised:  # both vendors, re-measured on one
+        kernels.over(both, again, where="phase1a.json")
+    assert str(raised.value).startswith(
+        "phase1a.json holds measurements on AuthenticAMD, GenuineIntel: measured again on "
+        "GenuineIntel, its AuthenticAMD figures cannot be told apart from the ones this "
+        "measurement replaces. Pass --force")
+    assert kernels.over(both, again, force=True) is again
+    other = merge([_on("GenuineIntel", _phase("AVX2", [0.0, 1e-6], repetitions=3))])
+    with pytest.raises(ArtifactProtected, match=r"holds measurements on AuthenticAMD that "
+                                                r"cannot merge with this one \(measurements "
+                                                r"of different things"):
+        kernels.over(amd, other)

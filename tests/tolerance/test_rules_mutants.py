@@ -20,7 +20,7 @@ from weight_sync_bench.tolerance.rules import (
 )
 
 RUNNING = {"torch": "2.13.0", "numpy": "2.1.0", "python": "3.11.9", "machine": "x86_64",
-           "cpu_capability": "AVX2"}
+           "cpu_vendor": "AuthenticAMD", "cpu_capability": "AVX2"}
 
 
 @pytest.mark.parametrize("worst, threshold", [
@@ -89,8 +89,34 @@ def test_drift_names_every_unrecorded_field_and_the_kernel_sets_in_full():
         f"{field} not recorded (running {RUNNING[field]})" for field in RUNTIME_FIELDS]
     recorded = {**RUNNING, "kernel_sets": ["DEFAULT", "AVX512"]}
     assert environment_drift(recorded, running=RUNNING) == [
-        "cpu_capability AVX2 is not among the kernel sets the floor was measured under "
-        "(DEFAULT, AVX512)"]
+        "kernel set AuthenticAMD/AVX2 is not among the kernel sets the floor was measured "
+        "under (AuthenticAMD/DEFAULT, AuthenticAMD/AVX512)"]
+
+
+def test_drift_compares_the_cpu_vendor_with_the_kernel_set():
+    """MKL and oneDNN dispatch by vendor: AVX2 on an Intel CPU is not AVX2 on an AMD one."""
+    intel = {**RUNNING, "cpu_vendor": "GenuineIntel"}
+    assert environment_drift(intel, running=RUNNING) == [
+        "cpu_vendor recorded GenuineIntel running AuthenticAMD"]
+    merged = {**intel, "kernel_sets": ["DEFAULT", "AVX2"]}
+    assert environment_drift(merged, running=RUNNING) == [
+        "kernel set AuthenticAMD/AVX2 is not among the kernel sets the floor was measured "
+        "under (GenuineIntel/DEFAULT, GenuineIntel/AVX2): none on this CPU vendor "
+        "(AuthenticAMD)"]
+    both = {**merged, "kernel_sets": ["GenuineIntel/AVX2", "AuthenticAMD/AVX2"]}
+    assert environment_drift(both, running=RUNNING) == []  # the twin: measured on both
+    # recorded before the vendor was (every floor committed before 2026-12-02): its cpu_model
+    # names it, and its unqualified kernel sets ran there
+    older = {k: v for k, v in RUNNING.items() if k != "cpu_vendor"}
+    assert environment_drift({**older, "cpu_model": "AMD EPYC", "kernel_sets": ["AVX2"]},
+                             running=RUNNING) == []
+    assert environment_drift({**older, "cpu_model": "AMD EPYC"}, running=RUNNING) == []
+    (note,) = environment_drift({**older, "cpu_model": "Intel(R) Xeon(R) Processor",
+                                 "kernel_sets": ["AVX2"]}, running=RUNNING)
+    assert note.startswith("kernel set AuthenticAMD/AVX2 is not among")
+    assert "GenuineIntel/AVX2" in note
+    assert environment_drift({**older, "cpu_model": "Some CPU"}, running=RUNNING) == [
+        "cpu_vendor not recorded (running AuthenticAMD)"]
 
 
 @pytest.mark.parametrize("value, strict", [("", False), ("0", False), ("1", True),
@@ -122,8 +148,9 @@ def test_a_floor_merged_over_kernel_sets_covers_each_of_them(monkeypatch):
     assert check_environment(merged, "phase 1a floor") == ()
     merged["kernel_sets"] = ["OTHER"]  # the twin: a set this process does not run is named
     (note,) = check_environment(merged, "phase 1a floor")
-    assert note.startswith(f"phase 1a floor measured elsewhere: cpu_capability "
-                           f"{here['cpu_capability']} is not among the kernel sets")
+    assert note.startswith(f"phase 1a floor measured elsewhere: kernel set "
+                           f"{here['cpu_vendor']}/{here['cpu_capability']} is not among the "
+                           "kernel sets")
 
 
 def test_strict_env_refuses_a_foreign_floor_naming_every_difference(monkeypatch):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from weight_sync_bench.model.config import TOY
-from weight_sync_bench.training.compare import EXACT, QUANTITIES, Trace, deviations
+from weight_sync_bench.tolerance.training import QUANTITIES
+from weight_sync_bench.training.compare import EXACT, Trace, deviations
 from weight_sync_bench.training.floor import SMALL_VARIANTS
 from weight_sync_bench.training.mesh import Mesh
 from weight_sync_bench.training.mutations import training_mutation

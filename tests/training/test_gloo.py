@@ -6,10 +6,10 @@ import pytest
 from weight_sync_bench.collectives.gloo.pool import shared_pool
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.training import load
 from weight_sync_bench.training.floor import (
     PACKED_WITH_EMPTY_ROW,
     SMALL_VARIANTS,
-    load,
     thresholds_for,
 )
 from weight_sync_bench.training.gloo import train_gloo

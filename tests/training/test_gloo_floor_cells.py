@@ -13,14 +13,9 @@ import pytest
 from weight_sync_bench.cli.main import main
 from weight_sync_bench.cli.train import TRAIN_CONFIGS, _cases, register
 from weight_sync_bench.errors import FloorNotMeasured, InvalidMesh
+from weight_sync_bench.tolerance.training import load, measured_meshes, thresholds_from
 from weight_sync_bench.training import floor
-from weight_sync_bench.training.floor import (
-    SMALL_VARIANTS,
-    load,
-    measured_meshes,
-    require_mesh,
-    thresholds_from,
-)
+from weight_sync_bench.training.floor import SMALL_VARIANTS, require_mesh
 from weight_sync_bench.training.mesh import Mesh
 from weight_sync_bench.training.sequence_floor import load_sequence, thresholds_for
 

@@ -17,13 +17,13 @@ from weight_sync_bench.model.reference import attend, context_mask, document_mas
 from weight_sync_bench.model.sharded import ShardedModel
 from weight_sync_bench.tolerance.artifacts import artifact_path
 from weight_sync_bench.tolerance.rules import derive_threshold
+from weight_sync_bench.tolerance.training import QUANTITIES
 from weight_sync_bench.training import adversarial
 from weight_sync_bench.training.batches import (
     BatchSpec,
     default_spec,
     segments_from_documents,
 )
-from weight_sync_bench.training.compare import QUANTITIES
 from weight_sync_bench.training.counts import count_collectives, expected_counts
 from weight_sync_bench.training.floor import (
     PACKED_WITH_EMPTY_ROW,

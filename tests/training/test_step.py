@@ -25,17 +25,16 @@ from weight_sync_bench.model.reference import (
 from weight_sync_bench.model.sharded import ShardedModel
 from weight_sync_bench.tolerance.artifacts import artifact_path
 from weight_sync_bench.tolerance.rules import derive_threshold
+from weight_sync_bench.tolerance.training import QUANTITIES, load, thresholds_from
 from weight_sync_bench.training import adversarial
 from weight_sync_bench.training.batches import BatchSpec, default_spec, make_batch
-from weight_sync_bench.training.compare import EXACT, QUANTITIES
+from weight_sync_bench.training.compare import EXACT
 from weight_sync_bench.training.floor import (
     PACKED_WITH_EMPTY_ROW,
     SMALL,
     SMALL_VARIANTS,
-    load,
     meshes,
     thresholds_for,
-    thresholds_from,
 )
 from weight_sync_bench.training.loss import IGNORE_INDEX
 from weight_sync_bench.training.mesh import Mesh

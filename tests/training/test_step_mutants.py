@@ -215,7 +215,8 @@ def test_the_tp_and_dp_reductions_tag_each_gradient_with_its_parameter_name():
 
 
 def test_a_check_compares_the_traces_it_is_given_and_reports_its_case():
-    from weight_sync_bench.training.compare import EXACT, QUANTITIES, deviations
+    from weight_sync_bench.tolerance.training import QUANTITIES
+    from weight_sync_bench.training.compare import EXACT, deviations
 
     case = TrainingCase(SMALL, Mesh(2, 2), seed=1, steps=1)
     trained = case.sharded()

@@ -47,7 +47,7 @@ from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.model.stepwise import computing
-from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, Floor
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, Floor, ThresholdRule
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.mutations import Mutation
@@ -61,8 +61,6 @@ __all__ = ["BACKENDS", "Checker", "Forward", "ReshardFn", "SplitFn", "ThresholdR
 Params = dict[str, torch.Tensor]
 SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
 ReshardFn = Callable[[list[dict[str, torch.Tensor]], int], list[dict[str, torch.Tensor]]]
-# (config, reference logits) -> threshold
-ThresholdRule = Callable[[ModelConfig, torch.Tensor], float]
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""The phase floors: the numerical deviation of correct sharded logits, measured.
+"""The phase floors' measuring loops: the deviation of correct sharded logits, measured.
 
-``python -m weight_sync_bench.tolerance [--phase 1b]`` writes ``tolerance/phase<P>.json``:
-per destination cell (config, t), over ``repetitions`` model and token seeds, the deviation
-of the sharded logits from the reference in units of 2^-23. ``tolerance.rules`` derives the
-threshold from it.
+``wsb floor phase [--phase 1b]`` (``python -m weight_sync_bench.tolerance``) runs ``measure``
+and writes ``tolerance/phase<P>.json``; ``wsb floor geometry`` runs ``measure_geometry``.
+Per destination cell (config, t), over ``repetitions`` model and token seeds, the deviation
+of the sharded logits from the reference; ``tolerance.phase`` records the cells and the
+artifact, ``tolerance.rules`` derives the threshold from it.
 
 Two forwards have cells. The plain layout's (``layout_for``) at every degree it supports,
 and vLLM's at every degree past ``n_kv_heads`` it stores, up to ``REPLICATED_MAX_DEGREE``:
@@ -45,7 +46,6 @@ from weight_sync_bench.model.config import (
     TOY,
     TOY_KV4,
     ModelConfig,
-    dtype_name,
     init_params,
     iter_params,
     make_tokens,
@@ -61,40 +61,21 @@ from weight_sync_bench.model.stepwise import (
     draw,
     stages,
 )
-from weight_sync_bench.tolerance.artifacts import (
-    PHASES,
-    SCHEMA,
-    environment,
-    write_artifact,
-)
-from weight_sync_bench.tolerance.rules import (
-    SAFETY,
-    TOKEN_SEED_OFFSET,
-    ULP,
-    cached_floor_path,
-    derive_threshold,
-    geometry_key,
-    geometry_record,
-    numerics,
-    threshold_from,
-)
+from weight_sync_bench.tolerance import phase as record
+from weight_sync_bench.tolerance.artifacts import PHASES, write_artifact
+from weight_sync_bench.tolerance.phase import EXPERT_PARALLEL, PLAIN_FORWARD, REPLICATED_KV
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, cached_floor_path
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.forwards import Forward
-    from weight_sync_bench.model.sharded import RoutingGuard
     from weight_sync_bench.conventions import Convention, Endpoint
+    from weight_sync_bench.model.sharded import RoutingGuard
 
 REPETITIONS = 20
 # A per-geometry floor (a real width, measured on first use) takes fewer: one repetition of
 # Llama-3-8B's width at 2 layers draws 1.5e9 weights and runs five forwards.
 GEOMETRY_REPETITIONS = 4
 
-PLAIN_FORWARD = "plain"  # the plain layout's sharded forward (a cell without a forward field)
-REPLICATED_KV = "vllm-replicated-kv"  # vLLM's forward at t > n_kv_heads (HeadReplicated KV)
-# An MoE forward whose experts sit whole on expert-parallel ranks (or over data-parallel
-# replicas of the dense layers): its partial outputs are summed in another grouping than the
-# plain layout's experts split over every rank
-EXPERT_PARALLEL = "expert-parallel"
 # The largest degree whose replicated-KV cells a floor measurement adds: the largest the
 # harness checks (issue 13's full-width checks go up to 8; TOY's 8 heads stop there too).
 REPLICATED_MAX_DEGREE = 8
@@ -130,17 +111,6 @@ def forward_of(convention: Convention | str, config: ModelConfig,
     if experts is not None and (experts.ep > 1 or experts.etp or forward.tp):
         return EXPERT_PARALLEL
     return PLAIN_FORWARD
-
-
-def cell_forward(cell: Mapping[str, Any]) -> str:
-    """The forward a floor cell was measured on (``PLAIN_FORWARD`` where it names none)."""
-    return str(cell.get("forward", PLAIN_FORWARD))
-
-
-def measured_degrees(artifact: Mapping[str, Any], name: str, forward: str) -> list[int]:
-    """The degrees at which ``artifact`` measured config ``name``'s ``forward``."""
-    return sorted({int(c["degree"]) for c in artifact.get("cells", ())
-                   if c.get("config") == name and cell_forward(c) == forward})
 
 
 def replicated_degrees(config: ModelConfig, max_degree: int = REPLICATED_MAX_DEGREE
@@ -223,8 +193,10 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
             repetitions: int = REPETITIONS, runner: ShardedRunner | None = None,
             dtype: str = "fp32", forward: Forward | None = None,
             replicated: bool | None = None,
-            max_degree: int = REPLICATED_MAX_DEGREE) -> dict[str, Any]:
-    """Measure the floor per destination cell and return the artifact (not yet written).
+            max_degree: int = REPLICATED_MAX_DEGREE,
+            progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+    """Measure the floor per destination cell and return the artifact (not yet written;
+    ``tolerance.phase.artifact``). ``progress(done, total, what)`` after each repetition.
 
     ``runner`` computes the sharded logits; phase 1a defaults to the in-process forward.
     ``dtype`` (``"bf16"``, ``"fp16"``) measures the floor of weights synced in that dtype:
@@ -256,7 +228,7 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
     if replicated is None:
         replicated = configs == [TOY, TOY_KV4]  # the committed floors' configs
     cells: list[dict[str, Any]] = []
-    for config in configs:
+    for i, config in enumerate(configs):
         degrees = layout_for(config).supported_degrees()
         deviations: dict[int, list[np.ndarray]] = {t: [] for t in degrees}
         wide = replicated_degrees(config, max_degree) if replicated else []
@@ -281,58 +253,18 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
                 copies[t].append((logits - reference).abs().flatten().numpy())
                 del logits
             del params, reference
-        cells += [_cell(config.name, t, deviations[t]) for t in degrees]
-        cells += [_cell(config.name, t, copies[t], forward=REPLICATED_KV) for t in wide]
-    return _artifact(phase, configs, cells, repetitions, weights)
-
-
-def _cell(name: str, degree: int, deviations: list[np.ndarray],
-          forward: str = PLAIN_FORWARD) -> dict[str, Any]:
-    """One destination cell's figures over its pooled per-logit deviations; a cell of
-    another forward than the plain layout's names it (``forward``)."""
-    pooled = np.concatenate(deviations).astype(np.float64)
-    which = {} if forward == PLAIN_FORWARD else {"forward": forward}
-    return {"config": name, "degree": degree, **which, "max_ulp": float(pooled.max() / ULP),
-            "median_ulp": float(np.median(pooled) / ULP), "mean_ulp": float(pooled.mean() / ULP),
-            "worst_abs": float(pooled.max()), "elements": int(pooled.size)}
-
-
-def _artifact(phase: str, configs: list[ModelConfig], cells: list[dict[str, Any]],
-              repetitions: int, weights: torch.dtype) -> dict[str, Any]:
-    worst = max(cell["worst_abs"] for cell in cells)
-    extra = {} if weights == torch.float32 else {
-        "weights_dtype": dtype_name(weights), "compute_dtype": "fp32"}
-    return {
-        "schema": SCHEMA, "phase": phase, "unit": "2^-23", "repetitions": repetitions, **extra,
-        "seeds": {"param": f"0..{repetitions - 1}",
-                  "token": f"{TOKEN_SEED_OFFSET}..{TOKEN_SEED_OFFSET + repetitions - 1}"},
-        "rule": f"smallest power of ten >= {SAFETY} x worst_abs",
-        "configs": {c.name: {"geometry": c.geometry(), "token_shape": list(c.token_shape),
-                             "numerics": numerics(c)} for c in configs},
-        "cells": cells, "worst_abs": worst, "threshold": derive_threshold(worst),
-        "environment": environment(),
-    }
-
-
-def format_table(artifact: dict[str, Any]) -> str:
-    rows = [["cell", "max ULP", "median ULP", "mean ULP", "worst abs", "kernel set"]]
-    for cell in artifact["cells"]:
-        which = "" if cell_forward(cell) == PLAIN_FORWARD else f" ({cell_forward(cell)})"
-        rows.append([f"{cell['config']}, t={cell['degree']}{which}", f"{cell['max_ulp']:.2f}",
-                     f"{cell['median_ulp']:.3f}", f"{cell['mean_ulp']:.3f}",
-                     f"{cell['worst_abs']:.4g}",
-                     cell.get("kernel_set", artifact["environment"].get("cpu_capability", "?"))])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.append(f"phase {artifact['phase']}: worst {artifact['worst_abs']:.4g}, "
-                 f"threshold {threshold_from(artifact):g} ({artifact['rule']})")
-    return "\n".join(lines)
+            if progress is not None:
+                progress(i * repetitions + rep + 1, len(configs) * repetitions,
+                         f"{config.name} seed {rep + 1}/{repetitions}")
+        cells += [record.cell(config.name, t, deviations[t]) for t in degrees]
+        cells += [record.cell(config.name, t, copies[t], forward=REPLICATED_KV) for t in wide]
+    return record.artifact(phase, configs, cells, repetitions, weights)
 
 
 def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp32",
                      repetitions: int = GEOMETRY_REPETITIONS,
                      forward: Forward | None = None,
-                     progress: Callable[[str], None] | None = None,
+                     progress: Callable[[int, int, str], None] | None = None,
                      out: Path | None = None,
                      max_degree: int = REPLICATED_MAX_DEGREE) -> tuple[dict[str, Any], Path]:
     """Measure one geometry's floor, as the committed phase floors are measured (model
@@ -341,34 +273,36 @@ def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp
     streamed, so a real width fits: ``check.stream``, bit for bit the same logits), and cache
     it under ``tolerance_dir()/geometry/`` with its provenance and key
     (``tolerance.rules.floor_for`` reads it back): ``(artifact, path)``. Phase 1b needs
-    ``forward`` (``check.forwards.gloo_forward()``). ``progress`` gets a line of text
-    after each streamed stage (seed, degree, ``stream.Progress``)."""
+    ``forward`` (``check.forwards.gloo_forward()``). ``progress(done, total, what)`` after
+    each streamed stage (phase 1a; what: the seed, degree and stage), or each repetition
+    (phase 1b)."""
     if phase != "1a" and forward is None:
         raise ToleranceMismatch(f"phase {phase} needs its own forward (the gloo one)")
     wide = replicated_degrees(config, max_degree)
     if phase == "1a":  # streamed: a real width is never held whole (check.stream)
-        def report(rep: int, t: int, what: str = "") -> Callable[[Any], None] | None:
+        every = [(t, PLAIN_FORWARD) for t in layout_for(config).supported_degrees()] + [
+            (t, REPLICATED_KV) for t in wide]
+
+        def report(unit: int, rep: int, t: int, which: str) -> Callable[[Any], None] | None:
             if progress is None:
                 return None
-            return lambda p: progress(f"seed {rep + 1}/{repetitions}, t={t}{what}: {p}")
+            what = "" if which == PLAIN_FORWARD else f" ({which})"
+            return lambda p: progress(
+                unit * p.stages + p.stage, len(every) * repetitions * p.stages,
+                f"seed {rep + 1}/{repetitions}, t={t}{what}, {p.label}")
 
-        cells = [_cell(config.name, t, [stream_deviation(config, t, seed=rep, dtype=dtype,
-                                                         progress=report(rep, t)).numpy()
-                                        for rep in range(repetitions)])
-                 for t in layout_for(config).supported_degrees()]
-        cells += [_cell(config.name, t, [stream_replicated_deviation(
-                      config, t, seed=rep, dtype=dtype,
-                      progress=report(rep, t, f" ({REPLICATED_KV})")).numpy()
-                      for rep in range(repetitions)], forward=REPLICATED_KV)
-                  for t in wide]
-        artifact = _artifact(phase, [config], cells, repetitions, parse_dtype(dtype))
+        deviation = {PLAIN_FORWARD: stream_deviation, REPLICATED_KV: stream_replicated_deviation}
+        cells = [record.cell(config.name, t, [deviation[which](
+                     config, t, seed=rep, dtype=dtype,
+                     progress=report(j * repetitions + rep, rep, t, which)).numpy()
+                     for rep in range(repetitions)], forward=which)
+                 for j, (t, which) in enumerate(every)]
+        artifact = record.artifact(phase, [config], cells, repetitions, parse_dtype(dtype))
     else:
         artifact = measure(phase, configs=[config], repetitions=repetitions, dtype=dtype,
-                           forward=forward, replicated=True, max_degree=max_degree)
-    artifact.setdefault("weights_dtype", dtype)
-    artifact["kind"] = "geometry"
-    artifact["key"] = geometry_key(config, phase, dtype)
-    artifact["record"] = geometry_record(config, phase, dtype)
+                           forward=forward, replicated=True, max_degree=max_degree,
+                           progress=progress)
+    artifact = record.geometry_artifact(artifact, config, phase, dtype)
     path = out or cached_floor_path(config, phase, dtype)
     write_artifact(artifact, path)
     return artifact, path

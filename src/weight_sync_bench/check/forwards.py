@@ -269,3 +269,9 @@ def conversion_forward_task(ctx: RankContext, *, forward: ForwardLayout, tokens:
     with torch.no_grad():
         (logits,) = model(tokens)
     return logits if ctx.rank == 0 else None
+
+
+def phase_forward(phase: str) -> Forward:
+    """The forward of a phase: every rank in this process (1a), or the shared gloo rank pool
+    (1b)."""
+    return inprocess_forward if phase == "1a" else gloo_forward()

@@ -1,13 +1,10 @@
-"""``wsb fuzz``, ``wsb mutants``, ``wsb floor``, ``wsb replay``: the fuzz layer's commands.
+"""``wsb fuzz``, ``wsb mutants``, ``wsb replay``: the fuzz layer's commands.
 
     wsb fuzz [--minutes M | --examples N] [--phase 1a|1b] [--profile P] [--mutation NAME ...]
     wsb fuzz --splitter | --resharder MOD:FN [--src S] [--dst D] [--max-d-model N]
              [--kv-heads LO-HI] [--no-gqa | --gqa-only] [--vocab-multiple K] [--domain F=LO-HI]
     wsb fuzz --converter MOD:FN --from CONVENTION[:T] --to CONVENTION[:T] [domain options]
     wsb mutants [--examples N] [--profile P]
-    wsb floor --random N [--search M --keep K] [--seed S] [--kernel-sets all|current]
-              (--out PATH | --write [--force])
-    wsb floor --kernel-sets all [--from PATH] [--phase P] (--out PATH | --write)
     wsb replay [PATH ...] [--max-gib G] [--max-gflop F]
 
 ``register(subparsers)`` adds them to ``wsb``'s parser; each handler returns its exit status
@@ -21,8 +18,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from weight_sync_bench.check.checker import Forward
-from weight_sync_bench.check.forwards import inprocess_forward
+from weight_sync_bench.check.forwards import phase_forward
 from weight_sync_bench.check.mutations import MUTATIONS
 from weight_sync_bench.check.user_code import load_function
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
@@ -36,38 +32,26 @@ from weight_sync_bench.cli.output import (
     add_output_options,
     apply_deadline,
     count,
-    guard_target,
     interrupt_code,
     pending_interrupt,
     positive,
-    refuse_smaller,
     seed,
-    side_by_side,
 )
 from weight_sync_bench.cli.records import FUZZ_SUMMARY, counterexample_record, replay_record
 from weight_sync_bench.errors import RankFailure, WsbError
-from weight_sync_bench.tolerance.artifacts import PHASES, artifact_path, write_artifact
-
-
-def _forward(phase: str) -> Forward:
-    """Phase 1a: every rank in this process. Phase 1b: the shared gloo rank pool (its
-    threshold needs its own floor samples: ``wsb floor --random N --phase 1b``)."""
-    if phase == "1a":
-        return inprocess_forward
-    from weight_sync_bench.check.forwards import gloo_forward
-    return gloo_forward()
+from weight_sync_bench.tolerance.artifacts import PHASES
 
 
 def _run_fuzz(args: argparse.Namespace, out: Output, **kwargs: object):  # -> FuzzReport
-    from weight_sync_bench.fuzz.floor import environment_notes
     from weight_sync_bench.fuzz.runner import FuzzReport, Progress, fuzz
+    from weight_sync_bench.tolerance.sampled import environment_notes
 
     apply_deadline(args.deadline, args.phase == "1b")
     for note in environment_notes(args.phase):  # --strict-env: refused here instead
         out.note(note)
     line = out.progress()
     events = fuzz(phase=args.phase, profile=args.profile, master_seed=args.seed,
-                  forward=_forward(args.phase), **kwargs)  # type: ignore[arg-type]
+                  forward=phase_forward(args.phase), **kwargs)  # type: ignore[arg-type]
     try:
         item = next(events)
         while isinstance(item, Progress):
@@ -171,7 +155,7 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
         apply_deadline(args.deadline, args.phase == "1b")
         for name in args.find_smallest:
             failure = find_smallest(name, profile=args.profile, phase=args.phase,
-                                    forward=_forward(args.phase))
+                                    forward=phase_forward(args.phase))
             out.text(f"{name}: {failure}")
             out.record("smallest", mutation=name, case=str(failure.outcome.case),
                        message=str(failure))
@@ -275,127 +259,6 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                    extra=[*extra, line], summary=summary)
 
 
-def _floor_figures(artifact: dict[str, Any]) -> list[str]:
-    from weight_sync_bench.fuzz.floor import rule_from
-
-    return [f"{artifact.get('geometries', '?')} (+{artifact.get('searched', 0)} searched of "
-            f"{artifact.get('search_examples', 0)})", str(len(artifact.get("samples", []))),
-            str(rule_from(artifact)).split(": ", 1)[-1] + f" ({artifact.get('chosen')})"]
-
-
-def cmd_floor(args: argparse.Namespace) -> int:
-    from weight_sync_bench.fuzz.floor import SampleProgress, measure_random, plot_path
-    from weight_sync_bench.fuzz.runner import draw_floor_cases, search_worst_floors
-
-    out = Output(args)
-    if args.random is None:
-        return _floor_kernel_sets(args, out)
-    if args.source is not None:
-        raise WsbError("--from re-measures an existing artifact's samples: it takes "
-                       "--kernel-sets all, not --random")
-    if args.random < 2:
-        raise WsbError(f"--random needs at least 2 geometries, got {args.random}")
-    if args.search and args.keep > args.search:
-        raise WsbError(f"--keep {args.keep} > --search {args.search}: cannot keep more of the "
-                       "searched examples than were tried")
-    path = args.out or artifact_path(args.phase, kind="random_floor")
-    old = guard_target(path, named=args.out is not None, write=args.write,
-                       command="this measurement")
-    kept = args.keep if args.search else 0
-    if old is not None:
-        refuse_smaller(path, old=int(old.get("geometries", 0)) + int(old.get("searched", 0)),
-                       new=args.random + kept, what="geometries (random + searched)",
-                       force=args.force)
-    apply_deadline(args.deadline, args.phase == "1b")
-    forward = _forward(args.phase)
-    cases, hypothesis_seed = draw_floor_cases(args.random, seed=args.seed)
-    line = out.progress()
-    searched = []
-    artifact = None
-    try:
-        if args.search:
-            line.show(f"searching {args.search} examples for the worst floor / max|logit| ...")
-            searched = search_worst_floors(args.search, keep=args.keep, seed=hypothesis_seed,
-                                           phase=args.phase, forward=forward)
-        for item in measure_random(cases, searched=searched, phase=args.phase, forward=forward,
-                                   profile="wsb-generate", hypothesis_seed=hypothesis_seed,
-                                   search_examples=args.search or 0):
-            if isinstance(item, SampleProgress):
-                line.show(f"floor sample {item.done}/{item.total}: d_model={item.config.d_model} "
-                          f"layers={item.config.n_layers} kv_heads={item.config.n_kv_heads}")
-            else:
-                artifact = item
-        if args.kernel_sets == "all":
-            assert artifact is not None
-            line.show("re-measuring the floors under every kernel set ...")
-            artifact = _across_kernel_sets(artifact)
-    finally:
-        line.close()
-    assert artifact is not None
-    return _write_floor(artifact, path, old, png=path.with_suffix(".png") if args.out
-                        else plot_path(args.phase))
-
-
-def _across_kernel_sets(artifact: dict[str, Any]) -> dict[str, Any]:
-    """A fresh measurement merged with its floors under every kernel set (through a file:
-    each kernel set's process reads the samples from it)."""
-    import tempfile
-
-    from weight_sync_bench.fuzz.floor import measure_kernel_sets
-
-    with tempfile.TemporaryDirectory(prefix="wsb-floor-") as scratch:
-        fresh = Path(scratch) / "fresh.json"
-        write_artifact(artifact, fresh)
-        return measure_kernel_sets(fresh)
-
-
-def _floor_kernel_sets(args: argparse.Namespace, out: Output) -> int:
-    """``wsb floor --kernel-sets all [--from PATH]``: an artifact's samples re-measured under
-    every kernel set this machine runs, the worst kept per sample, the rule re-derived."""
-    from weight_sync_bench.fuzz.floor import load_random_floor, plot_path
-    from weight_sync_bench.fuzz.floor import measure_kernel_sets
-
-    if args.kernel_sets != "all":
-        raise WsbError("wsb floor: pass --random N to measure new samples, or --kernel-sets "
-                       "all to re-measure an artifact's samples under every kernel set")
-    for flag, value in (("--search", args.search), ("--seed", args.seed)):
-        if value is not None:
-            raise WsbError(f"{flag} applies to --random N, not to a re-measurement")
-    source = args.source or artifact_path(args.phase, kind="random_floor")
-    load_random_floor(args.phase, source)  # a typed error for a missing or foreign file
-    path = args.out or artifact_path(args.phase, kind="random_floor")
-    old = guard_target(path, named=args.out is not None, write=args.write,
-                       command="re-measuring the floors")
-    apply_deadline(args.deadline, args.phase == "1b")
-    line = out.progress()
-    try:
-        line.show(f"re-measuring the floors of {source} under every kernel set ...")
-        artifact = measure_kernel_sets(source)
-    finally:
-        line.close()
-    return _write_floor(artifact, path, old, png=path.with_suffix(".png") if args.out
-                        else plot_path(args.phase))
-
-
-def _write_floor(artifact: dict[str, Any], path: Path, old: dict[str, Any] | None, *,
-                 png: Path) -> int:
-    from weight_sync_bench.fuzz.floor import format_kernel_sets, format_rules, plot
-
-    write_artifact(artifact, path)
-    plot(artifact, png)
-    print(format_rules(artifact))
-    if "kernel_sets" in artifact:
-        print("\n" + format_kernel_sets(artifact))
-    if old is not None:
-        try:
-            before = _floor_figures(old)
-        except (KeyError, TypeError, ValueError, WsbError):
-            before = ["?", "?", "unreadable"]
-        print("\n" + side_by_side(list(zip(("geometries", "samples", "rule"), before,
-                                           _floor_figures(artifact))),
-                                  f"replaced ({path.name})", "new"))
-    print(f"wrote {path} and {png}")
-    return EXIT_OK
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -415,7 +278,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     done = 0
     try:
         for phase in phases:  # each phase through its own forward
-            forward = _forward(phase)
+            forward = phase_forward(phase)
             for entry in (e for e in scan.entries if e.case.phase == phase):
                 done += 1
                 line.show(f"replay {done}/{len(scan.entries)}: {entry.path.name} (phase {phase})")
@@ -469,7 +332,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Add ``fuzz``, ``mutants``, ``floor`` and ``replay`` to ``wsb``."""
+    """Add ``fuzz``, ``mutants`` and ``replay`` to ``wsb`` (``wsb floor``: ``cli.floor``)."""
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--phase", choices=PHASES, default="1a")
         p.add_argument("--profile", default=None,
@@ -540,34 +403,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                          help="examples per mutation")
     common(mutants)
     mutants.set_defaults(func=cmd_mutants)
-
-    floor = subparsers.add_parser("floor", help="floor samples on random geometries")
-    floor.add_argument("--random", type=count, default=None, metavar="N",
-                       help="number of geometries to sample (>= 2)")
-    floor.add_argument("--kernel-sets", choices=("all", "current"), default="all",
-                       help="all (default): re-measure every sample's floor under each CPU "
-                            "kernel set torch can use here (ATEN_CPU_CAPABILITY), each in a "
-                            "process of its own, and keep the worst; current: only the "
-                            "kernels this process runs. Without --random: re-measure the "
-                            "samples of --from PATH (default: the committed artifact)")
-    floor.add_argument("--from", dest="source", type=Path, default=None, metavar="PATH",
-                       help="the artifact whose samples --kernel-sets all re-measures")
-    floor.add_argument("--search", type=count, default=None, metavar="M",
-                       help="also search M examples (Hypothesis target phase) for the largest "
-                            "floor / max|logit|, and sample the worst --keep of them")
-    floor.add_argument("--keep", type=count, default=20, metavar="K")
-    floor.add_argument("--phase", choices=PHASES, default="1a")
-    floor.add_argument("--seed", type=seed, default=None, help="Hypothesis seed (default: random)")
-    where = floor.add_mutually_exclusive_group()
-    where.add_argument("--out", type=Path, default=None,
-                       help="write the samples here (and the plot beside them)")
-    where.add_argument("--write", action="store_true",
-                       help="replace the committed tolerance/random_floor_<phase>.json (and .png)")
-    floor.add_argument("--force", action="store_true",
-                       help="replace even a measurement of more geometries than this one")
-    add_output_options(floor, json_records=False)
-    add_deadline_option(floor)
-    floor.set_defaults(func=cmd_floor)
 
     replay = subparsers.add_parser("replay", help="re-measure and classify corpus entries")
     replay.add_argument("paths", nargs="*", help="entries or directories (default: every file "

@@ -55,6 +55,7 @@ from weight_sync_bench.cli.checkpoint import (
     phase_of,
 )
 from weight_sync_bench.cli.checkpoint import register as register_checkpoint
+from weight_sync_bench.cli.floor import register as register_floor
 from weight_sync_bench.cli.fuzz import register as register_fuzz
 from weight_sync_bench.cli.launch import add_launcher_option, launched
 from weight_sync_bench.cli.output import (
@@ -68,6 +69,7 @@ from weight_sync_bench.cli.output import (
     EXIT_USER_CODE,
     Output,
     ProgressLine,
+    Ticker,
     add_deadline_option,
     add_output_options,
     apply_deadline,
@@ -218,7 +220,7 @@ def ensure_floor(args: argparse.Namespace, config: ModelConfig, line: ProgressLi
     if phase == "1a":
         line.show(f"measuring the floor of {config.name} (once; cached) ...")
         measure_geometry(config, phase=phase, dtype=args.dtype,
-                         progress=line.show if line.live else None)
+                         progress=Ticker(line) if line.live else None)
 
 
 def _plan(args: argparse.Namespace, line: ProgressLine | None = None
@@ -483,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     register_train(sub)
     register_sync(sub)
     register_fuzz(sub)
+    register_floor(sub)
     register_checkpoint(sub)
     return parser
 

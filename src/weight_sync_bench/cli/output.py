@@ -260,6 +260,33 @@ class ProgressLine:
             self.width = 0
 
 
+def duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``1h02m``."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Ticker:
+    """A measuring loop's ``progress(done, total, what)`` on a ``ProgressLine``: what it is
+    at, ``done/total``, the time elapsed since the ticker was made and an ETA (the elapsed
+    time per unit done, times the units left; ``?`` before the first)."""
+
+    def __init__(self, line: ProgressLine, prefix: str = "",
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.line, self.prefix, self.clock = line, prefix, clock
+        self.start = clock()
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        elapsed = self.clock() - self.start
+        eta = duration(elapsed / done * (total - done)) if done > 0 else "?"
+        self.line.show(f"{self.prefix}{what}: {done}/{total}, {duration(elapsed)} elapsed, "
+                       f"ETA {eta}")
+
+
 # -- measuring commands never silently replace a committed artifact
 
 

@@ -38,12 +38,12 @@ from weight_sync_bench.cli.output import (
 from weight_sync_bench.errors import InvalidConfig, InvalidMesh
 from weight_sync_bench.model.config import CONFIGS, ModelConfig
 from weight_sync_bench.tolerance.rules import check_environment
+from weight_sync_bench.tolerance.training import load
 from weight_sync_bench.training.batches import default_spec
 from weight_sync_bench.training.compare import Trace, TrainingReport
 from weight_sync_bench.training.floor import (
     SMALL_VARIANTS,
     TOY_VARIANTS,
-    load,
     meshes,
     thresholds_for,
 )

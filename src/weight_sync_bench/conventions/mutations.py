@@ -537,7 +537,7 @@ def _ep_remainder_to_last(shards: list[Params], conversion: Conversion) -> list[
 
 
 def _uneven_linear(conversion: Conversion) -> str | None:
-    dst, c = conversion.dst, conversion.config
+    dst = conversion.dst
     if dst.name != "vllm" or dst.ep == 1 or dst.option("placement") != "linear":
         return "only vLLM's linear expert map with EP has a remainder rule"
     return None
@@ -545,7 +545,7 @@ def _uneven_linear(conversion: Conversion) -> str | None:
 
 def _even_experts(conversion: Conversion) -> str | None:
     if conversion.config.n_experts % conversion.dst.ep == 0:
-        return f"n_experts % ep == 0: no remainder to give to the first or the last ranks"
+        return "n_experts % ep == 0: no remainder to give to the first or the last ranks"
     return None
 
 

@@ -238,7 +238,6 @@ class ConversionCase:
                 raise InvalidConfig(f"{self}: mutation {self.mutation} does not apply here: {why}")
 
     def conversion(self):  # -> conventions.mutations.Conversion
-        from weight_sync_bench.conventions import endpoint
         from weight_sync_bench.conventions.mutations import Conversion
 
         return Conversion(self.config, _end(self.src_convention, self.src),

@@ -65,20 +65,23 @@ from weight_sync_bench.fuzz.case import (
 from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.paths import corpus_dir
-from weight_sync_bench.tolerance.artifacts import PHASES, environment
+from weight_sync_bench.tolerance.artifacts import PHASES, cpu_vendor, environment
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
 
 SCHEMA = 1
 KIND = "weight-sync-bench corpus entry"
 ORIGINS = ("seeded", "discovered")
 STATUSES = ("still failing", "fixed", "drifted", "environment changed", "declined")
-_VERSION_KEYS = ("torch", "numpy", "python", "platform")
+# What a replay compares with where an entry was found: a deviation that differs under other
+# versions or on another CPU vendor (MKL and oneDNN sum in another order there) is the
+# environment's doing; entries found before the vendor was recorded name none.
+_VERSION_KEYS = ("torch", "numpy", "python", "platform", "cpu_vendor")
 
 
 def versions(hypothesis_version: str | None = None) -> dict[str, str | None]:
     return {"torch": torch.__version__, "numpy": np.__version__,
             "hypothesis": hypothesis_version, "python": platform.python_version(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "cpu_vendor": cpu_vendor()}
 
 
 def entry_name(prop: str, case: Case, user: dict[str, Any] | None = None) -> str:
@@ -426,8 +429,9 @@ class Replayed:
 
 def classify(entry: Entry, outcome: Outcome, running: dict[str, Any] | None = None) -> str:
     """still failing (the same deviation, bit for bit), fixed (the property holds now),
-    environment changed (a different deviation under different versions), drifted (a
-    different deviation in the same environment)."""
+    environment changed (a different deviation under different versions or on another CPU
+    vendor, or where the entry recorded none), drifted (a different deviation in the same
+    environment)."""
     if outcome.holds(entry.prop):
         return "fixed"
     recorded = entry.data["measured"]["deviation"]

@@ -77,21 +77,21 @@ class ModelConfig:
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
-        for field in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                      "ffn", "batch", "seq_len", "vocab_multiple", "n_groups", "topk_groups"):
-            value = getattr(self, field)
+        for name in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "ffn", "batch", "seq_len", "vocab_multiple", "n_groups", "topk_groups"):
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidConfig(f"{self.name}: {field} must be a positive int, got {value!r}")
-        for field in ("n_experts", "top_k", "expert_ffn", "shared_ffn", "dense_layers"):
-            value = getattr(self, field)
+                raise InvalidConfig(f"{self.name}: {name} must be a positive int, got {value!r}")
+        for name in ("n_experts", "top_k", "expert_ffn", "shared_ffn", "dense_layers"):
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise InvalidConfig(f"{self.name}: {field} must be a non-negative int, "
+                raise InvalidConfig(f"{self.name}: {name} must be a non-negative int, "
                                     f"got {value!r}")
-        for field in ("tie_embeddings", "bias", "qkv_bias", "o_bias", "qk_norm", "norm_topk",
-                      "router_bias", "shared_gate"):
-            if not isinstance(getattr(self, field), bool):
-                raise InvalidConfig(f"{self.name}: {field} must be a bool, "
-                                    f"got {getattr(self, field)!r}")
+        for name in ("tie_embeddings", "bias", "qkv_bias", "o_bias", "qk_norm", "norm_topk",
+                     "router_bias", "shared_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidConfig(f"{self.name}: {name} must be a bool, "
+                                    f"got {getattr(self, name)!r}")
         self._check_moe()
         if self.n_heads % self.n_kv_heads:
             raise InvalidConfig(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -58,6 +59,20 @@ def artifact_path(phase: str = "1a", *, kind: str = "phase", dtype: str = "fp32"
     return tolerance_dir() / name
 
 
+def plot_path(phase: str = "1a") -> Path:
+    """The plot drawn beside the random-geometry floor (``random_floor_<phase>.png``)."""
+    return artifact_path(phase, kind="random_floor").with_suffix(".png")
+
+
+def mtime(path: Path) -> int | None:
+    """``path``'s modification time in ns (None where there is no file): the version of an
+    artifact a cache of what it implies is keyed by."""
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
 GEOMETRY_DIR = "geometry"  # per-geometry floors, measured on first use, under tolerance_dir()
 
 
@@ -72,27 +87,43 @@ def geometry_path(name: str, key: str, phase: str, dtype: str) -> Path:
 # What a floor depends on besides the code: the fields a check compares with the running
 # process (``tolerance.rules.environment_drift``). The CPU capability names the kernel set
 # torch dispatched to (ATEN_CPU_CAPABILITY): default, AVX2 and AVX-512 kernels sum in
-# different orders, so their floors differ.
-RUNTIME_FIELDS = ("torch", "numpy", "python", "machine", "cpu_capability")
+# different orders, so their floors differ. So does the CPU vendor: MKL and oneDNN dispatch
+# by vendor, so one kernel set sums in another order on an Intel CPU than on an AMD one.
+RUNTIME_FIELDS = ("torch", "numpy", "python", "machine", "cpu_vendor", "cpu_capability")
+# The fields every measurement merged into one floor shares: the vendor and the kernel set
+# are what merging spans (``tolerance.kernels``), the versions and architecture are not.
+COMPARED_ALIKE = tuple(f for f in RUNTIME_FIELDS if f not in ("cpu_vendor", "cpu_capability"))
+
+
+def _cpuinfo(*keys: str) -> str | None:
+    """The first /proc/cpuinfo field named by one of ``keys``, where there is one."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(keys):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def cpu_model() -> str | None:
     """The CPU's model name from /proc/cpuinfo, where there is one."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "Model", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
+    return _cpuinfo("model name", "Model", "cpu model") or platform.processor() or None
+
+
+def cpu_vendor() -> str | None:
+    """The CPU's vendor from /proc/cpuinfo (``vendor_id``: ``AuthenticAMD``,
+    ``GenuineIntel``), where there is one. MKL and oneDNN pick their kernels by vendor too, so
+    one kernel set (``cpu_capability``) sums in another order on another vendor's CPU."""
+    return _cpuinfo("vendor_id")
 
 
 def runtime() -> dict[str, Any]:
     """The running process's versions, machine class and kernel set (cheap: no git)."""
     return {"torch": torch.__version__, "numpy": np.__version__,
             "python": platform.python_version(), "machine": platform.machine(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu_vendor": cpu_vendor(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def environment() -> dict[str, Any]:
@@ -109,6 +140,56 @@ def environment() -> dict[str, Any]:
     return {**runtime(), "platform": platform.platform(), "cpu_model": cpu_model(),
             "dtype": str(torch.get_default_dtype()), "torch_threads": torch.get_num_threads(),
             "commit": commit, "src_dirty": dirty}
+
+
+# Which kernels a floor was measured under: a kernel set on a machine class, named
+# ``<vendor>/<kernel set>`` (``GenuineIntel/AVX512``). A floor merged over several lists them
+# in its ``kernel_sets`` field (``tolerance.kernels``); one measured under a single kernel set
+# names it through its environment (``cpu_vendor``, ``cpu_capability``). Every artifact
+# written before the vendor was recorded (2026-12-02) names its kernel sets unqualified and
+# its machine by ``cpu_model`` only: those names are read on the vendor that model names.
+
+
+def vendor_of(environment: dict[str, Any]) -> str | None:
+    """The CPU vendor a measurement's environment records; where it predates the field, the
+    vendor its ``cpu_model`` names (``AMD EPYC`` -> ``AuthenticAMD``); else None."""
+    if environment.get("cpu_vendor"):
+        return str(environment["cpu_vendor"])
+    model = str(environment.get("cpu_model") or "")
+    for word, vendor in (("AMD", "AuthenticAMD"), ("Intel", "GenuineIntel")):
+        if re.search(rf"\b{word}\b", model):
+            return vendor
+    return None
+
+
+def kernel_set_label(vendor: str | None, kernel_set: str) -> str:
+    """``kernel_set`` named with the vendor it ran on (``GenuineIntel/AVX512``); unqualified
+    where the vendor is unknown, or where ``kernel_set`` already names one."""
+    return kernel_set if vendor is None or "/" in kernel_set else f"{vendor}/{kernel_set}"
+
+
+def running_kernel_set(running: dict[str, Any] | None = None) -> str:
+    """The kernel set this process runs (``running``: a ``runtime()``), with its vendor."""
+    running = running if running is not None else runtime()
+    return kernel_set_label(running.get("cpu_vendor"), running["cpu_capability"])
+
+
+def measured_vendor(artifact: dict[str, Any]) -> str | None:
+    """The vendor an artifact's unqualified kernel sets ran on: that of the environment its
+    kernel sets were measured in (a random-geometry floor re-measured under them records it
+    apart, ``kernel_sets_measured``), else of its own environment."""
+    remeasured = artifact.get("kernel_sets_measured", {}).get("environment", {})
+    return vendor_of(remeasured) or vendor_of(artifact.get("environment", {}))
+
+
+def kernel_sets_of(artifact: dict[str, Any]) -> list[str]:
+    """The kernel sets, each with its vendor, an artifact was measured under: its
+    ``kernel_sets``, else the one its environment records (none where it records none)."""
+    vendor = measured_vendor(artifact)
+    if "kernel_sets" in artifact:
+        return [kernel_set_label(vendor, k) for k in artifact["kernel_sets"]]
+    capability = artifact.get("environment", {}).get("cpu_capability")
+    return [] if capability is None else [kernel_set_label(vendor, capability)]
 
 
 def write_artifact(artifact: dict[str, Any], path: Path) -> None:

@@ -4,7 +4,7 @@ A row-parallel matmul sums partial products across ranks in another order than t
 matmul, so correct sharded logits differ from the reference in the low bits. The threshold
 must admit that reordering and still catch a layout bug, so it is measured, never typed in:
 
-    python -m weight_sync_bench.tolerance            # writes tolerance/phase1a.json
+    wsb floor phase --write     # (python -m weight_sync_bench.tolerance --write) phase1a.json
 
 Per destination cell (config, t) over ``repetitions`` model and token seeds it records, in
 units of 2^-23: ``max_ulp`` (the max over every logit of every repetition: a tail statistic
@@ -21,10 +21,13 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
 from weight_sync_bench.model.config import (
@@ -36,11 +39,16 @@ from weight_sync_bench.model.config import (
     shipped_hf_config,
 )
 from weight_sync_bench.tolerance.artifacts import (
+    COMPARED_ALIKE,
     RUNTIME_FIELDS,
     artifact_path,
     geometry_path,
+    kernel_set_label,
+    kernel_sets_of,
     read_artifact,
+    running_kernel_set,
     runtime,
+    vendor_of,
 )
 
 ULP = 2.0 ** -23  # the unit deviations are recorded in
@@ -48,6 +56,11 @@ SAFETY = 100  # the threshold sits at least this many times above the worst obse
 
 
 TOKEN_SEED_OFFSET = 1000  # repetition r uses model seed r and token seed 1000 + r
+
+# What judges a check's logits: (config, reference logits) -> threshold. The rules derived
+# here from a measurement (``tolerance.sampled.SampledRule``, ``threshold_for`` bound to a
+# config) and a caller's own function alike.
+ThresholdRule = Callable[[ModelConfig, torch.Tensor], float]
 
 
 def derive_threshold(worst_abs: float, safety: int = SAFETY) -> float:
@@ -87,19 +100,34 @@ def environment_drift(recorded: dict[str, Any], running: dict[str, Any] | None =
                       ) -> list[str]:
     """How the running process differs from the one a floor was measured in: one line per
     field of ``RUNTIME_FIELDS`` that differs. A floor measured under several kernel sets
-    (``kernel_sets``) covers any of them. The commit is provenance, not compared: every
-    later commit differs, and the code a floor depends on is pinned by the tests."""
+    (``kernel_sets``, each on a machine class: ``GenuineIntel/AVX512``; an unqualified name on
+    the vendor ``recorded`` names) covers any of them, and no other: the vendor and the
+    kernel set are compared together. The commit is provenance, not compared: every later
+    commit differs, and the code a floor depends on is pinned by the tests."""
     running = running if running is not None else runtime()
+    sets = recorded.get("kernel_sets")
     notes = []
     for field in RUNTIME_FIELDS:
-        if field == "cpu_capability" and "kernel_sets" in recorded:
-            if running[field] not in recorded["kernel_sets"]:
-                notes.append(f"cpu_capability {running[field]} is not among the kernel sets "
-                             f"the floor was measured under ({', '.join(recorded['kernel_sets'])})")
-        elif field in recorded and recorded[field] != running[field]:
-            notes.append(f"{field} recorded {recorded[field]} running {running[field]}")
-        elif field not in recorded:
+        if sets is not None and field in ("cpu_vendor", "cpu_capability"):
+            continue  # compared together, as one of the kernel sets
+        if field == "cpu_vendor":  # where not recorded, the vendor its cpu_model names
+            value = vendor_of(recorded)
+            unrecorded = value is None and running[field] is not None
+        else:
+            value, unrecorded = recorded.get(field), field not in recorded
+        if unrecorded:
             notes.append(f"{field} not recorded (running {running[field]})")
+        elif value != running[field]:
+            notes.append(f"{field} recorded {value} running {running[field]}")
+    if sets is not None:
+        here = running_kernel_set(running)
+        covered = [kernel_set_label(vendor_of(recorded), k) for k in sets]
+        if here not in covered:
+            vendors = {k.split("/")[0] for k in covered if "/" in k}
+            never = ("" if running.get("cpu_vendor") in vendors or not vendors else
+                     f": none on this CPU vendor ({running.get('cpu_vendor')})")
+            notes.append(f"kernel set {here} is not among the kernel sets the floor was "
+                         f"measured under ({', '.join(covered)}){never}")
     return notes
 
 
@@ -108,14 +136,28 @@ def strict_environment() -> bool:
     return os.environ.get("WSB_STRICT_ENV", "") not in ("", "0")
 
 
+def artifact_drift(artifact: dict[str, Any]) -> list[str]:
+    """``environment_drift`` of a measured artifact: its environment, and the kernel sets
+    (with their vendors) it was merged over (``tolerance.kernels``), against this process."""
+    recorded = dict(artifact.get("environment", {}))
+    if "kernel_sets" in artifact:
+        recorded["kernel_sets"] = kernel_sets_of(artifact)
+    return environment_drift(recorded)
+
+
+def merges_here(artifact: dict[str, Any]) -> bool:
+    """Whether this process differs from ``artifact``'s environment at most by its CPU vendor
+    and kernel set: a measurement here merges into it (``tolerance.kernels``); under other
+    versions of torch, numpy or python it is a new measurement."""
+    recorded, here = artifact.get("environment", {}), runtime()
+    return all(recorded.get(field, here[field]) == here[field] for field in COMPARED_ALIKE)
+
+
 def check_environment(artifact: dict[str, Any], what: str,
                       remedy: str = "python -m weight_sync_bench.tolerance") -> tuple[str, ...]:
     """The drift notes of ``artifact``'s environment; under ``strict_environment()`` a
     ``ToleranceMismatch`` naming every difference instead."""
-    recorded = dict(artifact.get("environment", {}))
-    if "kernel_sets" in artifact:  # merged over kernel sets (tolerance.kernels)
-        recorded["kernel_sets"] = artifact["kernel_sets"]
-    notes = environment_drift(recorded)
+    notes = artifact_drift(artifact)
     if notes and strict_environment():
         raise ToleranceMismatch(f"{what}: measured in another environment (WSB_STRICT_ENV is "
                                 "set): " + "; ".join(notes) + f". Re-measure it here with {remedy}")

@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 
 
 Params = dict[str, torch.Tensor]
-QUANTITIES = ("loss", "input_grad", "param_grad", "kv_grad", "exp_avg", "exp_avg_sq",
-              "params_step1", "params_final")
 # compared exactly, no threshold: copies that must be byte-identical, the gradient of the
 # padded vocab rows, which are no part of the logical model and must be exactly zero, and
 # the optimizer hyperparameters each side stepped with. Those catch a wrong lr at step 1:

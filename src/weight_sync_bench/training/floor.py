@@ -1,58 +1,55 @@
-"""The floor of each training quantity, measured; one threshold per quantity derived from it.
+"""The floor of each training quantity, measured: the training floors' measuring loop.
 
-    python -m weight_sync_bench.tolerance training --write              # tolerance/training.json
-    python -m weight_sync_bench.tolerance training --phase 1b --write   # training_1b.json
+    wsb floor training --write              # tolerance/training.json
+    wsb floor training --phase 1b --write   # training_1b.json
 
-The correct sharded training differs from the dense one only by reordered sums. Each
-quantity of ``training_compare.QUANTITIES`` is measured over a domain of cases: both named
-configs and TOY with every variant at every supported DP x TP shape; small geometries with
-every variant (padded vocab, tied embeddings, biases, packed documents with a row of
-padding alone); and the adversarial values (cancelling partial sums, the maximum and the
-target on different ranks, loud biases); over ``repetitions`` seeds. Per quantity the
-artifact records the worst deviation and where it was seen; the threshold is
-``tolerance.derive_threshold`` of it (the seed-000 rule: the smallest power of ten at or
-above 100x the worst), per regime: cancelling partial sums amplify relative rounding error
-by design and get a floor of their own, so they do not loosen every other check.
-``replicas`` is compared exactly and has no threshold. A config outside the measured
-domain (wider, deeper, more tokens) has no threshold: its floor was never measured. Phase
-1b (over gloo) has its own artifact: a floor is not reused across phases. Nor across
-meshes over gloo: a mesh is a different order of gloo's sums, so a phase 1b check of a
-(config, mesh) its artifact has no cell for is refused (``require_mesh``:
-``FloorNotMeasured`` naming the mesh and the command that measures it), never judged by the
-nearest cell.
+(``python -m weight_sync_bench.tolerance training ...`` is the same command.) The correct
+sharded training differs from the dense one only by reordered sums. Each quantity of
+``tolerance.training.QUANTITIES`` is measured over a domain of cases: both named configs
+and TOY with every variant at every supported DP x TP shape; small geometries with every
+variant (padded vocab, tied embeddings, biases, packed documents with a row of padding
+alone); and the adversarial values (cancelling partial sums, the maximum and the target on
+different ranks, loud biases); over ``repetitions`` seeds. ``tolerance.training`` records
+the worst deviation of each quantity and where it was seen, and derives its threshold, per
+regime (cancelling partial sums get a floor of their own). ``replicas`` is compared exactly
+and has no threshold. Phase 1b (over gloo) has its own artifact: a floor is not reused
+across phases. Nor across meshes over gloo: a mesh is a different order of gloo's sums, so
+a phase 1b check of a (config, mesh) its artifact has no cell for is refused
+(``require_mesh``: ``FloorNotMeasured`` naming the mesh and the command that measures it),
+never judged by the nearest cell.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
 from weight_sync_bench.model.config import TOY, TOY_KV4, ModelConfig, init_params
 from weight_sync_bench.model.plan import layout_for
-from weight_sync_bench.tolerance.artifacts import (
-    SCHEMA,
-    artifact_path,
-    environment,
+from weight_sync_bench.tolerance import training as record
+from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.training import (
+    DOMAIN_FIELDS,
+    QUANTITIES,
+    REGIMES,
+    domain_of,
+    load,
+    measure_command,
+    measured_meshes,
+    thresholds_within,
 )
-from weight_sync_bench.tolerance.rules import SAFETY, derive_threshold
 from weight_sync_bench.training import adversarial
 from weight_sync_bench.training.batches import BatchSpec, default_spec
-from weight_sync_bench.training.compare import EXACT, QUANTITIES, Trace
+from weight_sync_bench.training.compare import EXACT, Trace
 from weight_sync_bench.training.mesh import Mesh
 from weight_sync_bench.training.step import TrainingCase
 
 REPETITIONS = 2
 STEPS = 3
-DOMAIN_FIELDS = ("d_model", "n_layers", "tokens")  # upper bounds of the measured domain
 # "cancelling": row-parallel partial sums that cancel to 1e-3 of themselves (adversarial),
 # whose results carry 1e3 times the relative rounding error: a floor of its own.
-REGIMES = ("plain", "cancelling")
-
 SMALL = ModelConfig(name="small", vocab=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4,
                     head_dim=8, ffn=48, batch=4, seq_len=8, vocab_multiple=4)  # vocab 52 padded
 SMALL_VARIANTS = (
@@ -110,11 +107,6 @@ def meshes(config: ModelConfig, rows: int) -> list[Mesh]:
             for dp in (1, 2, 4) if dp <= rows]
 
 
-def domain_of(config: ModelConfig) -> dict[str, int]:
-    return {"d_model": config.d_model, "n_layers": config.n_layers,
-            "tokens": config.batch * config.seq_len}
-
-
 def _cases(repetitions: int, steps: int) -> list[tuple[str, str, list[TrainingCase]]]:
     """(regime, label, cases sharing one reference) over the whole measured domain."""
     groups: list[tuple[str, str, list[TrainingCase]]] = []
@@ -158,17 +150,23 @@ Groups = list[tuple[str, str, list[TrainingCase]]]  # (regime, label, cases shar
 
 
 def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a", *,
-            groups: Groups | None = None, kind: str = "training") -> dict[str, Any]:
+            groups: Groups | None = None, kind: str = "training",
+            train: Callable[[TrainingCase], Trace | None] | None = None,
+            progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
     """Run every case of the domain (``groups``, default the DP x TP one) correctly and
-    record the worst of each quantity. Phase 1b trains over gloo on a rank pool, on the
-    cases of its domain (``in_domain``; a group left empty is skipped). ``kind`` names the artifact (``sequence_floor``
-    measures the SP / CP domain into one of its own)."""
-    train = _trainer(phase)
+    return the artifact of the worst of each quantity (``tolerance.training.artifact``).
+    Phase 1b trains over gloo on a rank pool, on the cases of its domain (``in_domain``; a
+    group left empty is skipped). ``kind`` names the artifact (``sequence_floor`` measures
+    the SP / CP domain into one of its own). ``train`` trains a case's sharded side (its
+    forward and backward; default the phase's: in process, or over gloo on the shared rank
+    pool). ``progress(done, total, what)`` after each group of cases sharing a reference."""
+    train = _trainer(phase) if train is None else train
     worst = {regime: {q: {"worst": 0.0, "case": "", "where": ""} for q in QUANTITIES}
              for regime in REGIMES}
     cells, domain = [], {f: 0 for f in DOMAIN_FIELDS}
     never = dict.fromkeys(QUANTITIES, float("inf"))
-    for regime, label, cases in (groups if groups is not None else _cases(repetitions, steps)):
+    every = groups if groups is not None else _cases(repetitions, steps)
+    for done, (regime, label, cases) in enumerate(every, start=1):
         cases = [c for c in cases if in_domain(phase, c.mesh, c.seed)]
         if not cases:
             continue
@@ -189,22 +187,10 @@ def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a
             cells.append(row)
             for f, v in domain_of(case.config).items():
                 domain[f] = max(domain[f], v)
-    meshes = {"meshes": gloo_domain()} if phase == "1b" else {}
-    return {
-        "schema": SCHEMA, "kind": kind, "phase": phase, "repetitions": repetitions,
-        "steps": steps, **meshes,
-        "rule": f"per quantity: smallest power of ten >= {SAFETY} x worst",
-        "deviation": {"loss, input_grad, param_grad, kv_grad":
-                      "max |sharded - reference| / max |reference|, per parameter",
-                      "params_step1, params_final":
-                      "||sharded - reference|| / ||reference - start|| (L2), per parameter"},
-        "exact": {"replicas": "byte-identical copies; no threshold",
-                  "padding_grad": "gradient of the padded vocab rows: exactly 0"},
-        "domain": domain,
-        "regimes": {regime: {q: {**w, "threshold": derive_threshold(w["worst"])}
-                             for q, w in per.items()} for regime, per in worst.items()},
-        "cells": cells, "environment": environment(),
-    }
+        if progress is not None:
+            progress(done, len(every), label)
+    return record.artifact(kind, phase, repetitions, steps, worst, cells, domain,
+                           gloo_domain() if phase == "1b" else None)
 
 
 def _trainer(phase: str) -> Callable[[TrainingCase], Trace | None]:
@@ -222,55 +208,7 @@ def _trainer(phase: str) -> Callable[[TrainingCase], Trace | None]:
     return lambda case: train_gloo(case, pool)
 
 
-def measure_command(kind: str, phase: str) -> str:
-    """The command that measures (and commits) the ``kind`` floor of ``phase``."""
-    return (f"python -m weight_sync_bench.tolerance {kind}"
-            + (f" --phase {phase}" if phase != "1a" else "") + " --write")
-
-
-def load(path: Path | None = None, phase: str = "1a", kind: str = "training") -> dict[str, Any]:
-    path = path or artifact_path(phase, kind=kind)
-    try:
-        artifact = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ToleranceMismatch(f"{path}: no {kind} tolerance; measure it with "
-                                f"`{measure_command(kind, phase)}`") from None
-    except json.JSONDecodeError as exc:
-        raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
-    if artifact.get("schema") != SCHEMA or artifact.get("kind") != kind:
-        raise ToleranceMismatch(f"{path}: not a schema-{SCHEMA} {kind} artifact")
-    if artifact.get("phase") != phase:
-        raise ToleranceMismatch(f"{path}: records phase {artifact.get('phase')!r}, asked for "
-                                f"{phase!r}: a floor is not reused across phases")
-    for regime in REGIMES:
-        missing = [q for q in QUANTITIES if q not in artifact.get("regimes", {}).get(regime, {})]
-        if missing:
-            raise ToleranceMismatch(f"{path}: no {regime} floor recorded for {', '.join(missing)}")
-    return artifact
-
-
-def thresholds_from(artifact: dict[str, Any], regime: str = "plain") -> dict[str, float]:
-    """Each quantity's threshold: ``derive_threshold`` of its recorded worst (pure)."""
-    if regime not in REGIMES:
-        raise ToleranceMismatch(f"unknown regime {regime!r}; known: {', '.join(REGIMES)}")
-    return {q: derive_threshold(artifact["regimes"][regime][q]["worst"]) for q in QUANTITIES}
-
-
 # a cell's case: "<config> <batch or adversary> seed=<s> <mesh>", the mesh as Mesh.__str__
-_CELL = re.compile(r"^(?P<config>\S+) .* (?P<mesh>dp=\d+ tp=\d+(?: sp)?(?: cp=\d+)?)$")
-
-
-def measured_meshes(artifact: dict[str, Any], config: str, regime: str = "plain") -> list[str]:
-    """The meshes (``str(Mesh)``) ``artifact`` measured ``config`` on in ``regime``, in the
-    order first seen (pure)."""
-    seen: dict[str, None] = {}
-    for cell in artifact.get("cells", ()):
-        found = _CELL.match(str(cell.get("case", "")))
-        if found and found["config"] == config and cell.get("regime") == regime:
-            seen.setdefault(found["mesh"], None)
-    return list(seen)
-
-
 def require_mesh(artifact: dict[str, Any], config: ModelConfig, mesh: Mesh,
                  regime: str = "plain") -> None:
     """Raise ``FloorNotMeasured`` unless ``artifact`` has a ``regime`` cell of ``config``
@@ -308,21 +246,6 @@ def thresholds_for(config: ModelConfig, regime: str = "plain",
     artifact = artifact if artifact is not None else load(phase=phase)
     if mesh is not None and artifact.get("phase") == "1b":
         require_mesh(artifact, config, mesh, regime)
-    measured = artifact["domain"]
-    for field, value in domain_of(config).items():
-        if value > measured[field]:
-            raise ToleranceMismatch(
-                f"{config.name}: {field}={value} exceeds the measured training domain "
-                f"({field} <= {measured[field]}): its floor was never measured")
-    return thresholds_from(artifact, regime)
+    return thresholds_within(config, artifact, regime)
 
 
-def format_table(artifact: dict[str, Any]) -> str:
-    rows = [["regime", "quantity", "worst", "threshold", "ratio", "where"]]
-    for regime, per in artifact["regimes"].items():
-        for q, w in per.items():
-            rows.append([regime, q, f"{w['worst']:.3g}", f"{w['threshold']:g}",
-                         f"{w['worst'] / w['threshold']:.2g}x",
-                         f"{w['case']} {w['where']}".strip()])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

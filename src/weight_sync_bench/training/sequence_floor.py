@@ -1,10 +1,11 @@
-"""The training floors under sequence and context parallelism, measured; thresholds derived.
+"""The training floors under sequence and context parallelism: their measuring loop.
 
-    python -m weight_sync_bench.tolerance sequence --write              # tolerance/sequence.json
-    python -m weight_sync_bench.tolerance sequence --phase 1b --write   # sequence_1b.json
+    wsb floor sequence --write              # tolerance/sequence.json
+    wsb floor sequence --phase 1b --write   # sequence_1b.json
 
-The same quantities, deviations and rule as ``training.floor`` (the smallest power of
-ten at or above 100x the worst, per quantity and regime), over the meshes that shard the
+The same quantities, deviations and rule as ``training.floor`` (``tolerance.training``: the
+smallest power of ten at or above 100x the worst, per quantity and regime), over the meshes
+that shard the
 sequence: every config of the training domain (TOY, TOY_KV4, TOY with every variant, the
 small variants), unpacked and packed (and the packed batch with a row of padding alone),
 at every supported TP degree with and without SP (SP from t = 2), CP of 1, 2 and 4 where
@@ -23,12 +24,14 @@ is refused
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from weight_sync_bench.model.config import TOY, TOY_KV4, ModelConfig, init_params
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.training import load
 from weight_sync_bench.training import adversarial
 from weight_sync_bench.training.batches import default_spec
 from weight_sync_bench.training.floor import (
@@ -38,7 +41,6 @@ from weight_sync_bench.training.floor import (
     STEPS,
     TOY_VARIANTS,
     Groups,
-    load,
     measure,
 )
 from weight_sync_bench.training.floor import thresholds_for as _thresholds_for
@@ -88,9 +90,11 @@ def _groups(repetitions: int, steps: int) -> Groups:
     return groups
 
 
-def measure_sequence(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a"
+def measure_sequence(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a",
+                     progress: Callable[[int, int, str], None] | None = None
                      ) -> dict[str, Any]:
-    return measure(repetitions, steps, phase, groups=_groups(repetitions, steps), kind=KIND)
+    return measure(repetitions, steps, phase, groups=_groups(repetitions, steps), kind=KIND,
+                   progress=progress)
 
 
 def load_sequence(path: Path | None = None, phase: str = "1a") -> dict[str, Any]:

@@ -69,6 +69,7 @@ from weight_sync_bench.model.config import ModelConfig, init_params
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.tolerance.training import QUANTITIES
 from weight_sync_bench.training.batches import (
     BatchSpec,
     TrainBatch,
@@ -77,7 +78,6 @@ from weight_sync_bench.training.batches import (
 )
 from weight_sync_bench.training.compare import (
     EXACT,
-    QUANTITIES,
     Comparison,
     Trace,
     TrainingReport,
