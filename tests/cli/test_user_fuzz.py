@@ -66,8 +66,8 @@ def test_a_planted_bug_is_reported_shrunk_with_the_geometry_and_the_rows_exit_1(
     assert failure["conventions"] is None
     assert f"degrees: t={failure['src']} -> t={failure['dst']}; " in text
     assert failure["first_mismatch"] == "layers.0.qkv.weight"
-    assert "rank 0 layers.0.qkv.weight holds rows 0-1, 6-7, 2-3, 8-9, 4-5, 10-11" in \
-        failure["diagnosis"][0]
+    assert ("rank 0 layers.0.qkv.weight holds Q head 0, K head 1, Q head 1, V head 0, K head 0, "
+            "V head 1; declared Q heads 0-1, K heads 0-1, V heads 0-1") in failure["diagnosis"][0]
     assert all(f"    {line}\n" in text for line in failure["diagnosis"])
 
 

@@ -28,11 +28,9 @@ import torch
 from weight_sync_bench.check.checker import Checker, Verdict, checker_for
 from weight_sync_bench.check.diagnosis import diagnose, mismatching, slice_index
 from weight_sync_bench.check.floor import (
-    PLAIN_FORWARD,
     REPLICATED_MAX_DEGREE,
     convention_logits,
     forward_of,
-    measured_degrees,
 )
 from weight_sync_bench.check.naming import conversion_naming, name_shards
 from weight_sync_bench.check.shards import validate_convention_shards
@@ -40,6 +38,7 @@ from weight_sync_bench.conventions import endpoint, materialize
 from weight_sync_bench.conventions.mutations import Conversion
 from weight_sync_bench.errors import FloorNotMeasured
 from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.tolerance.phase import PLAIN_FORWARD, measured_degrees
 from weight_sync_bench.tolerance.rules import measure_command, weights_dtype
 
 if TYPE_CHECKING:

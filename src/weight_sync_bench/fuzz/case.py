@@ -38,6 +38,7 @@ from weight_sync_bench.check.mutations import KILL_MARGIN, mutation_by_name
 from weight_sync_bench.conventions.mutations import ROUTER_BIAS
 from weight_sync_bench.errors import InvalidConfig
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
+from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule, require_replicated_kv
 from weight_sync_bench.layout.reshard import reshard
 from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
 from weight_sync_bench.model.reference import ReferenceModel
@@ -180,7 +181,6 @@ def make_checker(config: ModelConfig, seed: int, *, phase: str = "1a",
     """A Checker over the fuzz weights of (config, seed), thresholded by ``threshold_rule``
     (default: the phase's random-geometry rule, see ``floor``)."""
     if threshold_rule is None:
-        from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
         threshold_rule = fuzz_threshold_rule(phase)
     return Checker(config, seed=seed, phase=phase, forward=forward,
                    params=fuzz_params(config, seed), tokens=fuzz_tokens(config, seed),
@@ -288,7 +288,7 @@ def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None 
     ``check_convert`` does: bytes against the destination's declared shards, then the
     destination's forward against the reference. A destination whose forward replicates
     KV heads (vLLM at t > n_kv_heads) is judged by the default rule only where a measurement
-    of that forward validates it (``fuzz.floor.require_replicated_kv``: ``FloorNotMeasured``
+    of that forward validates it (``fuzz.threshold.require_replicated_kv``: ``FloorNotMeasured``
     otherwise, naming the command); a ``threshold_rule`` given is the caller's."""
     from weight_sync_bench.check.floor import REPLICATED_KV, forward_of
     from weight_sync_bench.conventions import convert
@@ -296,7 +296,6 @@ def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None 
 
     if threshold_rule is None and forward_of(case.conversion().dst.convention, case.config,
                                              case.conversion().dst) == REPLICATED_KV:
-        from weight_sync_bench.fuzz.floor import require_replicated_kv
         require_replicated_kv(case.config, case.dst, case.phase)  # refused before any draw
     drawn = case
     mutation = conversion_mutation(case.mutation) if case.mutation is not None else None

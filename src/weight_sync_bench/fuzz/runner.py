@@ -54,7 +54,7 @@ from weight_sync_bench.fuzz.case import (
     run_case,
 )
 from weight_sync_bench.fuzz.corpus import load_corpus, make_entry, write_entry
-from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
+from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule
 from weight_sync_bench.fuzz.strategies import cases, geometries, seeds
 from weight_sync_bench.model.config import ModelConfig
 from weight_sync_bench.paths import corpus_dir, fuzz_dir

@@ -71,7 +71,7 @@ from weight_sync_bench.fuzz.corpus import (
     write_entry,
 )
 from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain
-from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
+from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule
 from weight_sync_bench.fuzz.runner import (
     FuzzReport,
     HarnessAbort,
@@ -269,7 +269,7 @@ def _checker(function: UserFunction, case: Case, forward: Forward,
 
         assert function.dst is not None
         if forward_of(CONVENTIONS[function.dst], case.config, case.dst) == REPLICATED_KV:
-            from weight_sync_bench.fuzz.floor import require_replicated_kv
+            from weight_sync_bench.fuzz.threshold import require_replicated_kv
             # the rule judges vLLM's replicated-KV forward only where a measurement of
             # that forward validates it, as for the harness's own conversions (fuzz.case)
             require_replicated_kv(case.config, case.dst, case.phase)

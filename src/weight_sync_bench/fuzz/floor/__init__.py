@@ -25,6 +25,7 @@ failing validation refuses the case, naming the command that measures it.
 ``python -m weight_sync_bench.fuzz.floor replicated-kv ...`` is the same command.
 """
 
+from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule, require_replicated_kv
 from weight_sync_bench.fuzz.floor.samples import (
     REPLICATED_GEOMETRIES,
     REPLICATED_SEED,
@@ -32,14 +33,12 @@ from weight_sync_bench.fuzz.floor.samples import (
     SampleProgress,
     config_of,
     draw_replicated_geometries,
-    fuzz_threshold_rule,
     max_replicated_degree,
     measure_random,
     measure_replicated_kv,
     relative_floor,
     remeasure_floors,
     remeasure_replicated_floors,
-    require_replicated_kv,
     sample,
     sample_replicated_kv,
 )
