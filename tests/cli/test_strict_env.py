@@ -35,12 +35,22 @@ def test_the_fuzz_notes_a_foreign_random_floor_and_strict_env_refuses_it(toleran
     assert "WSB_STRICT_ENV" not in os.environ  # put back after the command
 
 
-def test_a_random_floor_of_another_cpu_vendor_is_refused_naming_its_re_measurement_here(
-        tolerance, capsys):
-    """Another vendor's kernels sum in another order: the committed samples are re-measured
-    here (every kernel set, merged in), not drawn again."""
+def test_a_random_floor_of_another_cpu_vendor_is_noted_not_refused(tolerance, capsys):
+    """Another vendor's kernels sum in another order, within the rule's safety: a floor
+    measured under this kernel set on another vendor only is noted, strict or not, naming
+    the command that measures it here too (``tolerance.rules.vendor_only``)."""
     artifact = json.loads((tolerance / "random_floor_1a.json").read_text())
     artifact["kernel_sets"] = [f"OtherVendor/{k.split('/')[-1]}" for k in artifact["kernel_sets"]]
+    (tolerance / "random_floor_1a.json").write_text(json.dumps(artifact))
+    assert main(["fuzz", "--examples", "1", "-q", "--mutation", "kv_swapped",
+                 "--strict-env"]) == 0
+    out = capsys.readouterr().out
+    assert "is not among the kernel sets the floor was measured under (OtherVendor/" in out
+
+
+def test_the_twin_a_kernel_set_no_vendor_measured_is_refused(tolerance, capsys):
+    artifact = json.loads((tolerance / "random_floor_1a.json").read_text())
+    artifact["kernel_sets"] = [f"OtherVendor/{k.split('/')[-1]}_X" for k in artifact["kernel_sets"]]
     (tolerance / "random_floor_1a.json").write_text(json.dumps(artifact))
     assert main(["fuzz", "--examples", "1", "-q", "--mutation", "kv_swapped",
                  "--strict-env"]) == 2
