@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from hypothesis import strategies as st
 from weight_sync_bench.fuzz.strategies import MoeNeeds, in_range, moe_geometries, seeds
 
-from weight_sync_bench.conventions import CONVENTIONS, Endpoint, endpoint
+from weight_sync_bench.conventions import CONVENTIONS, Endpoint, endpoint, moe_endpoints
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.conventions.mutations import Conversion
 from weight_sync_bench.fuzz.case import ConversionCase
-from weight_sync_bench.errors import UnsupportedLayout
 from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN, FuzzDomain, IntRange, MoeDomain
 from weight_sync_bench.model.config import ModelConfig
 
@@ -209,36 +208,6 @@ _MOE_NEEDS = {
     "shared_gate_dropped": MoeNeeds(shared_gate=True),
     "qk_norm_from_next_layer": MoeNeeds(qk_norm=True),
 }
-
-
-def moe_endpoints(config: ModelConfig, max_world: int = 8) -> list[Endpoint]:
-    """Every MoE endpoint that can store ``config`` with at most ``max_world`` ranks: each
-    convention at each TP degree (a divisor of ``n_heads``), with expert parallelism (EP 2, 4,
-    or the TP degree, expert-TP 1 or the default) and the options that change a layout
-    (Megatron's SequentialMLP, vLLM's round-robin map and FlashInfer's [w3; w1], HF v5's fused
-    experts); smallest world first."""
-    degrees = [t for t in range(1, config.n_heads + 1) if config.n_heads % t == 0]
-    texts = []
-    for t in degrees:
-        texts += [f"plain:{t}", f"megatron:{t}", f"vllm:{t}",
-                  f"vllm:tp={t},kernel=flashinfer_cutlass"]
-        for ep in sorted({2, 4, t} - {1}):
-            texts += [f"plain:tp={t},ep={ep}", f"megatron:tp={t},ep={ep}",
-                      f"megatron:tp={t},ep={ep},etp=1",
-                      f"megatron:tp={t},ep={ep},experts=sequential"]
-        if t > 1:
-            texts += [f"vllm:tp={t},ep={t}", f"vllm:tp={t},ep={t},placement=round_robin"]
-    texts += ["hf", "hf:experts=fused"]
-    found = []
-    for text in texts:
-        ep = endpoint(text)
-        try:
-            ep.pieces(config)
-        except UnsupportedLayout:
-            continue
-        if ep.world <= max_world:
-            found.append(ep)
-    return sorted(found, key=lambda e: e.world)
 
 
 def _moe_pairs(config: ModelConfig, mutation: str | None) -> list[tuple[Endpoint, Endpoint]]:

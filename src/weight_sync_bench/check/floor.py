@@ -20,6 +20,7 @@ A conversion whose destination forward has no cell at its degree is refused
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -37,6 +38,7 @@ from weight_sync_bench.conventions import (
     forward_inputs,
     forward_model,
     materialize,
+    moe_endpoints,
     reading_plan,
 )
 from weight_sync_bench.errors import ToleranceMismatch
@@ -53,7 +55,8 @@ from weight_sync_bench.model.config import (
 )
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.model.sharded import ShardedModel
+from weight_sync_bench.model.routing import score_deviation
+from weight_sync_bench.model.sharded import RoutingGuard, ShardedModel
 from weight_sync_bench.model.stepwise import (
     ReferenceSteps,
     ShardedSteps,
@@ -69,7 +72,6 @@ from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, cached_floor_pa
 if TYPE_CHECKING:
     from weight_sync_bench.check.forwards import Forward
     from weight_sync_bench.conventions import Convention, Endpoint
-    from weight_sync_bench.model.sharded import RoutingGuard
 
 REPETITIONS = 20
 # A per-geometry floor (a real width, measured on first use) takes fewer: one repetition of
@@ -79,6 +81,9 @@ GEOMETRY_REPETITIONS = 4
 # The largest degree whose replicated-KV cells a floor measurement adds: the largest the
 # harness checks (issue 13's full-width checks go up to 8; TOY's 8 heads stop there too).
 REPLICATED_MAX_DEGREE = 8
+# The largest model an expert-parallel floor cell of Megatron's data-parallel replicas is
+# measured held whole for (a streamed forward runs one TP group): 200M parameters, 0.8 GB.
+HELD_WHOLE = 200_000_000
 
 
 # (config, degree, param seed, token seed) -> rank 0's sharded logits under the declared split
@@ -102,14 +107,16 @@ def forward_of(convention: Convention | str, config: ModelConfig,
     or over data-parallel replicas, else ``PLAIN_FORWARD`` (once each rank's stored rows are
     read in forward order, the plain layout's sharded forward; see ``check.convert``)."""
     conv = CONVENTIONS[convention] if isinstance(convention, str) else convention
-    forward = conv.forward_layout(config, degree)
+    at = conv.at(degree)
+    forward = conv.forward_layout(config, at)
     if any(isinstance(spec.placement, HeadReplicated) for spec in forward.layout):
         if conv.name != "vllm":  # only vLLM's forward was measured replicated
             return f"{conv.name}-replicated-kv"
         return REPLICATED_KV
-    experts = forward.experts
-    if experts is not None and (experts.ep > 1 or experts.etp or forward.tp):
-        return EXPERT_PARALLEL
+    experts, world = forward.experts, at.world
+    if experts is not None and (experts.ep > 1 or experts.expert_tp(world) != world
+                                or forward.tp not in (0, world)):
+        return EXPERT_PARALLEL  # else every expert split over every rank: the plain forward
     return PLAIN_FORWARD
 
 
@@ -152,21 +159,38 @@ def replicated_logits(config: ModelConfig, params: Mapping[str, torch.Tensor], d
 
 def stream_replicated_deviation(config: ModelConfig, degree: int, *, seed: int = 0,
                                 dtype: torch.dtype | str = torch.float32,
-                                progress: Callable[[Progress], None] | None = None
-                                ) -> torch.Tensor:
+                                progress: Callable[[Progress], None] | None = None,
+                                route: list[float] | None = None) -> torch.Tensor:
     """|vLLM's forward at ``degree`` - reference logits|, streamed, flattened: one
-    repetition of a replicated-KV cell at a width too large to hold whole. Per stage
-    (``check.stream.stages``) the canonical parameters are drawn, the reference steps, the
-    stage's declared vLLM tensors are cut, read through the reading plan and upcast, and the
-    vLLM forward steps; the same draws and steps as ``check.convert.stream_convert``, so the
-    same logits as ``replicated_logits`` bit for bit."""
-    target = endpoint(f"vllm:{degree}")
-    pieces = target.pieces(config)
-    plan = reading_plan(target.convention, config, degree)
+    repetition of a replicated-KV cell at a width too large to hold whole
+    (``stream_convention_deviation`` of ``vllm:{degree}``), the same logits as
+    ``replicated_logits`` bit for bit."""
+    return stream_convention_deviation(config, endpoint(f"vllm:{degree}"), seed=seed,
+                                       dtype=dtype, progress=progress, route=route)
+
+
+def stream_convention_deviation(config: ModelConfig, where: Endpoint, *, seed: int = 0,
+                                dtype: torch.dtype | str = torch.float32,
+                                progress: Callable[[Progress], None] | None = None,
+                                route: list[float] | None = None) -> torch.Tensor:
+    """|``where``'s forward - reference logits|, streamed, flattened: one repetition of a
+    cell of that endpoint's forward at a width too large to hold whole. Per stage
+    (``model.stepwise.stages``) the canonical parameters are drawn, the reference steps, the
+    stage's declared tensors are cut, read through the reading plan and upcast, and the
+    endpoint's forward steps (over one TP group); the same draws and steps as
+    ``check.convert.stream_convert``, the same logits as ``convention_logits`` bit for bit.
+    An MoE forward takes the reference's choice on every token (the routing guard at an
+    infinite bound: the floor of the continuous part), and ``route`` (when given) gets the
+    largest selection-score deviation its own choices made (``model.routing.score_deviation``)."""
+    pieces = where.pieces(config)
+    plan = reading_plan(where.convention, config, where)
+    world = where.world
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
     reference = ReferenceSteps(config, tokens)
-    sharded = ShardedSteps.over(plan.forward.config, InProcessCollective(degree), tokens,
-                                embedding=plan.forward.embedding)
+    guard = RoutingGuard(reference.model.routings, math.inf) if config.n_experts else None
+    sharded = ShardedSteps.over(plan.forward.config, InProcessCollective(world), tokens,
+                                embedding=plan.forward.embedding, experts=plan.forward.experts,
+                                guard=guard)
     draws = iter_params(config, seed, dtype=parse_dtype(dtype))
     started, steps = time.perf_counter(), stages(config)
     with torch.no_grad():
@@ -186,7 +210,45 @@ def stream_replicated_deviation(config: ModelConfig, degree: int, *, seed: int =
                 progress(Progress(k + 1, len(steps), label, size,
                                   time.perf_counter() - started))
     assert sharded.logits is not None and reference.expected is not None
+    if route is not None:
+        route.append(score_deviation(sharded.model.routings, reference.model.routings))
     return (sharded.logits - reference.expected).abs().flatten()
+
+
+def expert_parallel_endpoints(config: ModelConfig, max_degree: int = REPLICATED_MAX_DEGREE
+                              ) -> dict[int, list[Endpoint]]:
+    """Per world size, the endpoints of vLLM and Megatron whose MoE forward is
+    ``EXPERT_PARALLEL`` (experts whole on EP ranks, or over data-parallel replicas): an
+    expert-parallel floor cell at a world is the worst of their forwards."""
+    out: dict[int, list[Endpoint]] = {}
+    for where in moe_endpoints(config, max_world=max_degree):
+        if where.name in ("vllm", "megatron") and \
+                forward_of(where.convention, config, where) == EXPERT_PARALLEL:
+            out.setdefault(where.world, []).append(where)
+    return out
+
+
+def convention_deviation(config: ModelConfig, where: Endpoint, *, seed: int,
+                         route: list[float] | None = None) -> torch.Tensor:
+    """``stream_convention_deviation`` held whole (``convention_logits``'s forward of the
+    declared shards): the endpoints whose world holds data-parallel replicas of the dense
+    layers (Megatron's experts wider than TP), which a streamed forward (one TP group)
+    cannot run. Every replica's logits count."""
+    params = init_params(config, seed)
+    tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+    reference_model = ReferenceModel(config, params)
+    reference = reference_model(tokens)
+    guard = RoutingGuard(reference_model.routings, math.inf)
+    plan = reading_plan(where.convention, config, where)
+    inputs = forward_inputs(materialize(where.pieces(config), params), where.convention,
+                            config, where)
+    model = forward_model(plan.forward, inputs, guard=guard)
+    with torch.no_grad():
+        logits = model(tokens)
+    if route is not None:
+        route.append(score_deviation(model.routings, reference_model.routings))
+    tp = plan.forward.tp or len(inputs)
+    return torch.stack([(x - reference).abs().flatten() for x in logits[::tp]]).flatten()
 
 
 def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4),
@@ -269,7 +331,11 @@ def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp
                      max_degree: int = REPLICATED_MAX_DEGREE) -> tuple[dict[str, Any], Path]:
     """Measure one geometry's floor, as the committed phase floors are measured (model
     seeds ``0..repetitions-1``, every supported degree, and vLLM's replicated-KV forward at
-    every degree past ``n_kv_heads`` up to ``max_degree``, the running kernel set; phase 1a
+    every degree past ``n_kv_heads`` up to ``max_degree``, the running kernel set; an MoE
+    geometry's expert-parallel forwards at every world up to ``max_degree`` too, each cell
+    the worst of its endpoints (``expert_parallel_endpoints``) and every MoE cell its routing
+    deviation (``tolerance.phase.cell``), with the reference's choice kept on every token;
+    phase 1a
     streamed, so a real width fits: ``check.stream``, bit for bit the same logits), and cache
     it under ``tolerance_dir()/geometry/`` with its provenance and key
     (``tolerance.rules.floor_for`` reads it back): ``(artifact, path)``. Phase 1b needs
@@ -280,8 +346,10 @@ def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp
         raise ToleranceMismatch(f"phase {phase} needs its own forward (the gloo one)")
     wide = replicated_degrees(config, max_degree)
     if phase == "1a":  # streamed: a real width is never held whole (check.stream)
+        moe = config.n_experts > 0
+        experts = expert_parallel_endpoints(config, max_degree) if moe else {}
         every = [(t, PLAIN_FORWARD) for t in layout_for(config).supported_degrees()] + [
-            (t, REPLICATED_KV) for t in wide]
+            (t, REPLICATED_KV) for t in wide] + [(t, EXPERT_PARALLEL) for t in sorted(experts)]
 
         def report(unit: int, rep: int, t: int, which: str) -> Callable[[Any], None] | None:
             if progress is None:
@@ -291,12 +359,35 @@ def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp
                 unit * p.stages + p.stage, len(every) * repetitions * p.stages,
                 f"seed {rep + 1}/{repetitions}, t={t}{what}, {p.label}")
 
-        deviation = {PLAIN_FORWARD: stream_deviation, REPLICATED_KV: stream_replicated_deviation}
-        cells = [record.cell(config.name, t, [deviation[which](
-                     config, t, seed=rep, dtype=dtype,
-                     progress=report(j * repetitions + rep, rep, t, which)).numpy()
-                     for rep in range(repetitions)], forward=which)
-                 for j, (t, which) in enumerate(every)]
+        def deviations(j: int, t: int, which: str, route: list[float]) -> list[np.ndarray]:
+            out = []
+            for rep in range(repetitions):
+                tell = report(j * repetitions + rep, rep, t, which)
+                if which == PLAIN_FORWARD:
+                    out.append(stream_deviation(config, t, seed=rep, dtype=dtype, progress=tell,
+                                                route=route).numpy())
+                elif which == REPLICATED_KV:
+                    out.append(stream_replicated_deviation(config, t, seed=rep, dtype=dtype,
+                                                           progress=tell, route=route).numpy())
+                else:  # every expert-parallel endpoint of that world, its worst
+                    for where in experts[t]:
+                        tp = where.convention.forward_layout(config, where).tp or where.world
+                        if tp == where.world:
+                            out.append(stream_convention_deviation(
+                                config, where, seed=rep, dtype=dtype, progress=tell,
+                                route=route).numpy())
+                        elif config.n_params <= HELD_WHOLE:
+                            out.append(convention_deviation(config, where, seed=rep,
+                                                            route=route).numpy())
+            return out
+
+        cells = []
+        for j, (t, which) in enumerate(every):
+            route: list[float] = []
+            found = deviations(j, t, which, route)
+            if found:
+                cells.append(record.cell(config.name, t, found, forward=which,
+                                         route=route if moe else None))
         artifact = record.artifact(phase, [config], cells, repetitions, parse_dtype(dtype))
     else:
         artifact = measure(phase, configs=[config], repetitions=repetitions, dtype=dtype,

@@ -84,6 +84,7 @@ from weight_sync_bench.model.config import (
     parse_dtype,
 )
 from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.routing import score_deviation
 from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.model.stepwise import ReferenceSteps, ShardedSteps, draw, stages
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
@@ -158,13 +159,18 @@ def stage_reshard(layout: LayoutTable) -> StageFn:
 
 def stream_deviation(config: ModelConfig, dst: int, *, seed: int = 0,
                      dtype: torch.dtype | str = torch.float32,
-                     progress: Callable[[Progress], None] | None = None) -> torch.Tensor:
+                     progress: Callable[[Progress], None] | None = None,
+                     route: list[float] | None = None) -> torch.Tensor:
     """|sharded - reference logits| of the declared split at ``dst``, streamed, flattened: one
-    repetition of a phase floor measurement at a width too large to hold whole."""
+    repetition of a phase floor measurement at a width too large to hold whole. An MoE
+    forward takes the reference's choice on every token (the floor of the continuous part);
+    ``route`` (when given) gets the largest selection-score deviation its own choices made."""
     layout = layout_for(config)
     layout.validate(dst)
     run = run_inprocess(config, layout, dst, None, None, "layer", seed, parse_dtype(dtype),
                         progress)
+    if route is not None:
+        route.append(run.route_deviation)
     return (run.logits - run.expected).abs().flatten()
 
 
@@ -218,6 +224,7 @@ class StreamRun:
     # per rank under gloo: (RSS when its task began, its high-water mark after), bytes
     rank_rss: tuple[tuple[int, int], ...] = ()
     near_ties: tuple[int, int] | None = None  # an MoE model's (``RoutingGuard.near_ties``)
+    route_deviation: float = 0.0  # an MoE model's (``model.routing.score_deviation``)
 
 
 def units(names: list[str], per: str) -> list[list[str]]:
@@ -268,7 +275,9 @@ def run_inprocess(config: ModelConfig, layout: LayoutTable, dst: int, fn: StageF
         named = found.named(config, layout, dst, seed, weights)
     assert sharded.logits is not None and reference.expected is not None
     return StreamRun(found.differ, found.diagnosis, named, sharded.logits, reference.expected,
-                     near_ties=None if guard is None else guard.near_ties())
+                     near_ties=None if guard is None else guard.near_ties(),
+                     route_deviation=score_deviation(sharded.model.routings,
+                                                     reference.model.routings))
 
 
 def run_gloo(config: ModelConfig, dst: int, fn: StageFn | None, src: int | None, per: str,

@@ -43,7 +43,7 @@ from weight_sync_bench.cli.output import (
     count,
     seed,
 )
-from weight_sync_bench.model.config import CONFIGS, DTYPES
+from weight_sync_bench.model.config import CONFIGS, DTYPES, MOE_CONFIGS
 from weight_sync_bench.tolerance.artifacts import PHASES
 from weight_sync_bench.training import floor as training_floor
 
@@ -93,7 +93,7 @@ def _measure_options() -> argparse.ArgumentParser:
     what = parser.add_argument_group("geometry", "the geometry whose floor is measured")
     what.add_argument("--hf-config", type=Path, default=None, metavar="PATH",
                       help="a Hugging Face config.json (geometry)")
-    what.add_argument("--config", default=None, choices=list(CONFIGS),
+    what.add_argument("--config", default=None, choices=[*CONFIGS, *MOE_CONFIGS],
                       help="a built-in config (geometry)")
     what.add_argument("--layers", type=count, default=None,
                       help="override the HF config's num_hidden_layers (geometry)")

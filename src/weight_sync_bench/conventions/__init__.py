@@ -36,13 +36,14 @@ from weight_sync_bench.conventions.plain import PLAIN
 from weight_sync_bench.conventions.reading import forward_inputs, forward_model, reading_plan
 from weight_sync_bench.conventions.table import render
 from weight_sync_bench.conventions.vllm import VLLM
-from weight_sync_bench.errors import UnknownConvention
+from weight_sync_bench.errors import UnknownConvention, UnsupportedLayout
 from weight_sync_bench.model.config import ModelConfig, init_params
 
 CONVENTIONS: dict[str, Convention] = {c.name: c for c in (PLAIN, MEGATRON, VLLM, HF, META)}
 
 __all__ = ["CONVENTIONS", "Convention", "Endpoint", "ForwardLayout", "Piece", "convention_by_name",
-           "convert", "endpoint", "forward_inputs", "forward_model", "gather_canonical", "materialize",
+           "convert", "endpoint", "forward_inputs", "forward_model", "gather_canonical",
+           "moe_endpoints", "materialize",
            "reading_plan", "render", "shards_for"]
 
 
@@ -86,3 +87,33 @@ def convert(shards: Sequence[Mapping[str, torch.Tensor]], src: str | Endpoint,
         source = Endpoint(source.convention, len(shards))  # "megatron" given for 4 shards
     canonical = gather_canonical(shards, source.pieces(config), config.param_shapes())
     return materialize(endpoint(dst).pieces(config), canonical)
+
+
+def moe_endpoints(config: ModelConfig, max_world: int = 8) -> list[Endpoint]:
+    """Every MoE endpoint that can store ``config`` with at most ``max_world`` ranks: each
+    convention at each TP degree (a divisor of ``n_heads``), with expert parallelism (EP 2, 4,
+    or the TP degree, expert-TP 1 or the default) and the options that change a layout
+    (Megatron's SequentialMLP, vLLM's round-robin map and FlashInfer's [w3; w1], HF v5's fused
+    experts); smallest world first."""
+    degrees = [t for t in range(1, config.n_heads + 1) if config.n_heads % t == 0]
+    texts = []
+    for t in degrees:
+        texts += [f"plain:{t}", f"megatron:{t}", f"vllm:{t}",
+                  f"vllm:tp={t},kernel=flashinfer_cutlass"]
+        for ep in sorted({2, 4, t} - {1}):
+            texts += [f"plain:tp={t},ep={ep}", f"megatron:tp={t},ep={ep}",
+                      f"megatron:tp={t},ep={ep},etp=1",
+                      f"megatron:tp={t},ep={ep},experts=sequential"]
+        if t > 1:
+            texts += [f"vllm:tp={t},ep={t}", f"vllm:tp={t},ep={t},placement=round_robin"]
+    texts += ["hf", "hf:experts=fused"]
+    found = []
+    for text in texts:
+        ep = endpoint(text)
+        try:
+            ep.pieces(config)
+        except UnsupportedLayout:
+            continue
+        if ep.world <= max_world:
+            found.append(ep)
+    return sorted(found, key=lambda e: e.world)

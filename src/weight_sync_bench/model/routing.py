@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+
     from weight_sync_bench.model.config import ModelConfig
 
 
@@ -122,3 +124,15 @@ def by_expert(experts: torch.Tensor, weights: torch.Tensor, n_experts: int
         out.append((t[at:at + count], w[at:at + count]))
         at += count
     return out
+
+
+def score_deviation(own: Mapping[int, Sequence[Routing]], reference: Mapping[int, Routing]
+                    ) -> float:
+    """The largest change of any selection score a sharded forward made against the
+    reference, over every MoE layer and every rank's own routing (``ShardedModel.routings``
+    against ``ReferenceModel.routings``): what a routing floor measures. 0 for a dense model."""
+    worst = 0.0
+    for layer, ranks in own.items():
+        for routing in ranks:
+            worst = max(worst, float((routing.scores - reference[layer].scores).abs().max()))
+    return worst

@@ -53,14 +53,29 @@ def measured_degrees(artifact: Mapping[str, Any], name: str, forward: str) -> li
 
 
 def cell(name: str, degree: int, deviations: Sequence[np.ndarray],
-         forward: str = PLAIN_FORWARD) -> dict[str, Any]:
+         forward: str = PLAIN_FORWARD, route: Sequence[float] | None = None) -> dict[str, Any]:
     """One destination cell's figures over its pooled per-logit deviations (one array per
-    repetition); a cell of another forward than the plain layout's names it."""
+    repetition); a cell of another forward than the plain layout's names it. An MoE model's
+    cell also records ``worst_route``, the largest selection-score deviation of the sharded
+    forward's own routing over its repetitions (``route``): the routing check keeps the
+    reference's choice only within the threshold of a tie, which this figure must stay far
+    below (``route_headroom``)."""
     pooled = np.concatenate(deviations).astype(np.float64)
     which = {} if forward == PLAIN_FORWARD else {"forward": forward}
+    routed = {} if route is None else {"worst_route": float(max(route))}
     return {"config": name, "degree": degree, **which, "max_ulp": float(pooled.max() / ULP),
             "median_ulp": float(np.median(pooled) / ULP), "mean_ulp": float(pooled.mean() / ULP),
-            "worst_abs": float(pooled.max()), "elements": int(pooled.size)}
+            "worst_abs": float(pooled.max()), "elements": int(pooled.size), **routed}
+
+
+def route_headroom(artifact: Mapping[str, Any], threshold: float) -> float | None:
+    """The threshold over the worst routing deviation any cell records (None where no cell
+    records one: a dense floor): how far the routing check's bound, the threshold, sits above
+    what a correct sharded forward's own routing moved a selection score by."""
+    worst = [float(c["worst_route"]) for c in artifact.get("cells", ()) if "worst_route" in c]
+    if not worst:
+        return None
+    return threshold / max(max(worst), 1e-30)
 
 
 def artifact(phase: str, configs: Iterable[ModelConfig], cells: list[dict[str, Any]],
