@@ -473,20 +473,18 @@ def _local_expert_ids(shards: list[Params], conversion: Conversion) -> list[Para
     def remap(rank: int, name: str, piece: Piece) -> Piece | None:
         if not piece.source.endswith(("experts.gate_up.weight", "experts.down.weight")):
             return None
-        etp_rank, ep_rank, _ = placement.coordinates(world, rank)
+        _, ep_rank, _ = placement.coordinates(world, rank)
         mine = placement.experts_of(ep_rank)
-        down = piece.source.endswith("down.weight")
-        # which of the rank's experts this stored tensor holds: all (w13), or one (weight{j})
-        width = config.expert_ffn // placement.expert_tp(world) * (1 if down else 2)
-        held = piece.idx.numel() // width
-        first = mine.index(int(piece.idx[0]) // (config.expert_ffn * (1 if down else 2)))
-        wrong = list(range(first, first + held))
-        etp = placement.expert_tp(world)
-        halves = (("up", "gate") if dict(dst.options).get("kernel") == "flashinfer_cutlass"
-                  else ("gate", "up"))
-        idx = (expert_cols(config, wrong, etp=etp, etp_rank=etp_rank) if down else
-               expert_rows(config, wrong, etp=etp, etp_rank=etp_rank, halves=halves))
-        return Piece(piece.source, piece.dim, idx, piece.stack)
+        # each stored row (gate_up) or column (down) of expert e moved to the same place in
+        # expert j, e's local index: whatever the stored tensor holds of its experts (all of
+        # them fused, one as weight{j}, an expert-TP chunk, [w3; w1]) keeps its shape
+        block = config.expert_ffn * (1 if piece.source.endswith("down.weight") else 2)
+        expert = piece.idx // block
+        local = torch.full((config.n_experts,), -1, dtype=piece.idx.dtype)
+        local[torch.tensor(mine, dtype=torch.long)] = torch.arange(len(mine), dtype=local.dtype)
+        assert bool((local[expert] >= 0).all()), (name, rank)  # a rank holds only its own
+        return Piece(piece.source, piece.dim, piece.idx - (expert - local[expert]) * block,
+                     piece.stack)
     return _remap(shards, conversion, remap)
 
 
