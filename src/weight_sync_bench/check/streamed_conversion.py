@@ -55,8 +55,9 @@ def stage_convert(src: str | Endpoint, dst: str | Endpoint, config: ModelConfig)
         names = set(shards[0])
         sub = [{n: p for n, p in rank.items() if n in names} for rank in source.pieces(config)]
         sources = {p.source for rank in sub for p in rank.values()}
+        at = target if degree == target.world else type(target)(target.convention, degree)
         want = [{n: p for n, p in rank.items() if p.source in sources}
-                for rank in type(target)(target.convention, degree).pieces(config)]
+                for rank in at.pieces(config)]  # an MoE endpoint's EP and options kept
         return translate(shards, sub, want, config.param_shapes())  # no canonical tensor
     return fn
 

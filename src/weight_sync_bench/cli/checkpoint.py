@@ -118,7 +118,7 @@ def cmd_emit(args: argparse.Namespace) -> int:
     out = Output(args)
     config = model_of(args)
     where = endpoint(args.convention)
-    shards = shards_for(config, where.convention, where.degree, seed=args.seed)
+    shards = shards_for(config, where, seed=args.seed)
     files = write_checkpoint(args.directory, shards, where, config,
                              max_shard_size=args.max_shard_size)
     if not out.quiet:
