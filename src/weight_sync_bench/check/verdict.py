@@ -101,14 +101,24 @@ class Verdict:
 
 
 def format_verdicts(verdicts: Sequence[Verdict]) -> str:
-    """A table: one row per verdict (config, route, error, threshold, ratio, forward, result)."""
+    """A table: one row per verdict (config, route, error, threshold, ratio, forward, result;
+    for an MoE model the near-tied expert choices too, ``ROUTING_LEGEND``)."""
+    routed = any(v.near_ties is not None for v in verdicts)
     rows = [["config", "src -> dst", "phase", "mutation", "max |error|", "threshold", "ratio",
-             "forward", "result"]]
+             "forward", *(["near ties"] if routed else []), "result"]]
     for v in verdicts:
+        ties = ["-" if v.near_ties is None else "{}/{}".format(*v.near_ties)] if routed else []
         rows.append([v.config, v.route, v.phase, v.mutation or "-", f"{v.max_abs_error:.4g}",
                      f"{v.threshold:g}", f"{v.ratio:.3g}x",
-                     "own" if v.own_forward else "declared", "PASS" if v.passed else "FAIL"])
+                     "own" if v.own_forward else "declared", *ties,
+                     "PASS" if v.passed else "FAIL"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     notes = dict.fromkeys(note for v in verdicts for note in v.notes)
-    return "\n".join(lines + [f"note: {note}" for note in notes])
+    legend = [ROUTING_LEGEND] if routed else []
+    return "\n".join(lines + legend + [f"note: {note}" for note in notes])
+
+
+ROUTING_LEGEND = ("near ties: the (layer, token) expert choices of the reference within the "
+                  "threshold of flipping, which took the reference's experts; every other choice "
+                  "is the sharded forward's own, so a wrong router or selection bias shows")

@@ -21,7 +21,8 @@ TALLY = ("property", "mutation", "examples", "identity", "failures", "killed", "
 KEYS: dict[str, tuple[str, ...]] = {
     "check": ("config", "phase", "conventions", "src", "dst", "dtype", "mutation",
               "named_mutation", "max_abs_error", "threshold", "ratio", "forward", "passed",
-              "first_mismatch", "mismatches", "diagnosis", "notes", "directory"),
+              "first_mismatch", "mismatches", "diagnosis", "near_ties", "route_bound", "notes",
+              "directory"),
     "property": TALLY,
     "mutant": TALLY,
     "counterexample": ("property", "case", "conventions", "src", "dst", "mutation",
@@ -79,7 +80,9 @@ def verdict_record(v: Verdict, *, directory: str | None = None) -> dict[str, Any
             "threshold": v.threshold, "ratio": v.ratio,
             "forward": "own" if v.own_forward else "declared", "passed": v.passed,
             "first_mismatch": v.first_mismatch, "mismatches": list(v.mismatches),
-            "diagnosis": list(v.diagnosis), "notes": list(v.notes), "directory": directory}
+            "diagnosis": list(v.diagnosis),
+            "near_ties": list(v.near_ties) if v.near_ties is not None else None,
+            "route_bound": v.route_bound, "notes": list(v.notes), "directory": directory}
 
 
 def _conventions_of(outcome: Any) -> dict[str, str] | None:

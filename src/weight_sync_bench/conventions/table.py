@@ -22,6 +22,8 @@ def render(config: ModelConfig, convention: Convention,
     split; rank r holds replicated KV head r*2/t``."""
     degrees = degrees if degrees is not None else convention.supported_degrees(config, 8)
     supported = [t for t in degrees if convention.supports(config, t)]
+    if not supported and len(degrees) == 1:
+        convention.pieces(config, degrees[0])  # UnsupportedConvention naming the rule
     if not supported:
         raise UnsupportedLayout(f"{convention.name}: {config.name} is stored at none of the "
                                 f"degrees {[str(t) for t in degrees]}")
