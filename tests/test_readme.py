@@ -23,12 +23,14 @@ PASSING = re.compile(r"max \|logit error\| (?P<error>\S+) <= threshold (?P<thres
                      r"\((?P<ratio>\S+)x\)")
 
 
-def assert_prints(printed, shown):
+def assert_prints(printed, shown, worst=None):
     """``printed`` is the README's ``shown`` output, line for line; a passing verdict's
-    deviation as ``PASSING`` says."""
+    deviation as ``PASSING`` says, within ``worst`` (default the committed phase 1a floor's:
+    the floor that judges the geometry the example runs at)."""
     from weight_sync_bench.tolerance.rules import load_artifact
 
-    worst = load_artifact("1a")["worst_abs"]
+    if worst is None:
+        worst = load_artifact("1a")["worst_abs"]
     assert len(printed.splitlines()) == len(shown.splitlines()), (printed, shown)
     for got, want in zip(printed.splitlines(), shown.splitlines()):
         stated, measured = PASSING.search(want), PASSING.search(got)
@@ -80,6 +82,31 @@ def test_the_converter_example_prints_the_verdicts_shown():
             assert_prints(out.getvalue(), shown)
             checked += 1
     assert checked == 2
+
+
+def test_the_moe_example_prints_its_per_rank_output_and_the_verdicts_shown():
+    """The MoE section's converter (Megatron TP2 x EP4 -> vLLM TP4) and its twin, run in
+    order: each prints exactly the block that follows it, the passing deviation within
+    TOY_MOE's committed floor."""
+    from weight_sync_bench.model.config import TOY_MOE
+    from weight_sync_bench.tolerance.rules import floor_for
+
+    worst = floor_for(TOY_MOE).artifact["worst_abs"]
+    blocks = re.findall(r"```(\w*)\n(.*?)```",
+                        _section("Mixture-of-Experts: experts over EP and expert-TP ranks"), re.S)
+    namespace: dict = {}
+    checked = 0
+    for (lang, body), (next_lang, shown) in zip(blocks, blocks[1:]):
+        if lang != "python":
+            continue
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(compile(body, str(README), "exec"), namespace)
+        assert next_lang == "", body
+        assert_prints(out.getvalue(), shown, worst)
+        checked += 1
+    assert checked == 2
+    assert "PASS toy_moe" in blocks[2][1] and "exactly `w13_halves_swapped`" in blocks[4][1]
 
 
 def test_the_checkpoint_example_runs_as_its_console_block_shows(tmp_path, monkeypatch):
