@@ -65,11 +65,11 @@ def test_the_worked_example_prints_the_report_shown():
     assert_prints(out.getvalue(), shown)
 
 
-def test_the_converter_example_prints_the_verdicts_shown():
-    """Each python block of the conversion section, run in order, prints exactly the block
-    that follows it."""
-    blocks = re.findall(r"```(\w*)\n(.*?)```", _section("Check a converter between frameworks"),
-                        re.S)
+def _run_section(title, worst=None):
+    """Each python block of the section, run in order in one namespace; where an output block
+    follows it, what it printed is that block (``assert_prints``). Returns the blocks and
+    how many outputs were compared."""
+    blocks = re.findall(r"```(\w*)\n(.*?)```", _section(title), re.S)
     namespace: dict = {}
     checked = 0
     for (lang, body), (next_lang, shown) in zip(blocks, blocks[1:]):
@@ -79,9 +79,15 @@ def test_the_converter_example_prints_the_verdicts_shown():
         with contextlib.redirect_stdout(out):
             exec(compile(body, str(README), "exec"), namespace)
         if next_lang == "":
-            assert_prints(out.getvalue(), shown)
+            assert_prints(out.getvalue(), shown, worst)
             checked += 1
-    assert checked == 2
+    return blocks, checked
+
+
+def test_the_converter_example_prints_the_verdicts_shown():
+    """Each python block of the conversion section, run in order, prints exactly the block
+    that follows it."""
+    assert _run_section("Check a converter between frameworks")[1] == 2
 
 
 def test_the_moe_example_prints_its_per_rank_output_and_the_verdicts_shown():
@@ -92,19 +98,8 @@ def test_the_moe_example_prints_its_per_rank_output_and_the_verdicts_shown():
     from weight_sync_bench.tolerance.rules import floor_for
 
     worst = floor_for(TOY_MOE).artifact["worst_abs"]
-    blocks = re.findall(r"```(\w*)\n(.*?)```",
-                        _section("Mixture-of-Experts: experts over EP and expert-TP ranks"), re.S)
-    namespace: dict = {}
-    checked = 0
-    for (lang, body), (next_lang, shown) in zip(blocks, blocks[1:]):
-        if lang != "python":
-            continue
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            exec(compile(body, str(README), "exec"), namespace)
-        assert next_lang == "", body
-        assert_prints(out.getvalue(), shown, worst)
-        checked += 1
+    blocks, checked = _run_section("Mixture-of-Experts: experts over EP and expert-TP ranks",
+                                   worst)
     assert checked == 2
     assert "PASS toy_moe" in blocks[2][1] and "exactly `w13_halves_swapped`" in blocks[4][1]
 
