@@ -105,3 +105,22 @@ def test_layout_names_each_rank_s_experts_and_rows(capsys):
     assert main(["layout", "--config", "toy_moe", "--convention",
                  "vllm:tp=4,ep=4,placement=round_robin"]) == 2
     assert "grouped top-k (n_groups > 1)" in capsys.readouterr().err
+
+
+def test_every_command_taking_hf_config_takes_a_shipped_name(tmp_path):
+    """``--hf-config qwen3_30b_a3b`` names the shipped file for ``wsb check`` and ``wsb floor``
+    alike (``model.config.hf_config_file``); a path that exists is read as given."""
+    import argparse
+
+    from weight_sync_bench.cli.checkpoint import model_of
+    from weight_sync_bench.cli.floor_measure import geometry_config
+    from weight_sync_bench.model.config import hf_config_file, hf_config_path
+
+    assert hf_config_file("qwen3_30b_a3b") == hf_config_path("qwen3_30b_a3b")
+    own = tmp_path / "qwen3_30b_a3b"
+    own.write_text("{}")
+    assert hf_config_file(own) == own  # a file of that name where it is given wins
+    common = dict(hf_config="qwen3_30b_a3b", layers=1, vocab=None)
+    floor = geometry_config(argparse.Namespace(config=None, batch=None, seq_len=None, **common))
+    check = model_of(argparse.Namespace(config=None, config_default="toy", **common))
+    assert floor == check and floor.n_experts == 128 and floor.n_layers == 1

@@ -39,7 +39,7 @@ from weight_sync_bench.model.config import (
     SHIPPED_HF_CONFIGS,
     ModelConfig,
     config_by_name,
-    hf_config_path,
+    hf_config_file,
 )
 
 MODEL_HELP = ("--hf-config PATH reads a Hugging Face config.json (or names a shipped one: "
@@ -84,11 +84,8 @@ def hf_model(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConf
 
 
 def _hf_path(args: argparse.Namespace) -> Path:
-    """``--hf-config``'s file: the path given, else the shipped config of that name."""
-    path = Path(args.hf_config)
-    if not path.exists() and args.hf_config in SHIPPED_HF_CONFIGS:
-        path = hf_config_path(args.hf_config)
-    return path
+    """``--hf-config``'s file (``model.config.hf_config_file``)."""
+    return hf_config_file(args.hf_config)
 
 
 def model_of(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConfig:

@@ -23,7 +23,7 @@ from weight_sync_bench.cli.output import (
     side_by_side,
 )
 from weight_sync_bench.errors import FloorNotMeasured, InvalidConfig
-from weight_sync_bench.model.config import ModelConfig, config_by_name
+from weight_sync_bench.model.config import ModelConfig, config_by_name, hf_config_file
 from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.artifacts import (
     artifact_path,
@@ -128,7 +128,7 @@ def geometry_config(args: argparse.Namespace) -> ModelConfig:
             raise InvalidConfig("geometry: --layers and --vocab apply to --hf-config only")
         config = config_by_name(args.config)
     else:
-        config = ModelConfig.from_hf_config(args.hf_config, n_layers=args.layers,
+        config = ModelConfig.from_hf_config(hf_config_file(args.hf_config), n_layers=args.layers,
                                             vocab=args.vocab)
     shape = {k: v for k, v in (("batch", args.batch), ("seq_len", args.seq_len)) if v}
     return config.replace(**shape) if shape else config

@@ -544,6 +544,15 @@ def hf_config_path(name: str) -> Path:
     return Path(__file__).resolve().parent / "hf_configs" / f"{name}.json"
 
 
+def hf_config_file(given: str | Path) -> Path:
+    """What a command's ``--hf-config`` names: the path given, else (no such file) the
+    shipped ``config.json`` of that name (``llama3_8b``, ``qwen3_30b_a3b``, ...)."""
+    path = Path(given)
+    if not path.exists() and str(given) in SHIPPED_HF_CONFIGS:
+        return hf_config_path(str(given))
+    return path
+
+
 def shipped_hf_config(name: str, *, shrink: int = 1, n_layers: int | None = None,
                       vocab: int | None = None) -> ModelConfig:
     """A shipped HF geometry (``HF_CONFIGS``), optionally reduced for fast checks: hidden
