@@ -141,10 +141,14 @@ def rejected_layouts(draw: st.DrawFn) -> Rejection:
 @dataclass(frozen=True)
 class MoeNeeds:
     """What an MoE geometry must have for an MoE conversion mutation to be live in it: a
-    selection bias (``router_bias``), a gated shared expert (``shared_gate``), q/k norms over
-    two layers or more (``qk_norm``), square experts (``square``: expert_ffn == d_model), an
-    odd number of experts (``odd_experts``: vLLM's linear map over 2 or 4 EP ranks has a
-    remainder), two KV heads or more (``min_kv_heads``: a TP (and EP) degree of 2)."""
+    selection bias and fewer experts chosen than there are (``router_bias``), a gated shared
+    expert (``shared_gate``), q/k norms over two layers or more (``qk_norm``), square experts
+    (``square``: expert_ffn == d_model, a multiple of n_kv_heads), an odd number of experts
+    (``odd_experts``: vLLM's linear map over 2 or 4 EP ranks has a remainder), two KV heads
+    or more (``min_kv_heads``: a TP (and EP) degree of 2), four experts or more
+    (``min_experts``), experts 8 wide or more per KV head (``wide_experts``), a shared expert
+    8 wide or more per KV head (``wide_shared``: its gate halved moved the logits by 3.8x the
+    threshold at width 1 in the MoE validation, ``tolerance/random_floor_1a_moe.json``)."""
 
     router_bias: bool = False
     shared_gate: bool = False
@@ -154,6 +158,7 @@ class MoeNeeds:
     min_kv_heads: int = 1
     min_experts: int = 2
     wide_experts: bool = False
+    wide_shared: bool = False
 
 
 @st.composite
@@ -178,17 +183,24 @@ def moe_geometries(draw: st.DrawFn, domain: FuzzDomain = DOMAIN,
                                 vocab=config.vocab // config.n_kv_heads * kv)
     if needs.qk_norm and config.n_layers < 2:
         config = config.replace(n_layers=2)
+    if needs.square and config.d_model % kv:  # square experts: d_model a multiple of kv too
+        widths = [d for d in range(domain.d_model.lo, domain.d_model.top + 1,
+                                   domain.d_model.step) if d % kv == 0]
+        config = config.replace(d_model=max([d for d in widths if d <= config.d_model],
+                                            default=widths[0]))
     counts = [e for e in range(max(moe.n_experts.lo, needs.min_experts), moe.n_experts.top + 1)
               if not needs.odd_experts or e % 2]
     e = draw(st.sampled_from(counts))
-    top_k = draw(st.integers(moe.top_k.lo, min(moe.top_k.top, e)))
+    # a selection bias selects only where fewer experts are chosen than there are
+    top_k = draw(st.integers(moe.top_k.lo, min(moe.top_k.top, e - 1 if needs.router_bias else e)))
     router = "sigmoid" if needs.router_bias else draw(st.sampled_from(("softmax", "sigmoid")))
     groups = [g for g in range(1, e + 1) if e % g == 0 and (g == 1 or e // g >= 2)]
     n_groups = draw(st.sampled_from(groups))
     keep = [k for k in range(1, n_groups + 1) if top_k <= k * (e // n_groups)]
     topk_groups = draw(st.sampled_from(keep)) if n_groups > 1 else 1
     kv = config.n_kv_heads
-    shared = kv * draw(st.integers(max(moe.shared_ffn_per_kv_head.lo, 1 if needs.shared_gate
+    shared = kv * draw(st.integers(max(moe.shared_ffn_per_kv_head.lo,
+                                       8 if needs.wide_shared else 1 if needs.shared_gate
                                        else 0), moe.shared_ffn_per_kv_head.top))
     qk_norm = needs.qk_norm or draw(st.booleans())
     dense = draw(st.integers(moe.dense_layers.lo, min(moe.dense_layers.top, config.n_layers - 1)))

@@ -35,7 +35,7 @@ from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN, FuzzDomain, IntRan
 from weight_sync_bench.model.config import ModelConfig
 
 __all__ = ["Needs", "conversion_cases", "conversion_geometries", "endpoints",
-           "moe_conversion_cases", "moe_endpoints", "needs_for"]
+           "moe_conversion_cases", "moe_endpoints", "moe_needs_for", "needs_for"]
 
 REPLICATION = (1, 2, 4)  # KV-head replication factors k: vLLM at t = k * n_kv_heads
 
@@ -205,9 +205,18 @@ _MOE_NEEDS = {
     "fc1_etp_rank_concat": MoeNeeds(min_kv_heads=2),
     "fc2_split_on_wrong_dim": MoeNeeds(min_kv_heads=2),
     "expert_transposed_twice": MoeNeeds(square=True),
-    "shared_gate_dropped": MoeNeeds(shared_gate=True),
+    "shared_gate_dropped": MoeNeeds(shared_gate=True, wide_shared=True),
     "qk_norm_from_next_layer": MoeNeeds(qk_norm=True),
 }
+
+
+def moe_needs_for(mutation: str | None) -> MoeNeeds:
+    """What an MoE geometry needs for ``mutation`` (an MoE conversion mutation) to be live
+    somewhere in it; ``MoeNeeds()`` for none, or for a mutation live in every MoE geometry."""
+    if mutation is not None and mutation not in CONVERSION_MUTATIONS:
+        raise ValueError(f"unknown conversion mutation {mutation!r}; known: "
+                         f"{', '.join(CONVERSION_MUTATIONS)}")
+    return _MOE_NEEDS.get(mutation, MoeNeeds()) if mutation is not None else MoeNeeds()
 
 
 def _moe_pairs(config: ModelConfig, mutation: str | None) -> list[tuple[Endpoint, Endpoint]]:
@@ -231,8 +240,7 @@ def moe_conversion_cases(draw: st.DrawFn, mutation: str | None = None,
     mutation applies, and is live where possible), a seed. The case names each end by its
     whole endpoint (``megatron:tp=2,ep=4``) and world size. Shrinks toward the smallest
     geometry, the smallest worlds and seed 0."""
-    needs = _MOE_NEEDS.get(mutation, MoeNeeds()) if mutation is not None else MoeNeeds()
-    config = draw(moe_geometries(domain, moe, needs))
+    config = draw(moe_geometries(domain, moe, moe_needs_for(mutation)))
     src, dst = draw(st.sampled_from(_moe_pairs(config, mutation)))
     return ConversionCase(config=config, src_convention=str(src), src=src.world,
                           dst_convention=str(dst), dst=dst.world, seed=draw(seeds(domain)),

@@ -220,6 +220,29 @@ class MoeDomain:
     def contains(self, config: ModelConfig, dense: FuzzDomain = DOMAIN) -> bool:
         return not self.violations(config, dense)
 
+    def smallest(self, dense: FuzzDomain = DOMAIN) -> ModelConfig:
+        """``dense.smallest()`` with the fewest, narrowest experts, top-1, a softmax router,
+        no shared expert and no dense layer: what ``moe_geometries`` shrinks toward."""
+        base = dense.smallest()
+        return base.replace(name="fuzz_moe", n_experts=self.n_experts.lo, top_k=self.top_k.lo,
+                            expert_ffn=base.n_kv_heads * self.expert_ffn_per_kv_head.lo,
+                            shared_ffn=base.n_kv_heads * self.shared_ffn_per_kv_head.lo,
+                            dense_layers=self.dense_layers.lo)
+
+    def largest(self, dense: FuzzDomain = DOMAIN) -> ModelConfig:
+        """``dense.largest()`` with every MoE range at its top and every option on: a sigmoid
+        router with a selection bias over two groups (one kept), renormalised weights, a gated
+        shared expert, q/k norms and a dense first layer (the most a forward computes)."""
+        base = dense.largest()
+        kv, e = base.n_kv_heads, self.n_experts.top
+        return base.replace(name="fuzz_moe", n_experts=e, top_k=self.top_k.top,
+                            expert_ffn=kv * self.expert_ffn_per_kv_head.top,
+                            shared_ffn=kv * self.shared_ffn_per_kv_head.top, shared_gate=True,
+                            router="sigmoid", router_bias=True, n_groups=2,
+                            topk_groups=1 if self.top_k.top <= e // 2 else 2, norm_topk=True,
+                            qk_norm=True, dense_layers=min(self.dense_layers.top,
+                                                           base.n_layers - 1))
+
     def to_json(self) -> dict[str, Any]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
