@@ -5,7 +5,8 @@
   running process differs from where a floor was measured;
 - ``phase``, ``training``, ``sampled``: what each kind of floor records, built from what its
   measuring loop measured (``check.floor``, ``training.floor``, ``fuzz.floor``), and the
-  thresholds (or rule, for fuzzed geometries) each implies;
+  thresholds (or rule, for fuzzed geometries) each implies; ``sampled_moe``: that rule
+  validated on the Mixture-of-Experts forwards;
 - ``kernels``: floors measured under every CPU kernel set and on every CPU vendor, merged;
 - ``artifacts``: where each kind lives, the environment a measurement records, reading and
   writing.

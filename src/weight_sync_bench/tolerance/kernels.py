@@ -38,6 +38,7 @@ from weight_sync_bench.tolerance.artifacts import (
 )
 from weight_sync_bench.tolerance.rules import derive_threshold
 from weight_sync_bench.tolerance.sampled import SampledRule, rederive, validated
+from weight_sync_bench.tolerance.sampled_moe import validated_moe
 
 # The values ATEN_CPU_CAPABILITY takes on the CPUs this harness runs on (x86-64 and
 # aarch64); a value the CPU cannot run makes torch fall back, which ``available`` detects.
@@ -299,6 +300,18 @@ def merge_replicated_kv(artifact: dict[str, Any], floors: dict[str, list[float]]
     out = merge_samples(artifact, floors, environment_now)
     rule = rule or SampledRule(**artifact["validated"]["rule"])
     return validated(out, rule)
+
+
+def merge_moe(artifact: dict[str, Any], floors: dict[str, list[float]],
+              environment_now: dict[str, Any], rule: SampledRule | None = None
+              ) -> dict[str, Any]:
+    """``merge_replicated_kv`` for the MoE validation (``tolerance.sampled_moe``): every
+    sample's floor the worst of its first measurement and each kernel set's, the figures of
+    ``rule`` (default: the one validated before) derived again. The routing deviations, near
+    ties and kills are the first measurement's, as a validation's mutation deviations are.
+    Pure."""
+    out = merge_samples(artifact, floors, environment_now)
+    return validated_moe(out, rule or SampledRule(**artifact["validated"]["rule"]))
 
 
 def sample_floors(artifact: dict[str, Any]) -> dict[str, list[float]]:
