@@ -53,6 +53,29 @@ def test_mutants_prints_the_kill_matrix(capsys):
     assert out.splitlines()[1].startswith("lm_head_reversed") and "x" in out.splitlines()[1]
 
 
+def test_fuzz_moe_runs_the_moe_properties_and_counts_their_near_ties(capsys, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path / "corpus"))
+    summary = tmp_path / "summary.json"
+    assert wsb("fuzz", "--moe", "--examples", "1", "--seed", "4", "--summary",
+               str(summary)) == 0
+    out = capsys.readouterr().out
+    assert "moe_convert_kill[router_bias_negated]" in out and "near ties (MoE):" in out
+    data = json.loads(summary.read_text())
+    assert {p["property"] for p in data["properties"]} == {"moe_convert", "moe_convert_kill"}
+    assert len(data["properties"]) == 12 and data["totals"]["failures"] == 0
+    assert data["near_ties"]["failed"] == 0 and data["near_ties"]["of_choices"] > 0
+    with pytest.raises(WsbError, match="--moe runs every MoE property"):
+        wsb("fuzz", "--moe", "--mutation", "w13_halves_swapped")
+
+
+def test_mutants_reports_an_moe_mutations_smallest_kill_ratio(capsys):
+    assert wsb("mutants", "--examples", "2", "--seed", "3", "--mutation",
+               "router_bias_negated") == 0
+    row = capsys.readouterr().out.splitlines()[1]
+    assert row.startswith("router_bias_negated") and row.split()[4].endswith("x")
+
+
 def test_find_smallest_writes_the_mutation_at_its_smallest_geometry(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path))
     assert wsb("fuzz", "--find-smallest", "embedding_reversed") == 0

@@ -172,7 +172,8 @@ LAYOUT_ERRORS = [
     ("schema", 2, "schema", "field 'schema' is 2, this code reads 1"),
     ("property", 5, "property", "field 'property' is 5, expected str"),
     ("property", "bogus", "property",
-     "field 'property' is 'bogus', expected one of invariant, kill, convert, convert_kill"),
+     "field 'property' is 'bogus', expected one of invariant, kill, convert, convert_kill, "
+     "moe_convert, moe_convert_kill"),
     ("case.geometry.vocab", DROP, "case.geometry.vocab", "missing field 'case.geometry.vocab'"),
     ("case.geometry.d_model", 8.0, "case.geometry.d_model",
      "field 'case.geometry.d_model' is 8.0, expected int"),
@@ -234,9 +235,11 @@ LAYOUT_ERRORS = [
 ]
 CONVERSION_ERRORS = [
     ("case.conventions.src", "nope", "case.conventions.src",
-     f"field 'case.conventions.src' is 'nope', expected one of {CONVENTION_NAMES}"),
+     f"field 'case.conventions.src' is 'nope', expected one of {CONVENTION_NAMES} (or a "
+     "whole endpoint, megatron:tp=2,ep=4)"),
     ("case.conventions.dst", DROP, "case.conventions.dst",
-     f"field 'case.conventions.dst' is None, expected one of {CONVENTION_NAMES}"),
+     f"field 'case.conventions.dst' is None, expected one of {CONVENTION_NAMES} (or a "
+     "whole endpoint, megatron:tp=2,ep=4)"),
     ("case.degrees.src", DROP, "case.degrees.src", "missing field 'case.degrees.src'"),
     ("case.degrees.dst", "2", "case.degrees.dst", "field 'case.degrees.dst' is '2', expected int"),
     ("case.conventions.dst", "hf", "case.degrees.dst",

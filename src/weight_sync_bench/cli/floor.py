@@ -6,13 +6,14 @@
     wsb floor random --random N [--search M --keep K] [--seed S] [--phase P]
     wsb floor random --from PATH                 # an artifact's samples, every kernel set
     wsb floor replicated-kv [--geometries N] [--seed S] | --from PATH
+    wsb floor moe [--geometries N] [--seed S] | --from PATH
       ... [--kernel-sets all|current] (--out PATH | --write) [--force]
 
 Each kind's measuring loop stays beside what it measures (``check.floor``,
 ``training.floor``, ``training.sequence_floor``, ``fuzz.floor``); ``tolerance`` records
 the measurement, merges it over kernel sets and machine classes and derives the threshold.
 This module is the command's parser; ``cli.floor_measure`` runs phase, training, sequence
-and geometry, ``cli.floor_samples`` random and replicated-kv, ``cli.floor_report`` prints.
+and geometry, ``cli.floor_samples`` random, replicated-kv and moe, ``cli.floor_report`` prints.
 Every measurement runs under each CPU kernel set this machine can use (``--kernel-sets
 all``, the default: one process per ``ATEN_CPU_CAPABILITY``, ``tolerance.kernels``), with a
 progress line and an ETA on stderr; written over an artifact measured on another vendor's
@@ -24,7 +25,8 @@ without ``--force``; the old and new figures are printed side by side.
 Without a kind, ``wsb floor`` is ``wsb floor random`` (``wsb floor --random N``, ``wsb floor
 --kernel-sets all --from PATH``, as it always read); ``python -m weight_sync_bench.tolerance
 [kind] ...`` is ``wsb floor`` with ``phase`` the default kind, and ``python -m
-weight_sync_bench.fuzz.floor replicated-kv ...`` is ``wsb floor replicated-kv ...``.
+weight_sync_bench.fuzz.floor replicated-kv ...`` is ``wsb floor replicated-kv ...`` (and
+``moe``, ``wsb floor moe``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from weight_sync_bench.model.config import CONFIGS, DTYPES, MOE_CONFIGS
 from weight_sync_bench.tolerance.artifacts import PHASES
 from weight_sync_bench.training import floor as training_floor
 
-KINDS = ("phase", "random", "geometry", "replicated-kv", "training", "sequence")
+KINDS = ("phase", "random", "geometry", "replicated-kv", "moe", "training", "sequence")
 
 
 def as_floor_argv(argv: list[str], default_kind: str = "phase") -> list[str]:
@@ -139,6 +141,22 @@ def _replicated_options() -> argparse.ArgumentParser:
     return parser
 
 
+def _moe_options() -> argparse.ArgumentParser:
+    from weight_sync_bench.fuzz.floor import MOE_GEOMETRIES, MOE_SEED
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--phase", default="1a", choices=["1a"])
+    parser.add_argument("--geometries", type=count, default=MOE_GEOMETRIES,
+                        help=f"MoE geometries to draw (default {MOE_GEOMETRIES})")
+    parser.add_argument("--seed", type=seed, default=MOE_SEED,
+                        help=f"the draw's Hypothesis seed (default {MOE_SEED})")
+    parser.add_argument("--from", dest="source", type=Path, default=None, metavar="PATH",
+                        help="re-measure the samples of the validation at PATH instead of "
+                             "drawing new ones")
+    _where(parser, "replace a validation that holds other CPU vendors' figures")
+    return parser
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``floor`` and its kinds to ``wsb``."""
     floor = subparsers.add_parser(
@@ -157,6 +175,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             ("geometry", _measure_options, "one geometry's floor (tolerance/geometry/)"),
             ("replicated-kv", _replicated_options, "the random-geometry rule validated on "
                                                    "vLLM's replicated-KV forward"),
+            ("moe", _moe_options, "the random-geometry rule validated on the Mixture-of-Experts "
+                                  "forwards (tolerance/random_floor_<P>_moe.json)"),
             ("training", _measure_options, "the training floors (training[_1b].json)"),
             ("sequence", _measure_options, "the SP / CP training floors (sequence[_1b].json)")):
         kinds.add_parser(kind, parents=[parent()], help=text, description=text)
@@ -172,6 +192,8 @@ def cmd_floor(args: argparse.Namespace) -> int:
                 return floor_samples.measure_random(args, line)
             case "replicated-kv":
                 return floor_samples.measure_replicated(args, line)
+            case "moe":
+                return floor_samples.measure_moe(args, line)
             case "geometry":
                 return floor_measure.measure_geometry(args, line)
             case _:

@@ -82,11 +82,37 @@ def validation_table(artifact: dict[str, Any]) -> str:
          f"{v['min_kill_ratio']:.0f}x", ", ".join(map(str, v["degrees"]))]]))
 
 
+def moe_table(artifact: dict[str, Any]) -> str:
+    """An MoE validation's figures under the rule it validated: the floors, the routing
+    deviations and near ties, the forwards covered, then each MoE mutation's smallest kill."""
+    v = artifact["validated"]
+    rule = SampledRule(**v["rule"])
+    near = v["near_ties"]
+    lines = aligned([
+        ["rule", "references", "samples", "false positives", "min headroom", "worst route",
+         "route headroom", "near-tied references", "near-tied choices"],
+        [str(rule), str(v["references"]), str(v["samples"]), str(v["false_positives"]),
+         f"{v['min_headroom']:.0f}x", f"{v['worst_route']:.3g}",
+         f"{v['min_route_headroom']:.0f}x", str(near["references"]),
+         f"{near['choices']} of {near['of']}"]])
+    lines.append("forwards: " + ", ".join(f"{w} ranks {f}" for w, f in v["forwards"])
+                 + f"; tokens per sequence: {', '.join(map(str, v['seq_lens']))}")
+    rows = [["mutation", "live", "min kill ratio", "at", "drawn for it: live",
+             "min kill ratio", "hidden from the forward"]]
+    for name, kill in v["kills"].items():
+        hidden = v["selection_unchanged"].get(name, 0) + v["unrouted"].get(name, 0)
+        rows.append([name, str(kill["live"]), f"{kill['min_ratio']:.3g}x",
+                     f"{kill['at']} (d_model {kill['d_model']})", str(kill["drawn_live"]),
+                     f"{kill['drawn_min_ratio']:.3g}x" if kill["drawn_live"] else "-",
+                     str(hidden)])
+    return "\n".join(lines + [""] + aligned(rows))
+
+
 def figures(kind: str, artifact: dict[str, Any]) -> list[tuple[str, str]]:
     """The numbers a reader compares between two measurements of one kind: the sample
     and the thresholds (or rule) it implies, re-derived from the record."""
     try:
-        if kind in ("random", "replicated-kv"):
+        if kind in ("random", "replicated-kv", "moe"):
             rows = [("geometries", f"{artifact.get('geometries', '?')} (+"
                                    f"{artifact.get('searched', 0)} searched of "
                                    f"{artifact.get('search_examples', 0)})"),
@@ -95,8 +121,13 @@ def figures(kind: str, artifact: dict[str, Any]) -> list[tuple[str, str]]:
                 return rows + [("rule", str(rule_from(artifact)).split(": ", 1)[-1]
                                 + f" ({artifact.get('chosen')})")]
             v = artifact["validated"]
-            return rows + [("false positives", str(v["false_positives"])),
-                           ("min headroom", f"{v['min_headroom']:.0f}x")]
+            rows += [("false positives", str(v["false_positives"])),
+                     ("min headroom", f"{v['min_headroom']:.0f}x")]
+            if kind == "moe":
+                rows += [("route headroom", f"{v['min_route_headroom']:.0f}x"),
+                         ("min kill ratio", f"{v['min_kill_ratio']:.3g}x"),
+                         ("min kill ratio, drawn for it", f"{v['min_drawn_kill_ratio']:.3g}x")]
+            return rows
         rows = [("repetitions", str(artifact.get("repetitions", "?")))]
         if kind in ("phase", "geometry"):
             return rows + [("cells", str(len(artifact["cells"]))),

@@ -1,13 +1,15 @@
-"""``wsb floor random | replicated-kv``: floor samples on random geometries of the fuzz domain
-(``fuzz.floor``), drawn anew or the samples of an artifact measured again; under every CPU
-kernel set, a process each re-measuring every sample (``--from PATH --kernel-sets
+"""``wsb floor random | replicated-kv | moe``: floor samples on random geometries of the fuzz
+domain (``fuzz.floor``), drawn anew or the samples of an artifact measured again; under every
+CPU kernel set, a process each re-measuring every sample (``--from PATH --kernel-sets
 current``), merged into the artifact beside the kernel sets and CPU vendors it holds
-(``tolerance.kernels.merge_kernel_sets``)."""
+(``tolerance.kernels.merge_kernel_sets``; a validation's, ``merge_replicated_kv`` and
+``merge_moe``)."""
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ from weight_sync_bench.tolerance.sampled import (
     replicated_kv_path,
     rule_from,
 )
+from weight_sync_bench.tolerance.sampled_moe import load_moe, moe_path
 
 # -- random: floor samples on random geometries
 
@@ -124,10 +127,11 @@ def _random_again(args: argparse.Namespace, line: ProgressLine) -> int:
 
 def _samples_here(kind: str, source: Path, phase: str, path: Path, line: ProgressLine) -> int:
     """The samples of the artifact at ``source`` (a random-geometry floor, or a ``kind``
-    ``replicated-kv`` validation) measured again under the kernel set this process runs and
-    merged into it: one kernel set's part of ``_samples_per_kernel_set``."""
+    ``replicated-kv`` or ``moe`` validation) measured again under the kernel set this process
+    runs and merged into it: one kernel set's part of ``_samples_per_kernel_set``."""
     from weight_sync_bench.fuzz.floor import (
         remeasure_floors,
+        remeasure_moe_floors,
         remeasure_replicated_floors,
     )
 
@@ -135,6 +139,9 @@ def _samples_here(kind: str, source: Path, phase: str, path: Path, line: Progres
     if kind == "random":
         floors = remeasure_floors(measured, forward=phase_forward(phase), progress=ticker(line))
         merge = kernels.merge_kernel_sets
+    elif kind == "moe":
+        floors = remeasure_moe_floors(measured, progress=ticker(line))
+        merge = kernels.merge_moe
     else:
         floors = remeasure_replicated_floors(measured, progress=ticker(line))
         merge = kernels.merge_replicated_kv
@@ -149,15 +156,15 @@ def _samples_per_kernel_set(kind: str, source: Path, phase: str, scratch: Path,
     """The samples of the artifact at ``source`` measured again under every kernel set (a
     process each: ``wsb floor <kind> --from source --kernel-sets current``), merged into it
     (``kernels.merge_kernel_sets``; a validation's figures under the rule in force,
-    ``kernels.merge_replicated_kv``)."""
+    ``kernels.merge_replicated_kv`` and ``kernels.merge_moe``)."""
     floors: dict[str, list[float]] = {}
     for measured in each_kernel_set([kind, "--phase", phase, "--from", str(source)], scratch,
                                     line):
         floors.update(kernels.sample_floors(measured))
     if kind == "random":
         return kernels.merge_kernel_sets(read_json(source), floors, environment())
-    return kernels.merge_replicated_kv(read_json(source), floors, environment(),
-                                       rule_from(load_random_floor(phase)))
+    merge = kernels.merge_moe if kind == "moe" else kernels.merge_replicated_kv
+    return merge(read_json(source), floors, environment(), rule_from(load_random_floor(phase)))
 
 def _write_samples(kind: str, artifact: dict[str, Any], path: Path,
                    old: dict[str, Any] | None, line: ProgressLine, *,
@@ -168,6 +175,8 @@ def _write_samples(kind: str, artifact: dict[str, Any], path: Path,
     line.close()
     if kind == "random":
         print(report.rules_table(artifact))
+    elif kind == "moe":
+        print(report.moe_table(artifact))
     else:
         print(report.validation_table(artifact))
     if "kernel_sets" in artifact:
@@ -201,24 +210,57 @@ def measure_replicated(args: argparse.Namespace, line: ProgressLine) -> int:
         measure_replicated_kv,
     )
 
-    path = args.out or replicated_kv_path(args.phase)
+    return _measure_validation(
+        "replicated-kv", args, line, path=args.out or replicated_kv_path(args.phase),
+        load=load_replicated_kv, what="the replicated-KV validation",
+        measure=lambda: measure_replicated_kv(
+            draw_replicated_geometries(args.geometries, args.seed), phase=args.phase,
+            seed=args.seed, progress=ticker(line)))
+
+
+# -- moe: the rule validated on the Mixture-of-Experts forwards
+
+
+def measure_moe(args: argparse.Namespace, line: ProgressLine) -> int:
+    """``moe``: the validation drawn anew (``--geometries N --seed S``: MoE geometries drawn
+    as the MoE fuzz draws them, ``fuzz.runner.draw_moe_cases``), or the samples of one
+    measured again (``--from PATH``), under every kernel set."""
+    import hypothesis
+
+    from weight_sync_bench.fuzz.floor import measure_moe as sample
+    from weight_sync_bench.fuzz.runner import draw_moe_cases
+
+    draw = (f"fuzz.runner.draw_moe_cases({args.geometries}, seed={args.seed}) under "
+            f"Hypothesis {hypothesis.__version__}")
+    return _measure_validation(
+        "moe", args, line, path=args.out or moe_path(args.phase), load=load_moe,
+        what="the MoE validation",
+        measure=lambda: sample(draw_moe_cases(args.geometries, seed=args.seed),
+                               phase=args.phase, hypothesis_seed=args.seed, draw=draw,
+                               progress=ticker(line)))
+
+
+def _measure_validation(kind: str, args: argparse.Namespace, line: ProgressLine, *,
+                        path: Path, load: Callable[[str, Path], dict[str, Any]], what: str,
+                        measure: Callable[[], dict[str, Any]]) -> int:
+    """A validation of the random-geometry rule on another forward (``kind``
+    ``replicated-kv`` or ``moe``): ``measure()`` drawn anew, or the samples of ``--from PATH``
+    measured again, under every kernel set (or the running one), written to ``path``."""
     old = guard_target(path, named=args.out is not None, write=args.write,
-                       command="measuring the replicated-KV validation")
+                       command=f"measuring {what}")
     if args.source is not None:
-        load_replicated_kv(args.phase, args.source)  # a typed error for a missing file
+        load(args.phase, args.source)  # a typed error for a missing file
         if args.kernel_sets == "current":
-            return _samples_here("replicated-kv", args.source, args.phase, path, line)
-        with tempfile.TemporaryDirectory(prefix="wsb-replicated-") as scratch:
-            artifact = _samples_per_kernel_set("replicated-kv", args.source, args.phase,
-                                               Path(scratch), line)
-        return _write_samples("replicated-kv", artifact, path, old, line)
-    _new_draw_over(old, path, "replicated-kv", force=args.force)
-    artifact = measure_replicated_kv(draw_replicated_geometries(args.geometries, args.seed),
-                                     phase=args.phase, seed=args.seed, progress=ticker(line))
+            return _samples_here(kind, args.source, args.phase, path, line)
+        with tempfile.TemporaryDirectory(prefix=f"wsb-{kind}-") as scratch:
+            artifact = _samples_per_kernel_set(kind, args.source, args.phase, Path(scratch),
+                                               line)
+        return _write_samples(kind, artifact, path, old, line)
+    _new_draw_over(old, path, kind, force=args.force)
+    artifact = measure()
     if args.kernel_sets == "all":
-        with tempfile.TemporaryDirectory(prefix="wsb-replicated-") as scratch:
+        with tempfile.TemporaryDirectory(prefix=f"wsb-{kind}-") as scratch:
             first = Path(scratch) / "artifact.json"
             write_artifact(artifact, first)
-            artifact = _samples_per_kernel_set("replicated-kv", first, args.phase,
-                                               Path(scratch), line)
-    return _write_samples("replicated-kv", artifact, path, old, line)
+            artifact = _samples_per_kernel_set(kind, first, args.phase, Path(scratch), line)
+    return _write_samples(kind, artifact, path, old, line)

@@ -1,6 +1,7 @@
 """``wsb fuzz``, ``wsb mutants``, ``wsb replay``: the fuzz layer's commands.
 
     wsb fuzz [--minutes M | --examples N] [--phase 1a|1b] [--profile P] [--mutation NAME ...]
+    wsb fuzz --moe [--minutes M | --examples N]
     wsb fuzz --splitter | --resharder MOD:FN [--src S] [--dst D] [--max-d-model N]
              [--kv-heads LO-HI] [--no-gqa | --gqa-only] [--vocab-multiple K] [--domain F=LO-HI]
     wsb fuzz --converter MOD:FN --from CONVENTION[:T] --to CONVENTION[:T] [domain options]
@@ -164,8 +165,16 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
 
     budget = ({"examples": args.examples} if args.examples is not None
               else {"minutes": args.minutes if args.minutes is not None else 1.0})
+    work = None
+    if args.moe:
+        from weight_sync_bench.fuzz.runner import moe_targets
+
+        if args.mutation or args.phase != "1a":
+            raise WsbError("--moe runs every MoE property in process: drop --mutation (or "
+                           "name MoE mutations with --mutation alone) and --phase")
+        work = moe_targets()
     report = _run_fuzz(args, out, mutations=args.mutation, invariant=not args.mutation,
-                       chunk=args.chunk, **budget)
+                       chunk=args.chunk, work=work, **budget)
     summary, line = _write_summary(report, args, "fuzz", budget)
     return _finish(report, out, failed=bool(report.failures), matrix=False, extra=[line],
                    summary=summary)
@@ -361,6 +370,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     budget.add_argument("--find-smallest", action="append", choices=list(MUTATIONS),
                         metavar="MUTATION", help="shrink the invariant's failure under this "
                         "mutation to its smallest geometry and write it to corpus/")
+    fuzz.add_argument("--moe", action="store_true",
+                      help="only the Mixture-of-Experts properties: moe_convert (the harness's "
+                           "converter between MoE endpoints) and every MoE mutation's "
+                           "moe_convert_kill; the summary counts their near ties")
     common(fuzz)
     own = fuzz.add_argument_group(
         "your own function", "fuzz your splitter, resharder or converter instead of the "

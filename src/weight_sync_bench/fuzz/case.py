@@ -18,6 +18,13 @@ a conversion mutation (``conventions.mutations``) applied to its output. Two mor
   and the destination's forward (reading them as that framework does) passes;
 - ``convert_kill``: ``kill``, for a conversion mutation.
 
+``moe_convert`` and ``moe_convert_kill`` make the same two claims on Mixture-of-Experts
+geometries, between their MoE endpoints (``conventions.moe_endpoints``: expert parallelism,
+expert-TP, the engines' expert layouts), for the MoE conversion mutations. Each of their
+outcomes carries how many of the reference's expert choices were near-tied
+(``Outcome.near_ties``: within the threshold of flipping, where the routing check kept the
+reference's choice), which the runner tallies.
+
 ``footprint`` estimates what running a case costs, from the geometry alone (no tensor is
 made, and nothing loops over layers), so a replay can refuse a case before allocating it.
 """
@@ -27,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import torch
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,16 +41,24 @@ from weight_sync_bench.check.checker import Checker, Forward, ThresholdRule
 from weight_sync_bench.check.convert import ConversionChecker
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import KILL_MARGIN, mutation_by_name
-from weight_sync_bench.conventions.mutations import ROUTER_BIAS
 from weight_sync_bench.errors import InvalidConfig
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
-from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule, require_replicated_kv
+from weight_sync_bench.fuzz.routing import forward_unchanged
+from weight_sync_bench.fuzz.threshold import (
+    FuzzThreshold,
+    fuzz_threshold_rule,
+    require_moe,
+    require_replicated_kv,
+)
 from weight_sync_bench.layout.reshard import reshard
 from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
-from weight_sync_bench.model.reference import ReferenceModel
 
-PROPERTIES = ("invariant", "kill", "convert", "convert_kill")
-CONVERSION_PROPERTIES = ("convert", "convert_kill")
+PROPERTIES = ("invariant", "kill", "convert", "convert_kill", "moe_convert", "moe_convert_kill")
+CONVERSION_PROPERTIES = ("convert", "convert_kill", "moe_convert", "moe_convert_kill")
+MOE_PROPERTIES = ("moe_convert", "moe_convert_kill")  # a conversion of an MoE geometry
+# The claim each property makes: the check passes, or the mutation is killed
+CLAIMS = {"invariant": "invariant", "kill": "kill", "convert": "invariant",
+          "convert_kill": "kill", "moe_convert": "invariant", "moe_convert_kill": "kill"}
 FLOAT_BYTES = 4  # fp32 everywhere
 # What the element counts miss, and a deep, thin geometry is made of: every parameter tensor
 # costs bookkeeping whatever its size (the tensor object, its storage, its entry in each
@@ -133,10 +147,14 @@ class Outcome:
     deviation: float  # max |sharded - reference| logit
     threshold: float
     shards_differ: bool  # the mutated shards differ from the declared split somewhere
-    # Why a selection-only mutation (a router's bias) changes nothing the forward computes on
-    # this example: no token's choice of experts moves (``run_conversion_case``). Only the
-    # bytes can show it there; the example counts as an identity one for the forward.
+    # Why an MoE mutation changes nothing the forward computes on this example's tokens: a
+    # router's bias that moves no token's choice, or experts no token is routed to
+    # (``fuzz.routing.forward_unchanged``). Only the bytes can show it there; the example
+    # counts as an identity one for the forward.
     unchanged: str | None = None
+    # An MoE example's (near-tied, all) (layer, token) expert choices of the reference: those
+    # within the threshold of flipping took the reference's choice (``RoutingGuard``)
+    near_ties: tuple[int, int] | None = None
 
     @property
     def identity_reason(self) -> str | None:
@@ -157,16 +175,16 @@ class Outcome:
         return not math.isfinite(self.deviation) or self.ratio >= KILL_MARGIN
 
     def holds(self, prop: str) -> bool:
-        """Whether ``prop`` ("invariant" or "kill") holds on this outcome."""
+        """Whether ``prop`` (one of ``PROPERTIES``) holds on this outcome."""
         if prop == "invariant":
             return self.check_passed
-        if prop in ("kill", "convert_kill"):
+        if CLAIMS.get(prop) == "kill":
             if self.case.identity_reason() is not None:
                 return self.check_passed and not self.shards_differ
             if self.unchanged is not None:  # the byte comparison catches it, not the forward
                 return self.shards_differ
             return self.killed
-        if prop == "convert":
+        if prop in ("convert", "moe_convert"):
             return self.check_passed and not self.shards_differ
         raise ValueError(f"unknown property {prop!r}; known: {', '.join(PROPERTIES)}")
 
@@ -289,13 +307,20 @@ def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None 
     destination's forward against the reference. A destination whose forward replicates
     KV heads (vLLM at t > n_kv_heads) is judged by the default rule only where a measurement
     of that forward validates it (``fuzz.threshold.require_replicated_kv``: ``FloorNotMeasured``
-    otherwise, naming the command); a ``threshold_rule`` given is the caller's."""
+    otherwise, naming the command); a ``threshold_rule`` given is the caller's. An MoE
+    geometry is judged by the fuzz's rule (none given, or a ``FuzzThreshold``: what the
+    runner passes) only where the MoE validation measured the destination's forward at its
+    world (``fuzz.threshold.require_moe``), refused before anything is drawn."""
     from weight_sync_bench.check.floor import REPLICATED_KV, forward_of
     from weight_sync_bench.conventions import convert
     from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
 
-    if threshold_rule is None and forward_of(case.conversion().dst.convention, case.config,
-                                             case.conversion().dst) == REPLICATED_KV:
+    target = case.conversion().dst
+    if case.config.n_experts:
+        if threshold_rule is None or isinstance(threshold_rule, FuzzThreshold):
+            require_moe(case.config, case.phase, where=target)
+    elif threshold_rule is None and forward_of(target.convention, case.config,
+                                               target) == REPLICATED_KV:
         require_replicated_kv(case.config, case.dst, case.phase)  # refused before any draw
     drawn = case
     mutation = conversion_mutation(case.mutation) if case.mutation is not None else None
@@ -315,25 +340,9 @@ def run_conversion_case(case: ConversionCase, checker: ConversionChecker | None 
     verdict = checker.verdict(shards, src=conversion.src, dst=conversion.dst,
                               mutation=case.mutation)
     unchanged = None
-    if mutation is not None and mutation.changes == ROUTER_BIAS:  # selection-only
-        unchanged = _selection_unchanged(checker, conversion, shards)
+    if mutation is not None and verdict.first_mismatch is not None:
+        unchanged = forward_unchanged(checker, conversion, mutation, shards)
     return Outcome(drawn, verdict.max_abs_error, verdict.threshold,
-                   shards_differ=verdict.first_mismatch is not None, unchanged=unchanged)
+                   shards_differ=verdict.first_mismatch is not None, unchanged=unchanged,
+                   near_ties=verdict.near_ties)
 
-
-def _selection_unchanged(checker: ConversionChecker, conversion, shards) -> str | None:
-    """Where the mutated selection bias moves no token's choice of experts at any layer (the
-    reference run again with the bias the destination holds): why, else None."""
-    from weight_sync_bench.conventions.maps import gather_canonical
-
-    config = checker.config
-    names = [n for n in config.param_shapes() if n.endswith("router.bias")]
-    held = gather_canonical(shards, conversion.dst.pieces(config), config.param_shapes(), names)
-    guard = checker.checker.guard
-    assert guard is not None and checker.checker.tokens is not None
-    model = ReferenceModel(config, {**checker.checker.full, **held})
-    model(checker.checker.tokens)
-    if all(torch.equal(model.routings[i].experts, guard.routings[i].experts)
-           for i in guard.routings):
-        return "the selection bias it leaves moves no token's choice of experts on these tokens"
-    return None

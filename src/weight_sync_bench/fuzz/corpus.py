@@ -51,7 +51,9 @@ from weight_sync_bench.errors import (
     CorruptCorpusEntry,
     InvalidConfig,
     InvalidNumber,
+    UnknownConvention,
     UnknownMutation,
+    UnsupportedLayout,
 )
 from weight_sync_bench.fuzz.case import (
     CONVERSION_PROPERTIES,
@@ -62,7 +64,7 @@ from weight_sync_bench.fuzz.case import (
     Outcome,
     footprint,
 )
-from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
+from weight_sync_bench.model.config import BOOL_FIELDS, MOE_FIELDS, VARIANT_FIELDS, ModelConfig
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.paths import corpus_dir
 from weight_sync_bench.tolerance.artifacts import PHASES, cpu_vendor, environment
@@ -172,6 +174,7 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
 
 _GEOMETRY = ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn", "batch",
              "seq_len")
+_MOE_TEXT = ("router", "moe_style")  # the MoE fields recorded as text, not as integers
 
 GIB = 2**30
 
@@ -238,6 +241,10 @@ def case_from(entry: Any, path: Path, limits: ReplayLimits | None = None) -> Cas
         if k in recorded:
             value = _field(entry, f"case.geometry.{k}", int, path)
             geometry[k] = value if k == "vocab_multiple" else bool(value)
+    if "n_experts" in recorded:  # an MoE geometry records every MoE field (ModelConfig.geometry)
+        for k in MOE_FIELDS:
+            value = _field(entry, f"case.geometry.{k}", str if k in _MOE_TEXT else int, path)
+            geometry[k] = bool(value) if k in BOOL_FIELDS else value
     conventions = (_field(entry, "case.conventions", dict, path)
                    if isinstance(entry.get("case"), dict) and "conventions" in entry["case"]
                    else None)
@@ -292,15 +299,33 @@ def _conversion_case_from(entry: Any, config: ModelConfig, conventions: dict[str
                           mutation: str | None, phase: str, seed: int, path: Path
                           ) -> ConversionCase:
     """A conversion entry's case (``case.conventions`` present): each end's convention named
-    and able to store the geometry at its degree, the mutation applying to the conversion."""
-    from weight_sync_bench.conventions import CONVENTIONS
+    and able to store the geometry at its degree, or a whole endpoint
+    (``megatron:tp=2,ep=4``, an MoE conversion's) that parses, stores the geometry and has as
+    many ranks as its degree says; the mutation applying to the conversion."""
+    from weight_sync_bench.conventions import CONVENTIONS, endpoint
 
     ends = {}
     for end in ("src", "dst"):
         name = conventions.get(end)
+        if isinstance(name, str) and ":" in name:  # a whole endpoint
+            degree = _field(entry, f"case.degrees.{end}", int, path)
+            try:
+                where = endpoint(name)
+                where.pieces(config)
+            except (UnknownConvention, UnsupportedLayout) as exc:
+                raise CorruptCorpusEntry(f"{path}: field 'case.conventions.{end}' is {name!r}: "
+                                         f"{exc}", path=str(path),
+                                         field=f"case.conventions.{end}") from None
+            if where.world != degree:
+                raise CorruptCorpusEntry(
+                    f"{path}: field 'case.degrees.{end}' is {degree}, the endpoint {name} has "
+                    f"{where.world} ranks", path=str(path), field=f"case.degrees.{end}")
+            ends[end] = (name, degree)
+            continue
         if not isinstance(name, str) or name not in CONVENTIONS:
             raise CorruptCorpusEntry(f"{path}: field 'case.conventions.{end}' is {name!r}, "
-                                     f"expected one of {', '.join(CONVENTIONS)}", path=str(path),
+                                     f"expected one of {', '.join(CONVENTIONS)} (or a whole "
+                                     "endpoint, megatron:tp=2,ep=4)", path=str(path),
                                      field=f"case.conventions.{end}")
         degree = _field(entry, f"case.degrees.{end}", int, path)
         if not CONVENTIONS[name].supports(config, degree):

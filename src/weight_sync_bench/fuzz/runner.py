@@ -37,6 +37,7 @@ from typing import Any
 
 import hypothesis
 from hypothesis import HealthCheck, Phase, event, example, given, settings, target
+from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
@@ -44,10 +45,12 @@ from weight_sync_bench.check.checker import Forward, ThresholdRule
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
 from weight_sync_bench.errors import InvalidNumber, MissingArtifacts, RankFailure, WsbError
-from weight_sync_bench.conventions.mutations import DENSE_MUTATIONS
+from weight_sync_bench.conventions.mutations import DENSE_MUTATIONS, MOE_MUTATIONS
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.fuzz.case import (
+    CLAIMS,
     CONVERSION_PROPERTIES,
+    MOE_PROPERTIES,
     Case,
     ConversionCase,
     Outcome,
@@ -55,7 +58,8 @@ from weight_sync_bench.fuzz.case import (
 )
 from weight_sync_bench.fuzz.corpus import load_corpus, make_entry, write_entry
 from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule
-from weight_sync_bench.fuzz.strategies import cases, geometries, seeds
+from weight_sync_bench.fuzz.domain import MOE_DOMAIN
+from weight_sync_bench.fuzz.strategies import cases, geometries, moe_geometries, seeds
 from weight_sync_bench.model.config import ModelConfig
 from weight_sync_bench.paths import corpus_dir, fuzz_dir
 
@@ -179,6 +183,13 @@ class Tally:
     worst_failing: Outcome | None = None  # before shrinking
     new_entries: list[Path] = field(default_factory=list)
     faults: list[HarnessFault] = field(default_factory=list)
+    # MoE examples (``Outcome.near_ties``): those whose reference had an expert choice within
+    # the threshold of flipping (the routing check kept the reference's there), how many such
+    # (layer, token) choices of how many, and how many of those examples the property failed on
+    near_tie_examples: int = 0
+    near_tie_choices: int = 0
+    routed_choices: int = 0
+    near_tie_failures: int = 0
 
     @property
     def label(self) -> str:
@@ -198,9 +209,16 @@ class Tally:
                 self.min_kill_ratio, self.min_kill_at = outcome.ratio, outcome.case
         if outcome.holds(self.prop) and outcome.ratio > self.max_passing_ratio:
             self.max_passing_ratio, self.max_passing_at = outcome.ratio, outcome.case
+        if outcome.near_ties is not None:
+            near, choices = outcome.near_ties
+            self.routed_choices += choices
+            if near:
+                self.near_tie_examples += 1
+                self.near_tie_choices += near
+                self.near_tie_failures += not outcome.holds(self.prop)
         if not outcome.holds(self.prop):
             worst = self.worst_failing
-            more = (outcome.ratio > worst.ratio if self.prop in ("invariant", "convert")
+            more = (outcome.ratio > worst.ratio if CLAIMS.get(self.prop) == "invariant"
                     else outcome.ratio < worst.ratio) if worst else True
             if more:
                 self.worst_failing = outcome
@@ -208,13 +226,16 @@ class Tally:
 
 def corpus_examples(prop: str, mutation: str | None) -> list[Case]:
     """The corpus cases a property takes as explicit examples: entries without a mutation
-    feed the invariant; entries with mutation m feed m's kill property."""
+    feed the invariant; entries with mutation m feed m's kill property; conversion entries
+    feed the convert properties, an MoE geometry's the ``moe_`` ones."""
     conversion = prop in CONVERSION_PROPERTIES  # conversion entries feed the convert ones
+    moe = prop in MOE_PROPERTIES
     entries = [e for e in load_corpus()  # a user function's entries are its own (fuzz.user)
-               if isinstance(e.case, ConversionCase) == conversion and not e.user]
-    if prop in ("invariant", "convert") and mutation is None:
+               if isinstance(e.case, ConversionCase) == conversion and not e.user
+               and bool(e.case.config.n_experts) == moe]
+    if CLAIMS.get(prop) == "invariant" and mutation is None:
         return [e.case for e in entries if e.case.mutation is None]
-    if prop in ("kill", "convert_kill"):
+    if CLAIMS.get(prop) == "kill":
         return [e.case for e in entries if e.case.mutation == mutation]
     return []
 
@@ -222,7 +243,12 @@ def corpus_examples(prop: str, mutation: str | None) -> list[Case]:
 def default_strategy(prop: str, mutation: str | None, phase: str = "1a"
                      ) -> SearchStrategy[Case] | SearchStrategy[ConversionCase]:
     """What ``prop`` draws: ``cases`` for the layout properties, ``conversion_cases`` (the
-    conventions, through the harness's own converter) for the convert ones."""
+    conventions, through the harness's own converter) for the convert ones,
+    ``moe_conversion_cases`` (MoE geometries between their MoE endpoints) for the ``moe_``
+    ones."""
+    if prop in MOE_PROPERTIES:
+        from weight_sync_bench.fuzz.strategies.conventions import moe_conversion_cases
+        return moe_conversion_cases(mutation)
     if prop in CONVERSION_PROPERTIES:
         from weight_sync_bench.fuzz.strategies.conventions import conversion_cases
         return conversion_cases(mutation)
@@ -250,7 +276,7 @@ def property_test(prop: str, mutation: str | None, tally: Tally, *, phase: str =
         event(f"t={case.src}->{case.dst}" + (" identity" if identity else ""))
         if identity is None and math.isfinite(outcome.ratio):
             # the invariant looks for large deviations, the kill property for small ones
-            looks_up = prop in ("invariant", "convert")
+            looks_up = CLAIMS.get(prop) == "invariant"
             target(outcome.ratio if looks_up else -outcome.ratio,
                    label="ratio" if looks_up else "-ratio")
         if not outcome.holds(prop):
@@ -344,19 +370,33 @@ def targets(mutations: list[str] | None = None, invariant: bool = True,
             conversions: bool = True) -> list[tuple[str, str | None]]:
     """The (property, mutation) pairs a fuzz run cycles through: the invariant, then (with
     ``conversions``) the invariant through the harness's converter between conventions
-    (``convert``), then each layout mutation's ``kill`` and each conversion mutation's
-    ``convert_kill``. ``mutations`` None means all of them; a list names some (of either
-    kind), and then ``convert`` runs only if a conversion mutation is among them."""
+    (``convert``) and between an MoE geometry's MoE endpoints (``moe_convert``), then each
+    layout mutation's ``kill``, each dense conversion mutation's ``convert_kill`` and each MoE
+    one's ``moe_convert_kill``. ``mutations`` None means all of them; a list names some (of
+    any kind), and then ``convert`` (``moe_convert``) runs only if a dense (an MoE) conversion
+    mutation is among them."""
+    moe_names = {m.name for m in MOE_MUTATIONS}
     if mutations is None:
-        names = list(MUTATIONS) + ([m.name for m in DENSE_MUTATIONS] if conversions else [])
+        names = list(MUTATIONS) + ([m.name for m in (*DENSE_MUTATIONS, *MOE_MUTATIONS)]
+                                   if conversions else [])
     else:
         names = list(mutations)
-    converted = [m for m in names if m in CONVERSION_MUTATIONS]
+    converted = [m for m in names if m in CONVERSION_MUTATIONS and m not in moe_names]
+    routed = [m for m in names if m in moe_names]
     out: list[tuple[str, str | None]] = [("invariant", None)] if invariant else []
     if invariant and conversions and (mutations is None or converted):
         out.append(("convert", None))
+    if invariant and conversions and (mutations is None or routed):
+        out.append(("moe_convert", None))
     return (out + [("kill", m) for m in names if m not in CONVERSION_MUTATIONS]
-            + [("convert_kill", m) for m in converted])
+            + [("convert_kill", m) for m in converted]
+            + [("moe_convert_kill", m) for m in routed])
+
+
+def moe_targets() -> list[tuple[str, str | None]]:
+    """The Mixture-of-Experts properties of ``targets``: ``moe_convert``, then each MoE
+    mutation's ``moe_convert_kill`` (``wsb fuzz --moe``)."""
+    return [t for t in targets() if t[0] in MOE_PROPERTIES]
 
 
 @dataclass(frozen=True)
@@ -506,6 +546,10 @@ def _merge(into: Tally, tally: Tally) -> None:
     into.identity += tally.identity
     into.failures += tally.failures
     into.killed += tally.killed
+    into.near_tie_examples += tally.near_tie_examples
+    into.near_tie_choices += tally.near_tie_choices
+    into.routed_choices += tally.routed_choices
+    into.near_tie_failures += tally.near_tie_failures
     into.new_entries.extend(tally.new_entries)
     into.faults.extend(tally.faults)
     if tally.min_ratio < into.min_ratio:
@@ -540,6 +584,14 @@ def format_report(report: FuzzReport, *, matrix: bool = False) -> str:
     if matrix:
         lines += [f"note, {t.mutation}: {MUTATIONS[t.mutation].note}" for t in report.tallies
                   if t.mutation in MUTATIONS and MUTATIONS[t.mutation].note]
+    routed = [t for t in report.tallies if t.routed_choices]
+    if routed:
+        near = sum(t.near_tie_examples for t in routed)
+        lines.append(f"near ties (MoE): {near} of {sum(t.examples for t in routed)} examples "
+                     f"had an expert choice within the threshold of flipping "
+                     f"({sum(t.near_tie_choices for t in routed)} of "
+                     f"{sum(t.routed_choices for t in routed)} choices: the reference's was "
+                     f"kept there); {sum(t.near_tie_failures for t in routed)} of them failed")
     rate = report.examples / report.elapsed if report.elapsed else 0.0
     lines.append(f"{report.examples} examples in {report.elapsed:.1f}s ({rate:.1f}/s), "
                  f"{len(report.failures)} failures, {len(report.faults)} harness faults; "
@@ -571,6 +623,36 @@ def draw_floor_cases(n: int, *, seed: int | None = None, profile: str = "wsb-gen
 
     collect()
     return drawn[:n], seed
+
+
+def draw_moe_cases(n: int, *, seed: int, profile: str = "wsb-generate"
+                   ) -> list[tuple[ModelConfig, int, str | None]]:
+    """``n`` (MoE geometry, model seed, purpose) cases drawn as the MoE fuzz draws them, under
+    the generate-only profile and the Hypothesis seed ``seed`` (the same cases for the same
+    seed and Hypothesis version): each draw first picks its purpose, ``moe_convert`` (None) or
+    one MoE mutation's ``moe_convert_kill`` (its name), then ``moe_geometries`` with what that
+    needs to be live (``strategies.conventions.moe_needs_for``: a selection bias, a wide
+    shared expert and its gate, q/k norms, square experts, an odd expert count, two KV
+    heads), so every mutation is drawn for in about one case in twelve. The first two are
+    ``MOE_DOMAIN``'s smallest and largest geometry (purpose None)."""
+    from weight_sync_bench.fuzz.strategies.conventions import moe_needs_for
+
+    InvalidNumber.count("n", n)
+    InvalidNumber.seed("seed", seed)
+    drawn: list[tuple[ModelConfig, int, str | None]] = [(MOE_DOMAIN.smallest(), 0, None),
+                                                          (MOE_DOMAIN.largest(), 0, None)]
+    purposes = [None, *(m.name for m in MOE_MUTATIONS)]
+
+    @hypothesis.seed(seed)
+    @settings(PROFILES[profile], max_examples=max(n - len(drawn), 1))
+    @given(purposed=st.sampled_from(purposes).flatmap(
+        lambda m: st.tuples(moe_geometries(needs=moe_needs_for(m)), st.just(m))),
+        model_seed=seeds())
+    def collect(purposed: tuple[ModelConfig, str | None], model_seed: int) -> None:
+        drawn.append((purposed[0], model_seed, purposed[1]))
+
+    collect()
+    return drawn[:n]
 
 
 def search_worst_floors(examples: int, *, keep: int, seed: int, phase: str = "1a",

@@ -7,13 +7,17 @@ measured, written as one JSON file a person or CI reads after the run.
 
 - ``properties``: per property (``invariant``, ``kill[m]``), the examples, identity examples
   (a mutation that changes nothing there), failures, killed examples and the corpus entries
-  its failures wrote (file names);
+  its failures wrote (file names); an MoE property (``moe_convert``, ``moe_convert_kill[m]``)
+  also its ``near_ties``: the examples whose reference had an expert choice within the
+  threshold of flipping (where the routing check kept the reference's), the near-tied
+  (layer, token) choices of all, and how many of those examples failed;
 - ``invariant.worst_ratio``: the largest deviation / threshold over the examples the
   invariant held on (1.0 would be a deviation at the threshold), and the case;
 - ``kill[m].smallest_kill_ratio``: per mutation property, the smallest deviation / threshold
   over the examples that were killed (>= ``KILL_MARGIN``, 10), and the case;
   ``smallest_ratio`` is the same over every non-identity example, killed or not (below 10
   means a mutation slipped under the margin somewhere, and the property failed);
+- ``near_ties``: the same summed over every MoE property (None where no MoE example ran);
 - ``failures``: each counterexample (property, case, deviation, threshold, ratio, corpus
   entry file name); ``harness_faults``: rank faults (never counterexamples);
 - ``campaign``: profile, phase, budget, master seed (each round's Hypothesis seed is drawn
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import hypothesis
 
+from weight_sync_bench.fuzz.case import CLAIMS
 from weight_sync_bench.fuzz.corpus import versions
 from weight_sync_bench.paths import fuzz_dir
 from weight_sync_bench.tolerance.artifacts import environment
@@ -47,8 +52,6 @@ if TYPE_CHECKING:
 
 SCHEMA = 1
 KIND = "weight-sync-bench fuzz campaign summary"
-CLAIMS = {"invariant": "invariant", "kill": "kill", "convert": "invariant",
-          "convert_kill": "kill"}  # the claim each property makes (the convert ones: conventions)
 
 
 def _num(x: float | None) -> float | str | None:
@@ -79,7 +82,16 @@ def _property(t: Tally) -> dict[str, Any]:
         out["smallest_kill_at"] = _case(t.min_kill_at)
         out["smallest_ratio"] = _num(t.min_ratio) if live else None
         out["smallest_at"] = _case(t.min_at)
+    if t.routed_choices:
+        out["near_ties"] = _near_ties([t])
     return out
+
+
+def _near_ties(tallies: list[Tally]) -> dict[str, int]:
+    return {"examples": sum(t.near_tie_examples for t in tallies),
+            "choices": sum(t.near_tie_choices for t in tallies),
+            "of_choices": sum(t.routed_choices for t in tallies),
+            "failed": sum(t.near_tie_failures for t in tallies)}
 
 
 def build_summary(report: FuzzReport, *, phase: str | None = None, command: str = "fuzz",
@@ -116,6 +128,8 @@ def build_summary(report: FuzzReport, *, phase: str | None = None, command: str 
         "worst_invariant_ratio": worst["worst_ratio"] if worst else None,
         "worst_invariant_property": worst["property"] if worst else None,
         "smallest_kill_ratios": kills,
+        "near_ties": (_near_ties(report.tallies)
+                      if any(t.routed_choices for t in report.tallies) else None),
         "properties": props,
         "failures": failures,
         "harness_faults": [{"property": f.label, "type": type(f.error).__name__, "rank": f.rank,

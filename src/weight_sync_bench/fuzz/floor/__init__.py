@@ -21,11 +21,37 @@ false positives and ``SAFETY`` x headroom under the rule in force, and at the dr
 (``require_replicated_kv``, which ``fuzz.case.run_conversion_case`` calls); a missing or
 failing validation refuses the case, naming the command that measures it.
 
-``wsb floor random`` and ``wsb floor replicated-kv`` run these loops (``cli.floor``);
-``python -m weight_sync_bench.fuzz.floor replicated-kv ...`` is the same command.
+A fuzzed Mixture-of-Experts conversion runs the MoE forwards (experts chosen per token,
+split over every rank or whole on expert-parallel ranks), and its selection-only mutations
+run 32 tokens: the rule judges it only where ``random_floor_<phase>_moe.json`` validates it
+there (``fuzz.floor.moe.measure_moe``: MoE geometries drawn as the MoE fuzz draws them, at
+every forward of their MoE endpoints, with the routing deviation, the near ties and the MoE
+mutations' kills), with zero false positives and ``SAFETY`` x headroom over the floors and
+the routing deviations (``require_moe``, which ``fuzz.threshold.FuzzThreshold`` and
+``fuzz.case.run_conversion_case`` call).
+
+``wsb floor random``, ``wsb floor replicated-kv`` and ``wsb floor moe`` run these loops
+(``cli.floor``); ``python -m weight_sync_bench.fuzz.floor replicated-kv ...`` (or ``moe``)
+is the same command.
 """
 
-from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule, require_replicated_kv
+from weight_sync_bench.fuzz.floor.moe import (
+    MOE_GEOMETRIES,
+    MOE_MAX_WORLD,
+    MOE_SEED,
+    endpoint_deviation,
+    forward_groups,
+    measure_moe,
+    remeasure_moe_floors,
+    sample_moe,
+    sample_moe_geometry,
+)
+from weight_sync_bench.fuzz.threshold import (
+    fuzz_threshold_rule,
+    moe_seq_lens,
+    require_moe,
+    require_replicated_kv,
+)
 from weight_sync_bench.fuzz.floor.samples import (
     REPLICATED_GEOMETRIES,
     REPLICATED_SEED,
@@ -44,20 +70,31 @@ from weight_sync_bench.fuzz.floor.samples import (
 )
 
 __all__ = [
+    "MOE_GEOMETRIES",
+    "MOE_MAX_WORLD",
+    "MOE_SEED",
     "REPLICATED_GEOMETRIES",
     "REPLICATED_SEED",
     "REPLICATION",
     "SampleProgress",
     "config_of",
     "draw_replicated_geometries",
+    "endpoint_deviation",
+    "forward_groups",
     "fuzz_threshold_rule",
     "max_replicated_degree",
+    "measure_moe",
     "measure_random",
     "measure_replicated_kv",
+    "moe_seq_lens",
     "relative_floor",
     "remeasure_floors",
+    "remeasure_moe_floors",
     "remeasure_replicated_floors",
+    "require_moe",
     "require_replicated_kv",
     "sample",
+    "sample_moe",
+    "sample_moe_geometry",
     "sample_replicated_kv",
 ]
