@@ -148,7 +148,9 @@ class MoeNeeds:
     or more (``min_kv_heads``: a TP (and EP) degree of 2), four experts or more
     (``min_experts``), experts 8 wide or more per KV head (``wide_experts``), a shared expert
     8 wide or more per KV head (``wide_shared``: its gate halved moved the logits by 3.8x the
-    threshold at width 1 in the MoE validation, ``tolerance/random_floor_1a_moe.json``)."""
+    threshold at width 1 in the MoE validation, ``tolerance/random_floor_1a_moe.json``),
+    heads of ``min_head_dim`` or more (a q/k norm over a head of one RoPE pair taken from the
+    next layer moved them by 4.6x in the first MoE campaign, campaigns/README.md)."""
 
     router_bias: bool = False
     shared_gate: bool = False
@@ -159,6 +161,7 @@ class MoeNeeds:
     min_experts: int = 2
     wide_experts: bool = False
     wide_shared: bool = False
+    min_head_dim: int = 2
 
 
 @st.composite
@@ -183,6 +186,10 @@ def moe_geometries(draw: st.DrawFn, domain: FuzzDomain = DOMAIN,
                                 vocab=config.vocab // config.n_kv_heads * kv)
     if needs.qk_norm and config.n_layers < 2:
         config = config.replace(n_layers=2)
+    if config.head_dim < needs.min_head_dim:  # the smallest member at least that wide
+        config = config.replace(head_dim=min(h for h in range(
+            domain.head_dim.lo, domain.head_dim.top + 1, domain.head_dim.step)
+            if h >= needs.min_head_dim))
     if needs.square and config.d_model % kv:  # square experts: d_model a multiple of kv too
         widths = [d for d in range(domain.d_model.lo, domain.d_model.top + 1,
                                    domain.d_model.step) if d % kv == 0]

@@ -206,7 +206,7 @@ _MOE_NEEDS = {
     "fc2_split_on_wrong_dim": MoeNeeds(min_kv_heads=2),
     "expert_transposed_twice": MoeNeeds(square=True),
     "shared_gate_dropped": MoeNeeds(shared_gate=True, wide_shared=True),
-    "qk_norm_from_next_layer": MoeNeeds(qk_norm=True),
+    "qk_norm_from_next_layer": MoeNeeds(qk_norm=True, min_head_dim=4),
 }
 
 

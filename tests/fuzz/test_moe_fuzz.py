@@ -178,6 +178,26 @@ def test_a_bias_that_only_reorders_the_chosen_experts_moves_no_choice():
     assert outcome.holds("moe_convert_kill")
 
 
+def test_a_qk_norm_from_the_next_layer_is_drawn_over_heads_of_two_pairs_or_more():
+    """The first MoE campaign's discovery: over heads of one RoPE pair (head_dim 2, d_model 8,
+    2 layers) the q/k norms of the next layer move the logits by 4.6x the threshold, under
+    the kill margin (the bytes show it; the forward barely does). 400 draws: head_dim 2 down
+    to 17.8x, every wider head >= 81x. moe_convert_kill[qk_norm_from_next_layer] now draws
+    head_dim >= 4; the twin: the same geometry at head_dim 4 is killed by far more than 10x."""
+    from weight_sync_bench.fuzz.strategies.conventions import moe_needs_for
+
+    config = ModelConfig(name="fuzz_moe", vocab=8, d_model=8, n_layers=2, n_heads=1,
+                         n_kv_heads=1, head_dim=2, ffn=2, batch=1, seq_len=4, qk_norm=True,
+                         n_experts=2, top_k=1, expert_ffn=2)
+    weak = run_case(ConversionCase(config, "plain:1", 1, "plain:1", 1, 1,
+                                   "qk_norm_from_next_layer"))
+    assert weak.identity_reason is None and 1 < weak.ratio < 10  # 4.6x
+    wide = run_case(ConversionCase(config.replace(head_dim=4), "plain:1", 1, "plain:1", 1, 1,
+                                   "qk_norm_from_next_layer"))
+    assert wide.killed and wide.ratio > 10 * weak.ratio
+    assert moe_needs_for("qk_norm_from_next_layer").min_head_dim == 4
+
+
 def test_near_ties_are_tallied_per_property_and_in_the_campaign_summary():
     tally = Tally("moe_convert", None)
     case = ConversionCase.__new__(ConversionCase)  # only its identity_reason is read

@@ -73,16 +73,19 @@ def moe_command(phase: str = "1a") -> str:
 
 def moe_artifact(samples: list[dict[str, Any]], *, phase: str, domain: dict[str, Any],
                  moe_domain: dict[str, Any], geometries: int, hypothesis_seed: int | None,
-                 max_world: int, rule: SampledRule, draw: str | None = None) -> dict[str, Any]:
+                 max_world: int, rule: SampledRule, draw: str | None = None,
+                 coverage: int = 0) -> dict[str, Any]:
     """The validation of ``samples`` (``fuzz.floor.sample_moe``'s records of ``geometries``
     MoE geometries of ``domain`` x ``moe_domain`` drawn under ``hypothesis_seed``, at their
     endpoints' forwards up to ``max_world`` ranks, kills and near ties judged under ``rule``;
-    ``draw``: the call that drew them, and under which Hypothesis), with ``rule``'s figures
+    ``draw``: the call that drew them, and under which Hypothesis; ``coverage`` geometries
+    more, chosen to reach the forwards the draw did not), with ``rule``'s figures
     over them (provenance: a check re-derives them, ``moe_figures``)."""
     artifact = {"schema": SCHEMA, "phase": phase, "kind": MOE_KIND, "safety": SAFETY,
                 "domain": domain, "moe_domain": moe_domain,
                 "init": "std d_model^-1/2, norm 1 + N(0, 0.1) (domain.fuzz_init)",
-                "geometries": geometries, "hypothesis_seed": hypothesis_seed, "draw": draw,
+                "geometries": geometries, "coverage": coverage,
+                "hypothesis_seed": hypothesis_seed, "draw": draw,
                 "max_world": max_world, "samples": samples, "environment": environment()}
     return validated_moe(artifact, rule)
 

@@ -12,7 +12,10 @@ rule judge an MoE geometry only where that validates it.
 
 A geometry whose router has a selection bias is sampled a second time at the length its
 selection-only mutations run (``fuzz.threshold.moe_seq_lens``: 32 tokens, past the domain's
-16), with only those mutations: the fuzz judges them there.
+16), with only those mutations: the fuzz judges them there. After the drawn geometries,
+``coverage_cases`` adds the grid geometries that reach a (world, forward) no draw did
+(``coverage_reach``: every pair the MoE fuzz can run), so ``require_moe`` never refuses a
+forward the fuzz draws.
 """
 
 from __future__ import annotations
@@ -181,36 +184,90 @@ def sample_moe_geometry(config: ModelConfig, seed: int, *, rule: SampledRule,
     return records
 
 
+def coverage_cases(covered: Iterable[tuple[int, str]], domain: FuzzDomain = DOMAIN,
+                   moe: MoeDomain = MOE_DOMAIN, max_world: int = MOE_MAX_WORLD
+                   ) -> list[tuple[ModelConfig, int, str | None]]:
+    """Geometries that reach the (world, forward) pairs of ``coverage_reach`` that
+    ``covered`` lacks, the first grid point to reach each (model seed 0, purpose
+    ``"coverage"``). Found needed: 300 random draws reached no vLLM replicated-KV forward over
+    3 or 6 ranks (n_heads a multiple of 3 or 6 over fewer KV heads, a vocabulary and widths
+    that 3 divides), and the fuzz drew one over 6 in its first minute."""
+    covered = set(covered)
+    out: list[tuple[ModelConfig, int, str | None]] = []
+    for config in coverage_grid(domain, moe):
+        new = set(forward_groups(config, max_world)) - covered
+        if new:
+            out.append((config, 0, "coverage"))
+            covered |= new
+    return out
+
+
+def coverage_grid(domain: FuzzDomain = DOMAIN, moe: MoeDomain = MOE_DOMAIN
+                  ) -> list[ModelConfig]:
+    """MoE geometries over every KV-head count, query group and expert count of the domains,
+    each other size chosen so that every degree divides it (24 per KV head of ffn and of
+    expert width, a vocabulary of 192, d_model 48), so each stores at every endpoint its
+    heads and experts allow; those inside ``domain`` x ``moe``."""
+    out = []
+    for kv in range(domain.n_kv_heads.lo, domain.n_kv_heads.top + 1, domain.n_kv_heads.step):
+        for group in range(domain.group.lo, domain.group.top + 1, domain.group.step):
+            for e in range(moe.n_experts.lo, moe.n_experts.top + 1, moe.n_experts.step):
+                config = domain.config(n_kv_heads=kv, group=group, head_dim=4, d_model=48,
+                                       ffn_per_kv_head=24, vocab_per_kv_head=192 // kv,
+                                       n_layers=1, batch=1, seq_len=4, name="fuzz_moe")
+                config = config.replace(n_experts=e, top_k=1, expert_ffn=kv * 24)
+                if moe.contains(config, domain):
+                    out.append(config)
+    return out
+
+
+def coverage_reach(domain: FuzzDomain = DOMAIN, moe: MoeDomain = MOE_DOMAIN,
+                   max_world: int = MOE_MAX_WORLD) -> set[tuple[int, str]]:
+    """Every (world, forward) pair the geometries of ``coverage_grid`` run at their MoE
+    endpoints: what the validation must cover."""
+    return {pair for config in coverage_grid(domain, moe)
+            for pair in forward_groups(config, max_world)}
+
+
 def measure_moe(cases: Iterable[tuple[ModelConfig, int, str | None]], *, phase: str = "1a",
                 domain: FuzzDomain = DOMAIN, moe: MoeDomain = MOE_DOMAIN,
                 hypothesis_seed: int | None = None, max_world: int = MOE_MAX_WORLD,
-                rule: SampledRule | None = None, draw: str | None = None,
+                rule: SampledRule | None = None, draw: str | None = None, cover: bool = True,
                 progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
     """The MoE validation artifact (``tolerance.sampled_moe.moe_artifact``, not yet written):
-    every (geometry, model seed, purpose) case's ``sample_moe_geometry`` records under ``rule``
-    (default: the phase's
-    random-geometry rule in force), the domains, and the figures of the rule (provenance: a
-    check re-derives them; ``draw`` says how the cases were drawn). Every case must lie
-    inside ``domain`` x ``moe``.
-    ``progress(done, total, what)`` after each case."""
+    every (geometry, model seed, purpose) case's ``sample_moe_geometry`` records under
+    ``rule`` (default: the phase's random-geometry rule in force), the domains, and the
+    figures of the rule (provenance: a check re-derives them; ``draw`` says how the cases
+    were drawn). Every case must lie inside ``domain`` x ``moe``. With ``cover``, the
+    geometries of ``coverage_cases`` that reach the (world, forward) pairs the cases did not
+    are sampled after them. ``progress(done, total, what)`` after each geometry."""
     if phase != "1a":
         raise ToleranceMismatch(f"conversions are fuzzed in process (phase 1a), got {phase!r}")
     rule = rule or rule_from(load_random_floor(phase))
-    cases = list(cases)
+    drawn = list(cases)
     samples: list[dict[str, Any]] = []
-    for i, (config, model_seed, purpose) in enumerate(cases):
-        outside = moe.violations(config, domain)
-        if outside:
-            raise ToleranceMismatch(f"MoE sample {i} lies outside the fuzz domain: "
-                                    + "; ".join(outside))
-        samples += sample_moe_geometry(config, model_seed, rule=rule, domain=domain,
-                                       max_world=max_world, purpose=purpose)
-        if progress is not None:
-            progress(i + 1, len(cases), f"geometry d_model={config.d_model} experts="
-                                        f"{config.n_experts} top_k={config.top_k}")
+
+    def sample_all(batch: list[tuple[ModelConfig, int, str | None]], done: int) -> None:
+        for i, (config, model_seed, purpose) in enumerate(batch, start=done):
+            outside = moe.violations(config, domain)
+            if outside:
+                raise ToleranceMismatch(f"MoE sample {i} lies outside the fuzz domain: "
+                                        + "; ".join(outside))
+            samples.extend(sample_moe_geometry(config, model_seed, rule=rule, domain=domain,
+                                               max_world=max_world, purpose=purpose))
+            if progress is not None:
+                progress(i + 1, done + len(batch), f"geometry d_model={config.d_model} "
+                                                   f"experts={config.n_experts} "
+                                                   f"top_k={config.top_k}")
+
+    sample_all(drawn, 0)
+    extra = (coverage_cases({(s["degree"], s["forward"]) for s in samples}, domain, moe,
+                            max_world) if cover else [])
+    sample_all(extra, len(drawn))
     return moe_artifact(samples, phase=phase, domain=domain.to_json(), moe_domain=moe.to_json(),
-                        geometries=len(cases), hypothesis_seed=hypothesis_seed,
-                        max_world=max_world, rule=rule, draw=draw)
+                        geometries=len(drawn), coverage=len(extra),
+                        hypothesis_seed=hypothesis_seed, max_world=max_world, rule=rule,
+                        draw=draw)
 
 
 def remeasure_moe_floors(artifact: dict[str, Any],
