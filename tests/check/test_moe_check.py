@@ -110,3 +110,21 @@ def test_a_gloo_forward_of_an_endpoint_with_data_parallel_replicas_is_refused():
     with pytest.raises(UnsupportedLayout, match="4 data-parallel replicas of TP 2 .* in process"):
         check_convert(stage_convert("hf", "megatron:tp=2,ep=4", TOY_MOE), TOY_MOE, "hf",
                       "megatron:tp=2,ep=4", backend="gloo", threshold=math.inf)
+
+
+def test_a_streamed_conversion_hands_fn_one_tensor_per_replicated_piece():
+    """megatron:tp=2,ep=4 holds four data-parallel replicas of its TP-2 dense layers: the
+    streamed check cuts each replica's bytes once (the embedding of a real model is 1.2 GiB:
+    four copies would be the peak), and fn, which may not write into what it is given, sees
+    equal tensors on every replica."""
+    src, dst = "megatron:tp=2,ep=4", "vllm:4"
+    name, seen = "embedding.word_embeddings.weight", []
+
+    def spy(shards, degree):
+        if name in shards[0]:
+            seen.append([shards[r][name] for r in range(8)])
+        return stage_convert(src, dst, TOY_MOE)(shards, degree)
+    assert check_convert(spy, TOY_MOE, src, dst, stream="parameter").passed
+    (held,) = seen
+    assert held[0] is held[2] is held[4] is held[6] and held[1] is held[3] is held[5] is held[7]
+    assert held[0] is not held[1] and not torch.equal(held[0], held[1])  # TP ranks differ

@@ -91,6 +91,25 @@ def _matches(mine: torch.Tensor, piece: Piece, given: Sequence[Mapping[str, torc
     return True
 
 
+def _cut(pieces: Pieces, full: Params) -> list[Params]:
+    """The source's stored tensors of ``full``: each cut once, a data-parallel replica's the
+    same tensor as the first rank's that holds it (``Piece.same_cut``; ``fn`` may not write
+    into what it is given, so sharing is invisible to it). Megatron's ``tp=2,ep=4`` holds
+    four replicas of its TP-2 embedding: one copy of its bytes here, not four."""
+    out: list[Params] = []
+    cut: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
+    for rank in pieces:
+        mine: Params = {}
+        for name, piece in rank.items():
+            held = cut.setdefault(name, [])
+            mine[name] = next((x for p, x in held if p.same_cut(piece)), None)
+            if mine[name] is None:
+                mine[name] = piece.take(full[piece.source])
+                held.append((piece, mine[name]))
+        out.append(mine)
+    return out
+
+
 def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
                    dst: str | Endpoint, *, per: str = "layer", seed: int = 0,
                    dtype: torch.dtype | str = torch.float32, threshold: float | None = None,
@@ -149,8 +168,7 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
             sources = set(group)
             mine_src = [{n: p for n, p in rank.items() if p.source in sources}
                         for rank in src_pieces]
-            given = [{n: p.take(full[p.source]) for n, p in rank.items()}
-                     for rank in mine_src]
+            given = _cut(mine_src, full)
             for n in group:  # the reference has stepped; the source shards hold every row
                 del full[n]  # so the peak is 3x the parameter, not 4x (fn's own copies)
             want = [{n: p for n, p in rank.items() if p.source in sources}

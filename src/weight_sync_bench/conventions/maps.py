@@ -65,6 +65,13 @@ class Piece:
             span = (int(idx[0]), int(idx[0]) + idx.numel())
         object.__setattr__(self, "span", span)
 
+    def same_cut(self, other: Piece) -> bool:
+        """Whether ``other`` cuts the same stored tensor from the same canonical one (a
+        data-parallel replica's piece): ``take`` gives both the same bytes."""
+        return (self.source, self.dim, self.stack, self.span) == (
+            other.source, other.dim, other.stack, other.span) and (
+            self.span is not None or torch.equal(self.idx, other.idx))
+
     def flat_shape(self, full: Shape) -> Shape:
         """The selection's shape before stacking, given its source's full shape."""
         out = list(full)

@@ -144,23 +144,38 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               routed: list[tuple[torch.Tensor, torch.Tensor]], experts: list[int],
-               out: torch.Tensor) -> torch.Tensor:
-    """Add the experts' outputs into ``out`` ``(N, d)``: for each expert ``experts[j]`` (a
-    global id) its SwiGLU over the tokens routed to it (``routed[expert]``: tokens, weights),
-    the j-th ``[gate | up]`` block of ``gate_up`` rows and j-th block of ``down`` columns,
+def expert_hidden(x: torch.Tensor, gate_up: torch.Tensor,
+                  routed: list[tuple[torch.Tensor, torch.Tensor]], experts: list[int]
+                  ) -> list[torch.Tensor | None]:
+    """The first half of the experts' FFN, the step that reads ``experts.gate_up``: for each
+    expert ``experts[j]`` (a global id) its SwiGLU features over the tokens routed to it
+    (``routed[expert]``: tokens, weights) from the j-th ``[gate | up]`` block of ``gate_up``
+    rows, ``(n_e, F_local)`` (None where no token chose it). Blocks may be any width: a
+    sharded rank holds its chunk of each expert's intermediate. Once computed, the weight
+    need not be held until ``down`` arrives (a streamed check holds one at a time)."""
+    if not experts:
+        return []
+    rows = gate_up.shape[0] // len(experts)
+    return [swiglu(x[routed[e][0]] @ gate_up[j * rows:(j + 1) * rows].T)
+            if routed[e][0].numel() else None for j, e in enumerate(experts)]
+
+
+def expert_output(hidden: list[torch.Tensor | None], down: torch.Tensor,
+                  routed: list[tuple[torch.Tensor, torch.Tensor]], experts: list[int],
+                  out: torch.Tensor) -> torch.Tensor:
+    """The second half, the step that reads ``experts.down``: add each expert's output into
+    ``out`` ``(N, d)``, its ``hidden`` features through the j-th block of ``down`` columns,
     times each token's weight (transformers' ``Qwen3MoeSparseMoeBlock``: the expert's output
-    times ``routing_weights``, ``index_add_`` into the output). Blocks may be any width: a
-    sharded rank holds its chunk of each expert's intermediate (partial sums)."""
+    times ``routing_weights``, ``index_add_`` into the output; partial sums on a rank that
+    holds a chunk of each expert's intermediate)."""
     if not experts:
         return out
-    rows, cols = gate_up.shape[0] // len(experts), down.shape[1] // len(experts)
+    cols = down.shape[1] // len(experts)
     for j, e in enumerate(experts):
-        tokens, weights = routed[e]
-        if tokens.numel() == 0:
+        h = hidden[j]
+        if h is None:
             continue
-        h = swiglu(x[tokens] @ gate_up[j * rows:(j + 1) * rows].T)  # (n_e, F_local)
+        tokens, weights = routed[e]
         out.index_add_(0, tokens, (h @ down[:, j * cols:(j + 1) * cols].T) * weights[:, None])
     return out
 
@@ -246,12 +261,13 @@ class ReferenceModel:
             case "router.bias":
                 self._route(state, int(pre.split(".")[1]), p[name])
             case "experts.gate_up.weight":
-                state.gate_up = p[name]
+                state.hidden = expert_hidden(state.x.flatten(0, 1), p[name], state.routed,
+                                             list(range(c.n_experts)))
             case "experts.down.weight":
                 x = state.x.flatten(0, 1)  # (N, d)
-                y = expert_ffn(x, state.gate_up, p[name], state.routed, list(range(c.n_experts)),
-                               torch.zeros_like(x))
-                state.y, state.gate_up = y.view_as(state.x), None
+                y = expert_output(state.hidden, p[name], state.routed, list(range(c.n_experts)),
+                                  torch.zeros_like(x))
+                state.y, state.hidden = y.view_as(state.x), []
                 if not c.shared_ffn:
                     state.h, state.x = state.h + state.y, None
             case "shared.gate_up.weight":
@@ -303,10 +319,10 @@ class ReferenceState:
     # Qwen3's q and k norm weights of the layer being read (reset at its attention)
     norms: list[torch.Tensor] = field(default_factory=list)
     # an MoE layer between its steps: router logits, each expert's tokens and weights, the
-    # experts' [gate | up] rows until their down columns arrive, the shared expert's output
+    # experts' SwiGLU features until their down columns arrive, the shared expert's output
     logits: torch.Tensor | None = None
     routed: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    gate_up: torch.Tensor | None = None
+    hidden: list[torch.Tensor | None] = field(default_factory=list)
     shared: torch.Tensor | None = None
 
 

@@ -44,7 +44,8 @@ from weight_sync_bench.model.reference import (
     attention,
     context_mask,
     document_mask,
-    expert_ffn,
+    expert_hidden,
+    expert_output,
     qk_norms,
     rms_norm,
     rope_tables,
@@ -253,17 +254,15 @@ class ShardedModel:
             case "router.bias":
                 self._route(state, int(pre.split(".")[1]), [p[name] for p in shards])
             case "experts.gate_up.weight":
-                state.gate_up = [p[name] for p in shards]
+                state.hidden = [expert_hidden(xr.flatten(0, 1), p[name], routed, mine)
+                                for xr, p, routed, mine in zip(state.x, shards, state.routed,
+                                                               self._held_experts())]
             case "experts.down.weight":
-                placement = self.experts or _plain_experts(c)
-                group = self.experts_group or self.collective
-                state.y = [expert_ffn(xr.flatten(0, 1), gu, p[name], routed,
-                                      placement.experts_of(placement.coordinates(
-                                          group.degree, w)[1]),
-                                      torch.zeros_like(xr.flatten(0, 1))).view_as(xr)
-                           for xr, gu, p, routed, w in zip(state.x, state.gate_up, shards,
-                                                           state.routed, group.ranks)]
-                state.gate_up = None
+                state.y = [expert_output(h, p[name], routed, mine,
+                                         torch.zeros_like(xr.flatten(0, 1))).view_as(xr)
+                           for xr, h, p, routed, mine in zip(state.x, state.hidden, shards,
+                                                             state.routed, self._held_experts())]
+                state.hidden = []
                 if not c.shared_ffn:
                     self._combine(state, pre + "experts")
             case "shared.gate_up.weight":
@@ -309,6 +308,13 @@ class ShardedModel:
             state.routed.append(by_expert(chosen, weights, c.n_experts))
         self.routings[layer] = own
         state.logits = None
+
+    def _held_experts(self) -> list[list[int]]:
+        """Per local rank, the global ids of the experts it holds, in its local order."""
+        placement = self.experts or _plain_experts(self.config)
+        group = self.experts_group or self.collective
+        return [placement.experts_of(placement.coordinates(group.degree, w)[1])
+                for w in group.ranks]
 
     def _combine(self, state: ShardedState, layer: str) -> None:
         """An MoE layer's partial outputs (routed experts, plus the shared expert's) summed
@@ -452,10 +458,10 @@ class ShardedState:
     # Qwen3's q and k norm weights of the layer being read, per rank (reset at its attention)
     norms: list[Tensors] = field(default_factory=list)
     # an MoE layer between its steps, per rank: router logits, each expert's tokens and
-    # weights, the experts' rows until their columns arrive, the shared expert's partials
+    # weights, the experts' features until their columns arrive, the shared expert's partials
     logits: Tensors | None = None
     routed: list[list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
-    gate_up: Tensors | None = None
+    hidden: list[list[torch.Tensor | None]] = field(default_factory=list)
     shared: Tensors | None = None
 
 
