@@ -115,10 +115,32 @@ def test_capability_under_asks_a_fresh_interpreter_with_the_kernel_set_in_its_en
     assert kwargs["timeout"] == 120  # a probe that hangs is stopped, not waited on for ever
 
 
+def test_capability_under_nothing_asks_with_the_variable_unset(monkeypatch):
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")  # this process's own, not passed on
+    run = _Run(monkeypatch, stdout="AVX2\n")
+    assert kernels.capability_under(None) == "AVX2"
+    ((_, kwargs),) = run.calls
+    assert "ATEN_CPU_CAPABILITY" not in kwargs["env"] and "PATH" in kwargs["env"]
+
+
 def test_available_keeps_the_kernel_sets_a_fresh_process_reports(monkeypatch):
-    reported = {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX2", "sve256": "DEFAULT"}
+    reported = {None: "AVX512", "default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX2",
+                "sve256": "DEFAULT"}
     monkeypatch.setattr(kernels, "capability_under", lambda k: reported[k])
     assert kernels.available() == ["default", "avx2"]  # avx512 fell back: not available
+
+
+def test_available_stops_at_the_capability_torch_detects_unasked(monkeypatch):
+    """A Zen 3 EPYC: torch detects AVX2, yet reports AVX512 when asked for it (and dies of
+    SIGILL in its first AVX-512 kernel); the twin, a CPU that detects AVX512, keeps it."""
+    reported = {None: "AVX2", "default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512",
+                "sve256": "DEFAULT"}
+    monkeypatch.setattr(kernels, "capability_under", lambda k: reported[k])
+    assert kernels.available() == ["default", "avx2"]
+    reported[None] = "AVX512"
+    assert kernels.available() == ["default", "avx2", "avx512"]
+    reported.update({None: "SVE256", "sve256": "SVE256"})  # aarch64: its own ladder
+    assert kernels.available() == ["default", "sve256"]
 
 
 class _Popen:

@@ -41,21 +41,33 @@ from weight_sync_bench.tolerance.sampled import SampledRule, rederive, validated
 from weight_sync_bench.tolerance.sampled_moe import validated_moe
 
 # The values ATEN_CPU_CAPABILITY takes on the CPUs this harness runs on (x86-64 and
-# aarch64); a value the CPU cannot run makes torch fall back, which ``available`` detects.
-CANDIDATES = ("default", "avx2", "avx512", "sve256")
+# aarch64), each architecture's from the plainest up. A value the CPU cannot run is not
+# always refused: torch 2.13 on an AMD EPYC 7003 (Zen 3, no AVX-512) reports AVX512 when asked
+# for it and dies of SIGILL in the first AVX-512 kernel. So a kernel set is available only up
+# to the capability torch detects unasked (``torch/csrc/.../cpu/Utils`` reads CPUID through
+# cpuinfo), and only where a fresh process asked for it reports it (a fallback, ``available``).
+LADDERS = (("default", "avx2", "avx512"), ("default", "sve256"))
+CANDIDATES = tuple(dict.fromkeys(k for ladder in LADDERS for k in ladder))
 
 
-def capability_under(kernel_set: str) -> str:
-    """The capability torch reports in a fresh process asked to use ``kernel_set``."""
+def capability_under(kernel_set: str | None) -> str:
+    """The capability torch reports in a fresh process asked to use ``kernel_set`` (None:
+    asked for nothing, the most this CPU runs)."""
+    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    if kernel_set is not None:
+        env["ATEN_CPU_CAPABILITY"] = kernel_set
     run = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu."
                           "get_cpu_capability())"], capture_output=True, text=True,
-                         env={**os.environ, "ATEN_CPU_CAPABILITY": kernel_set}, timeout=120)
+                         env=env, timeout=120)
     return run.stdout.strip()
 
 
 def available() -> list[str]:
-    """The kernel sets this machine runs: each candidate whose fresh process reports it."""
-    return [k for k in CANDIDATES if capability_under(k).lower() == k]
+    """The kernel sets this machine runs: those of its architecture's ladder up to the
+    capability torch detects unasked, each one a fresh process asked for reports."""
+    detected = capability_under(None).lower()
+    ladder = next((ladder for ladder in LADDERS if detected in ladder), (detected,))
+    return [k for k in ladder[:ladder.index(detected) + 1] if capability_under(k).lower() == k]
 
 
 def measure_under(kernel_set: str, argv: list[str], out: Path,
