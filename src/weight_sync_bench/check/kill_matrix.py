@@ -9,10 +9,9 @@ what the rows show: each live row killed at ``KILL_MARGIN`` x the threshold, eac
 identity byte-identical, each mutation changing only what its ``changes`` names;
 ``bench/moe_kill_matrix.py`` prints the rows' ratios.
 
-A selection-only mutation (``conventions.mutations.ROUTER_BIAS``) changes bytes the forward
-reads only through the experts each token chooses; where the bias it leaves moves no token's
-choice on the checker's tokens, its row says so (``outcome == "unchanged"``): only the bytes
-show it there, and the byte check does.
+Where the checker's tokens hide a live mutation from the forward (``check.routing``: a
+selection bias that moves no token's choice, or weights of experts no token takes), its row
+says so (``outcome == "unchanged"``): only the bytes show it there, and the byte check does.
 """
 
 from __future__ import annotations
@@ -25,25 +24,22 @@ import torch
 
 from weight_sync_bench.check.conversion import ConversionChecker
 from weight_sync_bench.check.mutations import KILL_MARGIN
+from weight_sync_bench.check.routing import forward_unchanged
 from weight_sync_bench.check.verdict import Verdict
 from weight_sync_bench.conventions import Endpoint, convert
-from weight_sync_bench.conventions.maps import gather_canonical
 from weight_sync_bench.conventions.mutations import (
-    ROUTER_BIAS,
     Conversion,
     ConversionMutation,
-    Params,
 )
-from weight_sync_bench.model.reference import ReferenceModel
 
-__all__ = ["KILL_MARGIN", "KillRow", "kill_matrix", "selection_unchanged"]
+__all__ = ["KILL_MARGIN", "KillRow", "kill_matrix"]
 
 
 @dataclass(frozen=True)
 class KillRow:
     """One (mutation, conversion) of the matrix: ``outcome`` is ``"not applicable"`` or
-    ``"identity"`` (``reason`` says why), ``"unchanged"`` (a selection-only mutation that
-    moves no choice here: ``reason``), or ``"killed"`` / ``"survived"`` (the verdict's ratio
+    ``"identity"`` (``reason`` says why), ``"unchanged"`` (the forward cannot see it on these
+    tokens: ``reason``), or ``"killed"`` / ``"survived"`` (the verdict's ratio
     against ``KILL_MARGIN``). ``changed`` names the canonical parameters whose stored bytes
     the mutation changed; ``stray`` those of them its ``changes`` does not name."""
 
@@ -101,29 +97,9 @@ def _row(checker: ConversionChecker, mutation: ConversionMutation,
         return KillRow(mutation.name, conversion, "identity", reason, changed=tuple(changed),
                        stray=stray)
     verdict = checker.verdict(mutated, src=conversion.src, dst=dst, mutation=mutation.name)
-    unchanged = (selection_unchanged(checker, conversion, mutated)
-                 if mutation.changes == ROUTER_BIAS else None)
+    unchanged = forward_unchanged(checker, conversion, mutation, mutated)
     if unchanged is not None:
         return KillRow(mutation.name, conversion, "unchanged", unchanged, verdict,
                        tuple(changed), stray)
     outcome = "killed" if not verdict.passed and verdict.ratio >= KILL_MARGIN else "survived"
     return KillRow(mutation.name, conversion, outcome, None, verdict, tuple(changed), stray)
-
-
-def selection_unchanged(checker: ConversionChecker, conversion: Conversion,
-                        shards: Sequence[Params]) -> str | None:
-    """Where the selection bias the destination ``shards`` hold moves no token's choice of
-    experts at any layer on ``checker``'s tokens (the reference run again with it): why,
-    else None."""
-    config = checker.config
-    names = [n for n in config.param_shapes() if re.fullmatch(ROUTER_BIAS, n)]
-    held = gather_canonical(list(shards), conversion.dst.pieces(config), config.param_shapes(),
-                            names)
-    guard = checker.checker.guard
-    assert guard is not None and checker.checker.tokens is not None
-    model = ReferenceModel(config, {**checker.checker.full, **held})
-    model(checker.checker.tokens)
-    if all(torch.equal(model.routings[i].experts, guard.routings[i].experts)
-           for i in guard.routings):
-        return "the selection bias it leaves moves no token's choice of experts on these tokens"
-    return None

@@ -43,7 +43,7 @@ from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import KILL_MARGIN, mutation_by_name
 from weight_sync_bench.errors import InvalidConfig
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
-from weight_sync_bench.fuzz.routing import forward_unchanged
+from weight_sync_bench.check.routing import forward_unchanged
 from weight_sync_bench.fuzz.threshold import (
     FuzzThreshold,
     fuzz_threshold_rule,
@@ -149,7 +149,7 @@ class Outcome:
     shards_differ: bool  # the mutated shards differ from the declared split somewhere
     # Why an MoE mutation changes nothing the forward computes on this example's tokens: a
     # router's bias that moves no token's choice, or experts no token is routed to
-    # (``fuzz.routing.forward_unchanged``). Only the bytes can show it there; the example
+    # (``check.routing.forward_unchanged``). Only the bytes can show it there; the example
     # counts as an identity one for the forward.
     unchanged: str | None = None
     # An MoE example's (near-tied, all) (layer, token) expert choices of the reference: those

@@ -22,7 +22,7 @@ every forward of their MoE endpoints, each sample recording
   rule's threshold (``bound``) of flipping, and ``min_margin``, the closest any came;
 - ``kills``: each MoE conversion mutation's deviation where it is live there, judged as the
   fuzz judges it (the guard at ``bound``), with where (``kill_at``); a mutation the sample's
-  tokens hide from the forward is listed instead (``fuzz.routing``: a selection-only one that
+  tokens hide from the forward is listed instead (``check.routing``: a selection-only one that
   moves no choice the routing check leaves to the forward, in ``selection_unchanged``; one
   that changes only experts no token takes, in ``unrouted``);
 - ``purpose``: what the geometry was drawn for (``moe_convert``'s draw: None; a mutation's

@@ -114,7 +114,7 @@ def sample_moe(config: ModelConfig, seed: int, *, rule: SampledRule,
     into the group where it applies and is not the identity: its deviation, or (a
     selection-only mutation that moves no token's choice here) its name in
     ``selection_unchanged``; one that changes only experts no token takes there, in
-    ``unrouted``: ``fuzz.routing``). ``purpose``: what the geometry was drawn for
+    ``unrouted``: ``check.routing``). ``purpose``: what the geometry was drawn for
     (``fuzz.runner.draw_moe_cases``), recorded."""
     free = make_checker(config, seed, threshold_rule=_unbounded)
     scale = float(free.reference.abs().max())
