@@ -23,7 +23,8 @@ from weight_sync_bench.cli.records import KEYS, SUMMARY_KEYS
 README = Path(__file__).resolve().parents[2] / "README.md"
 CHECK_KEYS = ["kind", "config", "phase", "conventions", "src", "dst", "dtype", "mutation",
               "named_mutation", "max_abs_error", "threshold", "ratio", "forward", "passed",
-              "first_mismatch", "mismatches", "diagnosis", "notes", "directory"]
+              "first_mismatch", "mismatches", "diagnosis", "near_ties", "route_bound", "notes",
+              "directory"]
 
 
 def _records(text):
@@ -39,6 +40,8 @@ def test_check_json_is_one_object_per_check_with_stable_keys_then_a_summary(caps
     assert all(c["passed"] and c["forward"] == "declared" for c in checks)
     assert all(c["conventions"] is None and c["dtype"] == "fp32" and c["diagnosis"] == []
                and c["named_mutation"] is None and c["directory"] is None for c in checks)
+    # a dense model has no routing to check: neither figure, rather than a zero
+    assert all(c["near_ties"] is None and c["route_bound"] is None for c in checks)
     assert summary == {"kind": "summary", "command": "check", "exit_code": 0, "checks": 4,
                        "ran": 4, "passed": 4, "failed": 0, "interrupted": False, "skipped": []}
     assert "check 1/4" in err  # progress still goes to stderr
