@@ -103,13 +103,7 @@ class FuzzDomain:
                    "n_layers": config.n_layers,
                    "batch": config.batch,
                    "seq_len": config.seq_len}
-        out = []
-        for name, value in derived.items():
-            allowed: IntRange = getattr(self, name)
-            as_int = int(value) if float(value).is_integer() else value
-            if as_int not in allowed:
-                out.append(f"{name}={_fmt(value)} not in {allowed}")
-        return out
+        return _outside(self, derived)
 
     def contains(self, config: ModelConfig) -> bool:
         return not self.violations(config)
@@ -145,6 +139,17 @@ _COORDINATES = ("n_kv_heads", "group", "head_dim", "d_model", "ffn_per_kv_head",
                 "vocab_per_kv_head", "n_layers", "batch", "seq_len")
 
 DOMAIN = FuzzDomain()
+
+
+def _outside(domain: FuzzDomain | MoeDomain, derived: dict[str, float | int]) -> list[str]:
+    """Each derived value outside ``domain``'s range of the same name, said as such."""
+    out = []
+    for name, value in derived.items():
+        allowed: IntRange = getattr(domain, name)
+        as_int = int(value) if float(value).is_integer() else value
+        if as_int not in allowed:
+            out.append(f"{name}={_fmt(value)} not in {allowed}")
+    return out
 
 
 def _fmt(value: float | int) -> str:
@@ -210,12 +215,7 @@ class MoeDomain:
                    "expert_ffn_per_kv_head": config.expert_ffn / kv,
                    "shared_ffn_per_kv_head": config.shared_ffn / kv,
                    "dense_layers": config.dense_layers}
-        for name, value in derived.items():
-            allowed: IntRange = getattr(self, name)
-            as_int = int(value) if float(value).is_integer() else value
-            if as_int not in allowed:
-                out.append(f"{name}={_fmt(value)} not in {allowed}")
-        return out
+        return [*out, *_outside(self, derived)]
 
     def contains(self, config: ModelConfig, dense: FuzzDomain = DOMAIN) -> bool:
         return not self.violations(config, dense)

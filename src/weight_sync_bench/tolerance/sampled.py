@@ -92,13 +92,26 @@ def candidate_rules(samples: list[dict[str, Any]], safety: int = SAFETY) -> list
             SampledRule("relative", "relative", _round_up(safety * worst_rel))]
 
 
+def fit(rule: SampledRule, samples: list[dict[str, Any]]) -> tuple[int, float]:
+    """The false positives of ``rule`` over the samples (floor above the threshold) and its
+    smallest headroom (threshold / floor)."""
+    false_positives = sum(1 for s in samples if s["floor"] > rule.threshold(s["scale"]))
+    headroom = min((rule.threshold(s["scale"]) / s["floor"] for s in samples if s["floor"] > 0),
+                   default=math.inf)
+    return false_positives, headroom
+
+
+def worst_floors(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """The samples' worst floor, absolute and relative to their logits' scale."""
+    return {"worst_floor": max(s["floor"] for s in samples),
+            "worst_relative_floor": max(s["floor"] / s["scale"] for s in samples)}
+
+
 def evaluate_rule(rule: SampledRule, samples: list[dict[str, Any]]) -> dict[str, Any]:
     """The figures a rule must deliver over the samples: false positives (floor above the
     threshold), the smallest headroom (threshold / floor), and per mutation the smallest
     kill ratio (deviation / threshold) with where it was seen."""
-    false_positives = sum(1 for s in samples if s["floor"] > rule.threshold(s["scale"]))
-    headroom = min((rule.threshold(s["scale"]) / s["floor"] for s in samples if s["floor"] > 0),
-                   default=math.inf)
+    false_positives, headroom = fit(rule, samples)
     kills: dict[str, dict[str, Any]] = {}
     for s in samples:
         for name, deviation in s["kills"].items():
@@ -271,9 +284,7 @@ def replicated_kv_figures(artifact: dict[str, Any], rule: SampledRule) -> dict[s
     return {"samples": len(samples), "false_positives": figures["false_positives"],
             "min_headroom": figures["min_headroom"],
             "min_kill_ratio": figures["min_kill_ratio"], "kills": figures["kills"],
-            "degrees": sorted({s["degree"] for s in samples}),
-            "worst_floor": max(s["floor"] for s in samples),
-            "worst_relative_floor": max(s["floor"] / s["scale"] for s in samples)}
+            "degrees": sorted({s["degree"] for s in samples}), **worst_floors(samples)}
 
 
 def load_replicated_kv(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:

@@ -53,8 +53,10 @@ from weight_sync_bench.tolerance.artifacts import (
 from weight_sync_bench.tolerance.rules import SAFETY
 from weight_sync_bench.tolerance.sampled import (
     SampledRule,
+    fit,
     load_random_floor,
     rule_from,
+    worst_floors,
 )
 
 MOE_KIND = "moe_validation"
@@ -117,9 +119,7 @@ def moe_figures(artifact: dict[str, Any], rule: SampledRule) -> dict[str, Any]:
     samples = artifact["samples"]
     if not samples:
         raise ToleranceMismatch("an MoE validation without samples validates nothing")
-    false_positives = sum(1 for s in samples if s["floor"] > rule.threshold(s["scale"]))
-    headroom = min((rule.threshold(s["scale"]) / s["floor"] for s in samples if s["floor"] > 0),
-                   default=math.inf)
+    false_positives, headroom = fit(rule, samples)
     kills: dict[str, dict[str, Any]] = {}
     for s in samples:
         for name, deviation in s["kills"].items():
@@ -157,8 +157,7 @@ def moe_figures(artifact: dict[str, Any], rule: SampledRule) -> dict[str, Any]:
                           "min_margin": min(s["min_margin"] for s in per_geometry.values())},
             "forwards": [list(f) for f in sorted({(s["degree"], s["forward"]) for s in samples})],
             "seq_lens": sorted({s["geometry"]["seq_len"] for s in samples}),
-            "worst_floor": max(s["floor"] for s in samples),
-            "worst_relative_floor": max(s["floor"] / s["scale"] for s in samples)}
+            **worst_floors(samples)}
 
 
 def load_moe(phase: str = "1a", path: Path | None = None) -> dict[str, Any]:
