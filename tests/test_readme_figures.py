@@ -218,6 +218,36 @@ def corpus_mismatches(text: str) -> list[str]:
 
 # --- the fuzz campaigns: campaigns/*.json -------------------------------------------------
 
+def moe_campaign_mismatches(text: str) -> list[str]:
+    """The MoE routing figures: the validation's near ties and routing headroom, and the
+    committed MoE campaign's examples, near ties and weakest kill."""
+    v = _artifact(TOLERANCE / "random_floor_1a_moe.json")["validated"]
+    wrong = compare(text, rf"met near ties in {n('refs')} of its {n('of')} references "
+                          rf"\({n('choices')} of {n('all')} choices\) with {n('fp')} false "
+                          rf"positives, the worst change of a selection score {n('room')}x",
+                    {"refs": v["near_ties"]["references"], "of": v["references"],
+                     "choices": v["near_ties"]["choices"], "all": v["near_ties"]["of"],
+                     "fp": v["false_positives"], "room": v["min_route_headroom"]})
+    name = "campaigns/2026-12-02-moe.json"
+    if not (ROOT / name).is_file():
+        return [*wrong, f"{name} is not committed"]
+    s = _artifact(ROOT / name)
+    kills = s["smallest_kill_ratios"]
+    weakest = min(kills, key=kills.__getitem__)
+    return wrong + compare(
+        text, rf"`{re.escape(name)}` \(`wsb fuzz --moe --minutes {n('minutes')}`\): "
+              rf"{n('examples')} examples over {n('props')} properties, {n('failures')} "
+              rf"failures; {n('near')} examples had a choice within the bound "
+              rf"\({n('choices')} of {n('all')} choices, the reference's kept there\) and "
+              rf"{n('failed')} of them failed; the smallest kill ratio of an MoE mutation "
+              rf"{n('kill')}x \(`(?P<weakest>\w+)`\)",
+        {"minutes": s["campaign"]["budget"]["minutes"], "examples": s["totals"]["examples"],
+         "props": s["totals"]["properties"], "failures": s["totals"]["failures"],
+         "near": s["near_ties"]["examples"], "choices": s["near_ties"]["choices"],
+         "all": s["near_ties"]["of_choices"], "failed": s["near_ties"]["failed"],
+         "kill": kills[weakest], "weakest": weakest})
+
+
 def campaign_mismatches(text: str) -> list[str]:
     cited = sorted(set(re.findall(r"campaigns/[\w.-]+\.json", text)))
     wrong = [f"the README cites {c}, which is not committed" for c in cited
@@ -256,6 +286,7 @@ def campaign_mismatches(text: str) -> list[str]:
         ratios.setdefault(data["case"]["mutation"], []).append(data["measured"]["ratio"])
     if set(ratios) != {"rope_permute_missing", "rope_permute_twice"}:
         return [*wrong, f"{name}'s discoveries are of {sorted(ratios)}, not the README's"]
+    wrong += moe_campaign_mismatches(text)
     wrong += compare(text, rf"found `rope_permute_missing` and `rope_permute_twice` at "
                            rf"{n('both')}x .*? and `rope_permute_twice` at {n('twice')}x",
                      {"both": ratios["rope_permute_missing"][0],
@@ -299,6 +330,9 @@ def test_same_figure_rounds_to_the_digits_the_readme_shows():
     ("floors", "2.29e-5 under DEFAULT", "2.2e-5 under DEFAULT"),
     ("floors", "1.09e-5 under DEFAULT", "2.29e-5 under DEFAULT"),
     ("floors", "worst floor of 1.07e-5", "worst floor of 7.51e-6"),
+    ("campaign", "(1832 of 81455 choices, the", "(1831 of 81455 choices, the"),
+    ("campaign", "ratio of an MoE mutation 17.3x (`qk_norm", "ratio of an MoE mutation 17.3x (`w13"),
+    ("campaign", "in 162 of its 402 references", "in 161 of its 402 references"),
     ("floors", "on AuthenticAMD under DEFAULT and AVX2 (the",
      "on AuthenticAMD under DEFAULT, AVX2 and AVX512 (the"),
     ("corpus origins", "3 entries are discovered", "0 entries are discovered"),
