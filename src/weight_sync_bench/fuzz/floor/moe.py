@@ -20,6 +20,7 @@ forward the fuzz draws.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -95,11 +96,19 @@ def endpoint_deviation(checker: Checker, where: Endpoint) -> tuple[float, float]
 def forward_groups(config: ModelConfig, max_world: int = MOE_MAX_WORLD
                    ) -> dict[tuple[int, str], list[Endpoint]]:
     """The MoE endpoints of ``config`` (``moe_endpoints``) by (world, forward)."""
+    return {pair: list(group) for pair, group in _forward_groups(config, max_world)}
+
+
+@functools.lru_cache(maxsize=512)
+def _forward_groups(config: ModelConfig, max_world: int
+                    ) -> tuple[tuple[tuple[int, str], tuple[Endpoint, ...]], ...]:
+    """``forward_groups``, kept: finding which endpoints store a geometry cuts every one of
+    them (0.1 s a geometry), and the coverage grid's 112 are walked twice."""
     groups: dict[tuple[int, str], list[Endpoint]] = {}
     for where in moe_endpoints(config, max_world):
         groups.setdefault((where.world, forward_of(where.convention, config, where)),
                           []).append(where)
-    return groups
+    return tuple((pair, tuple(group)) for pair, group in groups.items())
 
 
 def sample_moe(config: ModelConfig, seed: int, *, rule: SampledRule,
