@@ -69,9 +69,14 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    as_int = _SAME_WIDTH_INT[a.element_size()]  # any dtype, bf16 too, seen as raw integers
-    x, y = (t.detach().contiguous().view(as_int).numpy() for t in (a, b))
+    x, y = (raw(t).numpy() for t in (a, b))
     return bool(np.array_equal(x, y))  # a third faster than torch.equal here
+
+
+def raw(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s bytes as integers of its element width, its shape kept: any dtype, bf16 too
+    (NaN equals NaN bit for bit, -0.0 is not 0.0)."""
+    return x.detach().contiguous().view(_SAME_WIDTH_INT[x.element_size()])
 
 
 _CHUNK = 1 << 22  # elements per comparison: a 4 Mi-element (16 MiB fp32) slab
@@ -306,8 +311,8 @@ def slice_index(full: torch.Tensor, dim: int) -> dict[bytes, int]:
 
 
 def _slice_keys(x: torch.Tensor, dim: int) -> list[bytes]:
-    raw = x.detach().contiguous().view(_SAME_WIDTH_INT[x.element_size()])  # bf16 has no numpy
-    rows = np.ascontiguousarray(raw.movedim(dim, 0).reshape(x.shape[dim], -1).numpy())
+    raw_x = raw(x)  # bf16 has no numpy
+    rows = np.ascontiguousarray(raw_x.movedim(dim, 0).reshape(x.shape[dim], -1).numpy())
     return [row.tobytes() for row in rows]
 
 

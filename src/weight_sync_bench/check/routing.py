@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from weight_sync_bench.check.conversion import ConversionChecker
+from weight_sync_bench.check.diagnosis import raw
 from weight_sync_bench.conventions.maps import Piece, gather_canonical
 from weight_sync_bench.conventions.mutations import (
     ROUTER_BIAS,
@@ -63,7 +64,7 @@ def selection_unchanged(checker: ConversionChecker, conversion: Conversion,
     bias and not in the checked forward: a move it causes later counts as seen, the stricter
     answer (the kill is then demanded)."""
     config = checker.config
-    names = [n for n in config.param_shapes() if n.endswith("router.bias")]
+    names = [n for n in config.param_shapes() if re.fullmatch(ROUTER_BIAS, n)]
     held = gather_canonical(shards, conversion.dst.pieces(config), config.param_shapes(), names)
     guard = checker.checker.guard
     assert guard is not None and checker.checker.tokens is not None
@@ -118,7 +119,7 @@ def experts_touched(expert_ffn: int, pieces: Sequence[Mapping[str, Piece]],
     touched: dict[int, set[int]] = {}
     for rank, (mine, theirs) in enumerate(zip(shards, declared)):
         for name, piece in pieces[rank].items():
-            x, y = _bits(piece.flat(mine[name])), _bits(piece.flat(theirs[name]))
+            x, y = raw(piece.flat(mine[name])), raw(piece.flat(theirs[name]))
             if torch.equal(x, y):  # equal bytes (NaN == NaN, -0.0 != 0.0)
                 continue
             match = _EXPERT.fullmatch(piece.source)
@@ -133,8 +134,3 @@ def experts_touched(expert_ffn: int, pieces: Sequence[Mapping[str, Piece]],
                 (idx // width).tolist())
     return touched
 
-
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s bytes as integers of its element size (a view: the shape kept)."""
-    return x.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
-        x.element_size()])
