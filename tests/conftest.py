@@ -9,6 +9,7 @@ artifacts are read in place; a test that writes one writes under ``tmp_path``. `
 fails if a run leaves ``git status --porcelain`` non-empty.
 """
 
+import json
 import os
 import shutil
 import tempfile
@@ -60,6 +61,39 @@ def tolerance(tmp_path, monkeypatch):
     shutil.copytree(CHECKOUT_TOLERANCE, copy, ignore=shutil.ignore_patterns("geometry"))
     monkeypatch.setenv("WSB_TOLERANCE_DIR", str(copy))
     return copy
+
+
+@pytest.fixture
+def planted_converter():
+    """``planted_converter(mutation)``: the harness's converter with that conversion mutation
+    built in wherever it applies and is not the identity (what a user's converter with the
+    bug returns; the fuzz cannot tell it from a real one)."""
+    from weight_sync_bench.conventions import convert
+    from weight_sync_bench.conventions.mutations import MUTATIONS, Conversion
+
+    def planted(mutation):
+        m = MUTATIONS[mutation]
+
+        def buggy(shards, src, dst, config):
+            out = convert(shards, src, dst, config)
+            conversion = Conversion(config, src, dst)
+            if m.not_applicable(conversion) or m.identity_reason(conversion):
+                return out
+            return m.apply(out, conversion)
+        return buggy
+    return planted
+
+
+@pytest.fixture
+def edit_artifact(tolerance):
+    """``edit_artifact(name, change)``: ``change(artifact)`` applied to the copied floor
+    ``name`` (``tolerance``'s copy, never the checkout's), written back."""
+    def edit(name, change):
+        path = tolerance / name
+        artifact = json.loads(path.read_text())
+        change(artifact)
+        path.write_text(json.dumps(artifact))
+    return edit
 
 
 @pytest.fixture(autouse=True)

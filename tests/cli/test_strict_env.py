@@ -35,23 +35,27 @@ def test_the_fuzz_notes_a_foreign_random_floor_and_strict_env_refuses_it(toleran
     assert "WSB_STRICT_ENV" not in os.environ  # put back after the command
 
 
-def test_a_random_floor_of_another_cpu_vendor_is_noted_not_refused(tolerance, capsys):
+def _measured_on(vendor, suffix=""):
+    """A change to an artifact: every kernel set it names measured on ``vendor`` instead."""
+    def change(artifact):
+        artifact["kernel_sets"] = [f"{vendor}/{k.split('/')[-1]}{suffix}"
+                                   for k in artifact["kernel_sets"]]
+    return change
+
+
+def test_a_random_floor_of_another_cpu_vendor_is_noted_not_refused(edit_artifact, capsys):
     """Another vendor's kernels sum in another order, within the rule's safety: a floor
     measured under this kernel set on another vendor only is noted, strict or not, naming
     the command that measures it here too (``tolerance.rules.vendor_only``)."""
-    artifact = json.loads((tolerance / "random_floor_1a.json").read_text())
-    artifact["kernel_sets"] = [f"OtherVendor/{k.split('/')[-1]}" for k in artifact["kernel_sets"]]
-    (tolerance / "random_floor_1a.json").write_text(json.dumps(artifact))
+    edit_artifact("random_floor_1a.json", _measured_on("OtherVendor"))
     assert main(["fuzz", "--examples", "1", "-q", "--mutation", "kv_swapped",
                  "--strict-env"]) == 0
     out = capsys.readouterr().out
     assert "is not among the kernel sets the floor was measured under (OtherVendor/" in out
 
 
-def test_the_twin_a_kernel_set_no_vendor_measured_is_refused(tolerance, capsys):
-    artifact = json.loads((tolerance / "random_floor_1a.json").read_text())
-    artifact["kernel_sets"] = [f"OtherVendor/{k.split('/')[-1]}_X" for k in artifact["kernel_sets"]]
-    (tolerance / "random_floor_1a.json").write_text(json.dumps(artifact))
+def test_the_twin_a_kernel_set_no_vendor_measured_is_refused(edit_artifact, capsys):
+    edit_artifact("random_floor_1a.json", _measured_on("OtherVendor", "_X"))
     assert main(["fuzz", "--examples", "1", "-q", "--mutation", "kv_swapped",
                  "--strict-env"]) == 2
     err = capsys.readouterr().err

@@ -17,7 +17,7 @@ from weight_sync_bench.fuzz.strategies.conventions import (
     endpoints,
 )
 
-from weight_sync_bench.conventions import CONVENTIONS, convert, endpoint
+from weight_sync_bench.conventions import CONVENTIONS, endpoint
 from weight_sync_bench.conventions.mutations import DENSE_MUTATIONS
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.conventions.mutations import Conversion
@@ -84,24 +84,10 @@ def test_a_mutation_draws_a_conversion_it_applies_to_and_is_live_in_where_one_ex
         assert live and case.identity_reason() is None, (mutation, str(case))
 
 
-def _buggy_converter(mutation):
-    """The harness's converter with a conversion bug built in (what a user's converter
-    with that bug returns); the fuzz cannot tell it from a real bug."""
-    m = CONVERSION_MUTATIONS[mutation]
-
-    def buggy(shards, src, dst, config):
-        out = convert(shards, src, dst, config)
-        conversion = Conversion(config, src, dst)
-        if m.not_applicable(conversion) or m.identity_reason(conversion):
-            return out
-        return m.apply(out, conversion)
-    return buggy
-
-
 def test_twin_a_converter_with_a_bug_fails_the_invariant_and_lands_in_the_corpus(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, planted_converter):
     monkeypatch.setattr("weight_sync_bench.conventions.convert",
-                        _buggy_converter("tp_rank_defaults_to_0"))
+                        planted_converter("tp_rank_defaults_to_0"))
     with pytest.raises(PropertyFailed) as err:
         run_property("convert", None, corpus=False, corpus_path=tmp_path,
                      max_examples=INVARIANT_EXAMPLES, profile="wsb-test")

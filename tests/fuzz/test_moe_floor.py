@@ -11,7 +11,6 @@ twins: with the committed validation the same geometries are judged, and pass.""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -225,12 +224,6 @@ def test_without_the_validation_an_moe_case_is_refused_naming_the_command(tolera
     assert run_case(_case(), threshold_rule=lambda c, r: 1.0).holds("moe_convert")
 
 
-def _edit(path, change):
-    artifact = json.loads(path.read_text())
-    change(artifact)
-    path.write_text(json.dumps(artifact))
-
-
 @pytest.mark.parametrize("change, why", [
     (lambda a: a["samples"][0].update(floor=1e3), "the rule in force has 1 false positives"),
     (lambda a: a["samples"][0].update(route=1e3), "x the worst routing deviation"),
@@ -242,16 +235,17 @@ def _edit(path, change):
     (lambda a: a["moe_domain"]["n_experts"].update(hi=16),
      "measured over another MoE domain than the fuzz draws from"),
 ])
-def test_a_validation_that_does_not_hold_here_refuses_the_case(tolerance, change, why):
-    _edit(tolerance / "random_floor_1a_moe.json", change)
+def test_a_validation_that_does_not_hold_here_refuses_the_case(edit_artifact, change, why):
+    edit_artifact("random_floor_1a_moe.json", change)
     with pytest.raises(FloorNotMeasured, match=why):
         run_case(_case())
 
 
-def test_a_selection_only_mutation_runs_its_32_tokens_only_where_they_were_measured(tolerance):
-    path = tolerance / "random_floor_1a_moe.json"
-    _edit(path, lambda a: a.update(samples=[s for s in a["samples"]
-                                            if s["geometry"]["seq_len"] != 32]))
+def test_a_selection_only_mutation_runs_its_32_tokens_only_where_they_were_measured(
+        edit_artifact):
+    edit_artifact("random_floor_1a_moe.json",
+                  lambda a: a.update(samples=[s for s in a["samples"]
+                                              if s["geometry"]["seq_len"] != 32]))
     assert run_case(_case()).holds("moe_convert")  # its own 8 tokens: measured
     with pytest.raises(FloorNotMeasured, match="not 32"):
         run_case(_case(mutation="router_bias_not_synced"))

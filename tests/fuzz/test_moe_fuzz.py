@@ -21,9 +21,7 @@ import json
 import pytest
 from hypothesis import Phase, settings
 
-from weight_sync_bench.conventions import convert
-from weight_sync_bench.conventions.mutations import MOE_MUTATIONS, Conversion
-from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
+from weight_sync_bench.conventions.mutations import MOE_MUTATIONS
 from weight_sync_bench.errors import CorruptCorpusEntry
 from weight_sync_bench.fuzz.case import ConversionCase, Outcome, run_case
 from weight_sync_bench.fuzz.corpus import load_entry
@@ -60,24 +58,10 @@ def test_every_moe_mutation_is_killed_by_ten_x_wherever_it_is_not_the_identity(m
     assert tally.killed == live and tally.min_ratio >= 10 and tally.failures == 0
 
 
-def _buggy_converter(mutation):
-    """The harness's converter with an MoE bug built in (what a user's converter with that
-    bug returns); the fuzz cannot tell it from a real bug."""
-    m = CONVERSION_MUTATIONS[mutation]
-
-    def buggy(shards, src, dst, config):
-        out = convert(shards, src, dst, config)
-        conversion = Conversion(config, src, dst)
-        if m.not_applicable(conversion) or m.identity_reason(conversion):
-            return out
-        return m.apply(out, conversion)
-    return buggy
-
-
 def test_twin_a_converter_with_an_moe_bug_fails_the_invariant_and_its_entry_replays(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, planted_converter):
     monkeypatch.setattr("weight_sync_bench.conventions.convert",
-                        _buggy_converter("w13_halves_swapped"))
+                        planted_converter("w13_halves_swapped"))
     with pytest.raises(PropertyFailed) as err:
         run_property("moe_convert", None, corpus=False, corpus_path=tmp_path,
                      max_examples=INVARIANT_EXAMPLES, profile="wsb-test")

@@ -108,20 +108,14 @@ def test_without_the_validation_a_replicated_case_is_refused_naming_the_command(
     assert loose.holds("convert")
 
 
-def _edit(path, change):
-    artifact = json.loads(path.read_text())
-    change(artifact)
-    path.write_text(json.dumps(artifact))
-
-
 @pytest.mark.parametrize("change, why", [
     (lambda a: a["samples"][0].update(floor=1e3), "the rule in force has 1 false positives"),
     (lambda a: a.update(samples=[s for s in a["samples"] if s["degree"] != 4]), "not t=4"),
     (lambda a: a["domain"]["d_model"].update(hi=64),
      "measured over another fuzz domain than the random-geometry floor's"),
 ])
-def test_a_validation_that_does_not_hold_here_refuses_the_case(tolerance, change, why):
-    _edit(tolerance / "random_floor_1a_replicated_kv.json", change)
+def test_a_validation_that_does_not_hold_here_refuses_the_case(edit_artifact, change, why):
+    edit_artifact("random_floor_1a_replicated_kv.json", change)
     with pytest.raises(FloorNotMeasured, match=why):
         run_case(_case())
 
