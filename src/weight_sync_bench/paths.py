@@ -7,7 +7,10 @@ pointing into site-packages where nothing was ever measured.
 
 - ``WSB_TOLERANCE_DIR``: the measured floors (``tolerance/*.json``) thresholds are read from;
 - ``WSB_CORPUS_DIR``: saved counterexamples (``corpus/*.json``);
-- ``WSB_FUZZ_DIR``: the fuzz runner's example database and campaign outputs (``.hypothesis/``).
+- ``WSB_FUZZ_DIR``: the fuzz runner's example database and campaign outputs (else
+  ``.hypothesis/`` in the current directory);
+- a user's own function's counterexamples: ``WSB_CORPUS_DIR``, else ``wsb-corpus/`` in the
+  current directory (``user_corpus_dir``).
 """
 
 from __future__ import annotations
@@ -49,5 +52,19 @@ def corpus_dir() -> Path:
 
 
 def fuzz_dir() -> Path:
-    """$WSB_FUZZ_DIR, else the checkout's ``.hypothesis/`` (git-ignored)."""
-    return _located("WSB_FUZZ_DIR", ".hypothesis")
+    """$WSB_FUZZ_DIR, else ``.hypothesis/`` in the current directory, where Hypothesis keeps
+    its own database: a run's summaries land in the project it was started from, never in
+    this package's checkout (the same folder when run from there, git-ignored)."""
+    env = os.environ.get("WSB_FUZZ_DIR")
+    return Path(env) if env else Path.cwd() / ".hypothesis"
+
+
+def user_corpus_dir() -> Path:
+    """$WSB_CORPUS_DIR, else ``wsb-corpus/`` in the current directory: the counterexamples of
+    a user's own function (``wsb fuzz --converter``, ``testing.*_property``) are theirs, kept
+    in their project, not in the harness's ``corpus/``."""
+    env = os.environ.get("WSB_CORPUS_DIR")
+    return Path(env) if env else Path.cwd() / USER_CORPUS
+
+
+USER_CORPUS = "wsb-corpus"

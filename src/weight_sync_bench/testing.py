@@ -12,7 +12,8 @@ your function gets what ``check_split`` / ``check_reshard`` / ``check_convert`` 
 ``config=`` (the ``ModelConfig``) when its signature accepts it and, for a converter,
 ``hf_config=`` (the HF ``config.json`` dict). The verdict is the fixed checks': bytes exact
 against the declared layout, then the forward within the fuzz threshold. A failure is shrunk
-to its smallest geometry, written to the corpus (``WSB_CORPUS_DIR``) with your function's
+to its smallest geometry, written to your corpus (``WSB_CORPUS_DIR``, else ``wsb-corpus/``
+in the current directory) with your function's
 import path and source hash, and raised with a report naming the geometry, the degrees, the
 first parameter that differs and the rows each rank holds. The corpus entries of your
 function and every shipped ``config.json`` geometry run first, as explicit examples.

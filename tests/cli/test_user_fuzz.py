@@ -71,6 +71,27 @@ def test_a_planted_bug_is_reported_shrunk_with_the_geometry_and_the_rows_exit_1(
     assert all(f"    {line}\n" in text for line in failure["diagnosis"])
 
 
+def test_without_wsb_corpus_dir_the_entry_lands_in_the_users_project_not_the_checkout(
+        user_module, capsys, monkeypatch):
+    """A user's run from their own directory keeps what it finds there (``wsb-corpus/``,
+    ``.hypothesis/``): the harness's checkout is left as it was."""
+    from weight_sync_bench.paths import checkout
+
+    monkeypatch.delenv("WSB_CORPUS_DIR")
+    monkeypatch.delenv("WSB_FUZZ_DIR", raising=False)
+    before = sorted((checkout() / "corpus").iterdir())
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha")
+    assert code == 1
+    (entry,) = (user_module / "wsb-corpus").glob("*.json")
+    assert f"corpus entry: {entry}" in out.out
+    assert list((user_module / ".hypothesis" / "summaries").glob("fuzz-*.json"))
+    assert sorted((checkout() / "corpus").iterdir()) == before
+    # the next fuzz of the same function reads its entries from the same place
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha")
+    assert code == 1 and f"corpus entry: {entry} (already there)" in out.out
+    assert f"corpus: {user_module / 'wsb-corpus'} (0 new entries)" in out.out
+
+
 def test_the_correct_resharder_passes_exit_0(user_module, capsys):
     code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_correct")
     assert code == 0, out.out

@@ -41,6 +41,7 @@ from weight_sync_bench.cli.output import (
 from weight_sync_bench.cli.records import FUZZ_SUMMARY, counterexample_record, replay_record
 from weight_sync_bench.errors import RankFailure, WsbError
 from weight_sync_bench.tolerance.artifacts import PHASES
+from weight_sync_bench.paths import user_corpus_dir
 
 
 def _run_fuzz(args: argparse.Namespace, out: Output, **kwargs: object):  # -> FuzzReport
@@ -245,7 +246,8 @@ def _cmd_fuzz_user(args: argparse.Namespace, out: Output) -> int:
     budget = ({"examples": args.examples} if args.examples is not None
               else {"minutes": args.minutes if args.minutes is not None else 1.0})
     report = user_report(_run_fuzz(args, out, work=[(function.prop, function.label)], run=run,
-                                   chunk=args.chunk, **budget), stats)
+                                   chunk=args.chunk, corpus_path=user_corpus_dir(), **budget),
+                         stats)
     out.record("user_function", role=role, function=spec, domain=str(domain),
                checked=stats.checked, declined=stats.declined,
                smallest_declined=(str(stats.smallest_declined.case)

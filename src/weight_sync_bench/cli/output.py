@@ -55,9 +55,11 @@ ENVIRONMENT = """\
 environment:
     WSB_TOLERANCE_DIR  the measured floors (tolerance/*.json) thresholds are read from
     WSB_CORPUS_DIR     saved counterexamples (corpus/*.json), read and written by fuzz, replay
-    WSB_FUZZ_DIR       the fuzz runner's example database (.hypothesis/)
+                       (your own function's: default wsb-corpus/ in the current directory)
+    WSB_FUZZ_DIR       the fuzz runner's example database and summaries (default
+                       .hypothesis/ in the current directory)
     WSB_PROFILE        the Hypothesis profile when --profile is not given (default wsb-test)
-    each defaults to the checkout the package was imported from"""
+    the others default to the checkout the package was imported from"""
 
 # Progress on a terminal is rewritten in place at most this often; into a file or a pipe
 # (CI logs) one line is printed at most this often, plus the first and the last.

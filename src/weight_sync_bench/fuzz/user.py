@@ -66,6 +66,7 @@ from weight_sync_bench.errors import (
 from weight_sync_bench.fuzz.case import Case, ConversionCase, Outcome, make_checker
 from weight_sync_bench.fuzz.corpus import (
     Entry,
+    entry_paths,
     load_corpus,
     make_entry,
     write_entry,
@@ -88,6 +89,7 @@ from weight_sync_bench.fuzz.strategies.user import (
 )
 from weight_sync_bench.model.config import HF_CONFIGS, ModelConfig, shipped_hf_config
 from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.paths import user_corpus_dir
 
 REAL_SHRINK = 16  # shipped geometries reduced: hidden, intermediate, head_dim / 16
 REAL_VOCAB = 520  # 8 x 65: every degree up to 8 divides it, and 64 does not
@@ -414,8 +416,8 @@ def real_cases(function: UserFunction, *, domain: FuzzDomain = DOMAIN, src: int 
 
 
 def corpus_cases(function: UserFunction) -> list[Case]:
-    """The corpus entries written for this function (``WSB_CORPUS_DIR``), as cases."""
-    return [e.case for e in load_corpus() if function.owns(e)]
+    """The corpus entries written for this function (``paths.user_corpus_dir``), as cases."""
+    return [e.case for e in load_corpus(entry_paths(user_corpus_dir())) if function.owns(e)]
 
 
 def case_runner(function: UserFunction, stats: UserStats) -> Callable[..., Outcome]:
@@ -461,6 +463,7 @@ def fuzz_run(function: UserFunction, *, domain: FuzzDomain = DOMAIN, src: int | 
         examples = ([*corpus_cases(function),
                      *(real_cases(function, domain=domain, src=src, dst=dst, phase=phase)
                        if real else [])] if corpus else [])
+        kwargs["corpus_path"] = kwargs.get("corpus_path") or user_corpus_dir()
         tally = run_property(prop, mutation, corpus=corpus, phase=phase, strategy=strategy,
                              examples=examples, case_runner=case_runner(function, stats),
                              entry_fields=function.entry_fields(), **kwargs)
@@ -500,7 +503,7 @@ def user_property(function: UserFunction, *, domain: FuzzDomain = DOMAIN,
     """A test function pytest collects: the user's property under the current Hypothesis
     settings (the profile loaded, or ``settings``), the corpus entries written for this
     function and the shipped geometries first. A shrunk failure is written to the corpus
-    (``corpus_path``, else ``WSB_CORPUS_DIR`` / the checkout's ``corpus/``, where there is
+    (``corpus_path``, else ``WSB_CORPUS_DIR`` / ``wsb-corpus/`` in the current directory, where there is
     one) and raised as ``PropertyFailed`` with the report; declined cases are reported as a
     warning, and a run where every case was declined fails. ``test.stats`` is the last
     run's ``UserStats``."""
@@ -553,7 +556,7 @@ def _record(failure: PropertyFailed, tally: Tally, function: UserFunction,
                        hypothesis_version=hypothesis.__version__)
     entry.update(function.entry_fields())
     try:
-        path, created = write_entry(entry, corpus_path)
+        path, created = write_entry(entry, corpus_path or user_corpus_dir())
     except MissingArtifacts as exc:
         failure.args = (f"{failure.args[0]}\n  corpus entry not written: {exc}",)
         return
