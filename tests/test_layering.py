@@ -25,7 +25,7 @@ PACKAGE = ROOT / "src" / "weight_sync_bench"
 # ``testing`` (the public pytest front end of the fuzz, a module) sits at the top, beside cli.
 LAYERS = ("layout", "collectives", "model", "conventions", "tolerance", "check", "sync", "training",
           "fuzz", "cli", "testing")
-ANYWHERE = ("errors", "paths", "memory")  # importable from every layer; they import no layer themselves
+ANYWHERE = ("errors", "paths", "memory", "files")  # importable from every layer; they import no layer themselves
 # Entry points may import anything: the package's public surface and ``python -m`` targets.
 ENTRY_POINTS = ("__init__", "__main__")
 STRATEGIES = "fuzz.strategies"

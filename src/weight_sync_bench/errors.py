@@ -281,3 +281,16 @@ class CheckpointError(WsbError, ValueError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+
+
+class UnsafeFile(CheckpointError):
+    """A file an input names that the harness refuses to open or read whole: outside the
+    directory that names it (an absolute path, a ``..``, a symlink out of it), not a regular
+    file (a directory, FIFO, socket or device), or over the stated size limit
+    (``files.JSON_LIMIT``). Raised before the file is opened; ``entry`` is the name as the
+    input gave it (an index's value, a file name), ``path`` the file in the directory."""
+
+    def __init__(self, message: str, *, path: str | None = None, entry: str | None = None
+                 ) -> None:
+        super().__init__(message, path=path)
+        self.entry = entry

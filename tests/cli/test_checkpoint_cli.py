@@ -141,6 +141,23 @@ def test_a_truncated_missing_or_misnamed_file_is_exit_2_naming_it(converted, tmp
     assert err.startswith(f"wsb verify: {named}: ")
 
 
+def test_a_symlink_out_of_the_directory_is_exit_2_unless_its_root_is_allowed(converted,
+                                                                           tmp_path, capsys):
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for path in (converted / "vllm2").iterdir():  # rank 1 read through a link out of DIR
+        target = linked / path.name if "rank-0" in path.name else path
+        if target == path:
+            (linked / path.name).symlink_to(path)
+        else:
+            target.write_bytes(path.read_bytes())
+    assert verify(linked) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"wsb verify: {linked / 'model-rank-1-part-0.safetensors'}: a symlink")
+    assert "--allow-root" in err
+    assert verify(linked, "vllm:2", "--allow-root", str(converted / "vllm2")) == 0  # the twin
+
+
 def test_emit_refuses_a_directory_with_files_and_verify_a_directory_that_is_not_there(
         tmp_path, capsys):
     (tmp_path / "full").mkdir()

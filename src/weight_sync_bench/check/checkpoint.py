@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
 
 def verify_checkpoint(directory: str | Path, config: ModelConfig, dst: str, *,
                       src: str | None = None, seed: int = 0, backend: str = "inprocess",
-                      threshold: float | None = None, measure_floor: bool = False
-                      ) -> Verdict:
+                      threshold: float | None = None, measure_floor: bool = False,
+                      roots: Sequence[str | Path] = ()) -> Verdict:
     """``check_convert``'s verdict on a checkpoint a converter wrote to ``directory`` in
     ``dst``'s files (``conventions.checkpoint``: per-rank safetensors for ``vllm:2``, an HF
     directory for ``hf``, consolidated files for ``meta:2``), against the synthetic model
@@ -28,12 +29,14 @@ def verify_checkpoint(directory: str | Path, config: ModelConfig, dst: str, *,
     gives the same tensors. A file missing, truncated, mis-named or holding a tensor of the
     wrong name, shape or dtype raises ``CheckpointError`` naming the file. The threshold is
     ``check_convert``'s (``floor_for``; ``measure_floor`` measures and caches an unmeasured
-    geometry's floor, else ``FloorNotMeasured`` names the command)."""
+    geometry's floor, else ``FloorNotMeasured`` names the command). Files are opened only
+    inside ``directory`` (or its Hugging Face cache ``blobs/``, or one of ``roots``), as
+    ``read_checkpoint`` says."""
     InvalidNumber.seed("seed", seed)
     target = endpoint(dst)
     source = endpoint(src) if src is not None else target
     target.pieces(config)
-    checkpoint = read_checkpoint(directory, target, config)
+    checkpoint = read_checkpoint(directory, target, config, roots=roots)
     checker = conversion_checker(config, seed=seed, backend=backend, threshold=threshold,
                                  measure_floor=measure_floor)
     try:

@@ -139,7 +139,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     try:
         verdict = verify_checkpoint(args.directory, config, str(where), src=str(source),
                                     seed=args.seed, backend=args.backend,
-                                    measure_floor=args.measure_floor)
+                                    measure_floor=args.measure_floor,
+                                    roots=args.allow_root)
     except FloorNotMeasured as exc:
         if args.hf_config is None:
             raise
@@ -197,6 +198,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "now and cache it under tolerance/geometry/, then verify (as "
                              "`wsb check --measure-floor`); without, such a geometry is refused "
                              "naming the command")
+    verify.add_argument("--allow-root", action="append", type=Path, default=[], metavar="ROOT",
+                        help="a directory the checkpoint's symlinks may lead into besides DIR "
+                             "(and, for a Hugging Face cache snapshot, its repository's blobs/); "
+                             "repeatable. Without it, a file that resolves outside DIR, an "
+                             "index entry naming ../ or an absolute path, and a FIFO or device "
+                             "are refused before they are opened (exit 2)")
     verify.add_argument("directory", metavar="DIR", type=Path)
     add_output_options(verify)
     add_deadline_option(verify)

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weight_sync_bench.errors import CheckpointError, InvalidConfig, UnsupportedConvention
+from weight_sync_bench.files import inside, read_bounded
 from weight_sync_bench.model.config import MOE_FIELDS
 
 if TYPE_CHECKING:
@@ -238,43 +239,91 @@ def _atomic_torch(path: Path, params: Params) -> Path:
 # -- reading
 
 
-def read_checkpoint(directory: str | Path, where: Endpoint, config: ModelConfig) -> Checkpoint:
+def read_checkpoint(directory: str | Path, where: Endpoint, config: ModelConfig, *,
+                    roots: Sequence[str | Path] = ()) -> Checkpoint:
     """The rank-local tensors of a checkpoint ``directory`` said to be ``where`` (``vllm:2``:
     per-rank safetensors files; ``hf``: an HF directory; ``meta:2``: consolidated files),
     checked against ``where``'s declared names and shapes for ``config`` and against the
     directory's ``config.json`` / ``params.json`` where the format has one. Raises
-    ``CheckpointError`` naming the file that is missing, truncated, mis-named or wrong."""
+    ``CheckpointError`` naming the file that is missing, truncated, mis-named or wrong.
+
+    Every file is checked before it is opened (``files.inside``): a regular file inside
+    ``directory`` after resolving symlinks, or inside the Hugging Face cache ``blobs/`` of a
+    snapshot directory, or inside one of ``roots``; anything else (an index entry naming
+    ``../x`` or an absolute path, a symlink out, a FIFO or device) is ``UnsafeFile``."""
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint directory", path=str(root))
+    files_of = _Files(root, tuple(roots))
     match layout_of(where):
         case "hf":
-            _check_geometry(root / HF_CONFIG, _read_hf_config(root / HF_CONFIG, config), config)
-            shards, files = _read_hf(root)
+            _check_geometry(root / HF_CONFIG, _read_hf_config(files_of, config), config)
+            shards, files = _read_hf(files_of)
         case "meta":
-            _check_geometry(root / META_PARAMS, _read_meta_params(root / META_PARAMS), config)
-            shards, files = _read_meta(root, where.world)
+            _check_geometry(root / META_PARAMS, _read_meta_params(files_of), config)
+            shards, files = _read_meta(files_of, where.world)
         case _:
-            shards, files = _read_ranks(root, where.world)
+            shards, files = _read_ranks(files_of, where.world)
     checkpoint = Checkpoint(root, shards, files)
     _check_names_and_shapes(checkpoint, where, config)
     return checkpoint
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing", path=str(path)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: not readable JSON ({exc})", path=str(path)) from None
+@dataclass(frozen=True)
+class _Files:
+    """A checkpoint directory's files, each opened only once ``files.inside`` allows it."""
+
+    root: Path
+    roots: tuple[str | Path, ...]
+
+    def checked(self, name: str, what: str = "", missing: str = "") -> Path:
+        """The resolved path of the file ``name``; ``CheckpointError`` where it is missing
+        (``missing`` says why it should be there), ``UnsafeFile`` where it may not be read."""
+        try:
+            return inside(self.root, name, roots=self.roots, what=what)
+        except FileNotFoundError:
+            path = self.root / name
+            raise CheckpointError(f"{path}: missing{f' ({missing})' if missing else ''}",
+                                  path=str(path)) from None
+
+    def unsafe(self, name: str, what: str = "") -> None:
+        """``UnsafeFile`` where the file ``name`` exists and may not be read; nothing where it
+        may, or does not exist (a missing file is named where it is read)."""
+        try:
+            inside(self.root, name, roots=self.roots, what=what)
+        except FileNotFoundError:
+            pass
+
+    def json(self, name: str) -> Any:
+        path = self.root / name
+        try:
+            return json.loads(read_bounded(self.checked(name), shown=path))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing", path=str(path)) from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{path}: not readable JSON ({exc})", path=str(path)) from None
+
+    def safetensors(self, name: str, what: str = "", missing: str = "") -> Params:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = self.root / name
+        resolved = self.checked(name, what, missing)
+        try:
+            return load_file(str(resolved))
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: missing", path=str(path)) from None
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{path}: not a readable safetensors file, truncated or "
+                                  f"corrupt ({exc})", path=str(path)) from None
 
 
-def _read_hf_config(path: Path, config: ModelConfig) -> dict[str, Any]:
+def _read_hf_config(files: _Files, config: ModelConfig) -> dict[str, Any]:
     from weight_sync_bench.errors import InvalidConfig
     from weight_sync_bench.model.config import ModelConfig
 
-    data = _read_json(path)
+    path = files.root / HF_CONFIG
+    data = files.json(HF_CONFIG)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: an HF config is a JSON object, got "
                               f"{type(data).__name__}", path=str(path))
@@ -285,8 +334,9 @@ def _read_hf_config(path: Path, config: ModelConfig) -> dict[str, Any]:
     return {f: getattr(found, f) for f in GEOMETRY}
 
 
-def _read_meta_params(path: Path) -> dict[str, Any]:
-    data = _read_json(path)
+def _read_meta_params(files: _Files) -> dict[str, Any]:
+    path = files.root / META_PARAMS
+    data = files.json(META_PARAMS)
     try:
         if not isinstance(data, dict):
             raise TypeError(f"a JSON object expected, got {type(data).__name__}")
@@ -310,19 +360,6 @@ def _check_geometry(path: Path, found: Mapping[str, Any], config: ModelConfig) -
                                   path=str(path))
 
 
-def _load_safetensors(path: Path) -> Params:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing", path=str(path)) from None
-    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file, truncated or corrupt "
-                              f"({exc})", path=str(path)) from None
-
-
 def _strays(root: Path, suffix: str, known: set[str], pattern: str) -> None:
     for path in sorted(root.glob(f"*{suffix}")):
         if path.name not in known:
@@ -330,69 +367,90 @@ def _strays(root: Path, suffix: str, known: set[str], pattern: str) -> None:
                                   f"(expected {pattern})", path=str(path))
 
 
-def _read_hf(root: Path) -> tuple[list[Params], list[dict[str, Path]]]:
+def _read_hf(files: _Files) -> tuple[list[Params], list[dict[str, Path]]]:
+    root = files.root
     index_path = root / HF_INDEX
-    if not index_path.exists():
+    if not index_path.exists() and not index_path.is_symlink():
         single = root / HF_SINGLE
-        if not single.exists():
+        if not single.exists() and not single.is_symlink():
             raise CheckpointError(f"{index_path}: missing (and no single {HF_SINGLE})",
                                   path=str(index_path))
         _strays(root, ".safetensors", {HF_SINGLE}, HF_SINGLE)
-        params = _load_safetensors(single)
+        params = files.safetensors(HF_SINGLE)
         return [params], [dict.fromkeys(params, single)]
-    index = _read_json(index_path)
+    index = files.json(HF_INDEX)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: no weight_map of tensor name -> file name",
                               path=str(index_path))
     names = sorted(set(weight_map.values()))
+    # every entry is checked before any file is opened: one that escapes refuses the whole
+    # checkpoint, before the directory's other files are looked at
+    said = {name: f"{index_path.name} maps {sum(v == name for v in weight_map.values())} "
+            "tensors to it" for name in names}
+    for name in names:
+        files.unsafe(name, said[name])
     _strays(root, ".safetensors", set(names), f"one of the files {index_path.name} names: "
             + ", ".join(names))
     params: Params = {}
-    files: dict[str, Path] = {}
+    where: dict[str, Path] = {}
     for name in names:
         path = root / name
-        if not path.exists():
-            raise CheckpointError(f"{path}: missing ({index_path.name} maps "
-                                  f"{sum(v == name for v in weight_map.values())} tensors to it)",
-                                  path=str(path))
-        for tensor, x in _load_safetensors(path).items():
+        for tensor, x in files.safetensors(name, said[name], said[name]).items():
             if weight_map.get(tensor) != name:
                 raise CheckpointError(f"{path}: holds {tensor}, which {index_path.name} maps "
                                       f"to {weight_map.get(tensor)!r}", path=str(path))
-            params[tensor], files[tensor] = x, path
+            params[tensor], where[tensor] = x, path
     for tensor, name in weight_map.items():
         if tensor not in params:
             raise CheckpointError(f"{root / name}: has no {tensor} ({index_path.name} maps "
                                   "it there)", path=str(root / name))
-    return [params], [files]
+    return [params], [where]
 
 
-def _read_meta(root: Path, degree: int) -> tuple[list[Params], list[dict[str, Path]]]:
+def _refused_pickle(exc: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` refused a file, without torch's advice to rerun
+    it with ``weights_only=False`` (which would run the pickle's code): the lines that name
+    what the pickle calls."""
+    said = [line.strip() for line in str(exc).splitlines()
+            if line.strip() and "weights_only" not in line and "trusted source" not in line
+            and "documentation" not in line]
+    return "; ".join(said) or type(exc).__name__
+
+
+def _read_meta(files: _Files, degree: int) -> tuple[list[Params], list[dict[str, Path]]]:
+    root = files.root
     expected = [root / META_FILE.format(rank=r) for r in range(degree)]
     _strays(root, ".pth", {p.name for p in expected},
             f"consolidated.00.pth .. consolidated.{degree - 1:02d}.pth, one per rank at t={degree}")
-    shards, files = [], []
+    shards, where = [], []
     for path in expected:
+        resolved = files.checked(path.name, missing=f"meta:{degree} has one consolidated file "
+                                 "per model-parallel rank")
         try:
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            loaded = torch.load(resolved, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise CheckpointError(f"{path}: missing (meta:{degree} has one consolidated file "
                                   "per model-parallel rank)", path=str(path)) from None
-        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
+        except pickle.UnpicklingError as exc:
+            raise CheckpointError(f"{path}: refused, its pickle holds more than tensors, which "
+                                  f"the harness never loads ({_refused_pickle(exc)})",
+                                  path=str(path)) from None
+        except (RuntimeError, EOFError, OSError, ValueError) as exc:
             raise CheckpointError(f"{path}: not a readable torch checkpoint, truncated or "
-                                  f"corrupt ({type(exc).__name__}: {exc})", path=str(path)
-                                  ) from None
+                                  f"corrupt ({type(exc).__name__}: {_refused_pickle(exc)})",
+                                  path=str(path)) from None
         if not isinstance(loaded, dict) or not all(
                 isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in loaded.items()):
             raise CheckpointError(f"{path}: not a dict of tensor name -> tensor",
                                   path=str(path))
         shards.append(loaded)
-        files.append(dict.fromkeys(loaded, path))
-    return shards, files
+        where.append(dict.fromkeys(loaded, path))
+    return shards, where
 
 
-def _read_ranks(root: Path, degree: int) -> tuple[list[Params], list[dict[str, Path]]]:
+def _read_ranks(files: _Files, degree: int) -> tuple[list[Params], list[dict[str, Path]]]:
+    root = files.root
     pattern = RANK_FILE.format(rank="{rank}", part="{part}")
     parts: dict[int, list[tuple[int, Path]]] = {}
     for path in sorted(root.glob("*.safetensors")):
@@ -405,7 +463,7 @@ def _read_ranks(root: Path, degree: int) -> tuple[list[Params], list[dict[str, P
             raise CheckpointError(f"{path}: rank {rank}, but the checkpoint is checked at "
                                   f"t={degree} (ranks 0..{degree - 1})", path=str(path))
         parts.setdefault(rank, []).append((part, path))
-    shards, files = [], []
+    shards, found = [], []
     for rank in range(degree):
         if rank not in parts:
             path = root / RANK_FILE.format(rank=rank, part=0)
@@ -414,14 +472,14 @@ def _read_ranks(root: Path, degree: int) -> tuple[list[Params], list[dict[str, P
         params: Params = {}
         where: dict[str, Path] = {}
         for _, path in sorted(parts[rank]):
-            for name, x in _load_safetensors(path).items():
+            for name, x in files.safetensors(path.name).items():
                 if name in params:
                     raise CheckpointError(f"{path}: {name} is also in {where[name].name}",
                                           path=str(path))
                 params[name], where[name] = x, path
         shards.append(params)
-        files.append(where)
-    return shards, files
+        found.append(where)
+    return shards, found
 
 
 def _check_names_and_shapes(checkpoint: Checkpoint, where: Endpoint, config: ModelConfig
