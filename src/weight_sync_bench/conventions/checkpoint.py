@@ -27,7 +27,9 @@ tool wrote back).
   ``torch_dist`` or ``mp_rank_XX/model_optim_rng.pt`` checkpoints; the harness stores
   Megatron's rank-local tensors in the same per-rank safetensors files instead.
 
-Every file is written to a temporary name in the directory, then renamed. Reading checks
+Writing is atomic as a whole: every file goes into a hidden sibling directory, renamed to
+the checkpoint's name when all are written (``write_checkpoint``). Reading opens only regular
+files inside the directory (``files.inside``: no index entry or symlink leads out) and checks
 every file against the convention before any tensor is compared: a file missing, truncated
 or mis-named, a tensor missing, extra or of the wrong shape is a ``CheckpointError`` naming
 the file. Dtypes are kept as stored (compared exactly by the check, never assumed).
@@ -35,12 +37,13 @@ the file. Dtypes are kept as stored (compared exactly by the check, never assume
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import pickle
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,7 +104,15 @@ def write_checkpoint(directory: str | Path, shards: Sequence[Mapping[str, torch.
     written, in order. ``max_shard_size`` (bytes, HF only): the largest safetensors file
     before the next one starts; default a quarter of the model, so the synthetic model is
     cut into about four files like a real 7-8B checkpoint at HF's 5 GB; at or above the
-    model's size it is one ``model.safetensors``, as ``save_pretrained`` writes it."""
+    model's size it is one ``model.safetensors``, as ``save_pretrained`` writes it.
+
+    Atomic as a whole: the files are written into a hidden sibling directory
+    (``.DIR.wsb-partial-PID``) and renamed into place when all are complete, so a failed or
+    interrupted write leaves no ``directory`` and no partial file, and a rerun works; a
+    sibling left by a killed writer (its PID no longer running) is removed by the next
+    write. Every file and the directory get the modes the umask gives a new file. A
+    file-system error (disk full, read-only, permissions) is a ``CheckpointError`` naming
+    the path."""
     out = Path(directory)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"{out}: not a new or empty directory (emit does not mix its "
@@ -116,19 +127,20 @@ def write_checkpoint(directory: str | Path, shards: Sequence[Mapping[str, torch.
     kind = layout_of(where)
     # what the format cannot state is refused before anything is written
     described = meta_params(config) if kind == "meta" else hf_config_json(config, _dtype(shards))
-    out.mkdir(parents=True, exist_ok=True)
-    match kind:
-        case "hf":
-            return _write_hf(out, dict(shards[0]), described, max_shard_size)
-        case "meta":
-            params = _atomic_text(out / META_PARAMS, json.dumps(described, indent=2))
-            return [params] + [_atomic_torch(out / META_FILE.format(rank=r), dict(s))
-                               for r, s in enumerate(shards)]
-        case _:
-            files = [_atomic_text(out / HF_CONFIG, json.dumps(described, indent=2,
-                                                              sort_keys=True))]
-            return files + [_atomic_safetensors(out / RANK_FILE.format(rank=r, part=0), dict(s))
-                            for r, s in enumerate(shards)]
+    with _staged(out) as stage:
+        match kind:
+            case "hf":
+                written = _write_hf(stage, dict(shards[0]), described, max_shard_size)
+            case "meta":
+                written = [_write_text(stage / META_PARAMS, json.dumps(described, indent=2))] + [
+                    _write_torch(stage / META_FILE.format(rank=r), dict(s))
+                    for r, s in enumerate(shards)]
+            case _:
+                written = [_write_text(stage / HF_CONFIG, json.dumps(described, indent=2,
+                                                                     sort_keys=True))] + [
+                    _write_safetensors(stage / RANK_FILE.format(rank=r, part=0), dict(s))
+                    for r, s in enumerate(shards)]
+    return [out / path.name for path in written]
 
 
 def _write_hf(out: Path, params: Params, described: dict[str, Any],
@@ -151,18 +163,18 @@ def _write_hf(out: Path, params: Params, described: dict[str, Any],
         current_size += size
     if current:
         groups.append(current)
-    files = [_atomic_text(out / HF_CONFIG, json.dumps(described, indent=2, sort_keys=True))]
+    files = [_write_text(out / HF_CONFIG, json.dumps(described, indent=2, sort_keys=True))]
     if len(groups) == 1:
-        return files + [_atomic_safetensors(out / HF_SINGLE, params)]
+        return files + [_write_safetensors(out / HF_SINGLE, params)]
     weight_map = {}
     for i, names in enumerate(groups, start=1):
-        path = _atomic_safetensors(out / HF_SHARD.format(index=i, total=len(groups)),
+        path = _write_safetensors(out / HF_SHARD.format(index=i, total=len(groups)),
                                    {n: params[n] for n in names})
         files.append(path)
         weight_map.update(dict.fromkeys(names, path.name))
     index = {"metadata": {"total_parameters": sum(x.numel() for x in params.values()),
                           "total_size": total}, "weight_map": weight_map}
-    files.append(_atomic_text(out / HF_INDEX, json.dumps(index, indent=2, sort_keys=True)))
+    files.append(_write_text(out / HF_INDEX, json.dumps(index, indent=2, sort_keys=True)))
     return files
 
 
@@ -209,31 +221,86 @@ def _dtype(shards: Sequence[Mapping[str, torch.Tensor]]) -> torch.dtype:
     return next(iter(shards[0].values())).dtype if shards and shards[0] else torch.float32
 
 
-def _atomic(path: Path, write: Any) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+STAGE = ".{name}.wsb-partial-{pid}"  # where write_checkpoint writes before the rename
+
+
+def _umask() -> int:
+    """The process's umask (read from /proc, where setting and restoring it would race
+    with other threads creating files; set and restored where /proc is not there)."""
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def _stale_stages(out: Path) -> None:
+    """Remove the staging siblings of ``out`` left by writers that no longer run (killed
+    with SIGKILL, where no handler could clean up)."""
+    import glob
+    import shutil
+
+    prefix = STAGE.format(name=out.name, pid="")
+    for path in out.parent.glob(f"{glob.escape(prefix)}*"):
+        pid = path.name[len(prefix):]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:
+            pass  # running, as another user
+
+
+@contextlib.contextmanager
+def _staged(out: Path) -> Iterator[Path]:
+    """A new directory to write ``out``'s files into, renamed to ``out`` when the block
+    completes (``out`` absent or an empty directory: rename(2) replaces an empty one) and
+    removed when it raises. File modes set to what the umask gives a new file; an
+    ``OSError`` (or safetensors' error) becomes a ``CheckpointError`` naming the path."""
+    import shutil
+
+    from safetensors import SafetensorError
+
+    stage = out.parent / STAGE.format(name=out.name, pid=os.getpid())
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _stale_stages(out)
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir()
+        yield stage
+        mode = 0o666 & ~_umask()
+        for path in stage.iterdir():
+            path.chmod(mode)
+        os.rename(stage, out)
+    except (OSError, SafetensorError) as exc:
+        where = getattr(exc, "filename", None) or stage
+        raise CheckpointError(f"{out}: not written, {exc} (at {where}); nothing was left "
+                              "behind", path=str(out)) from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _write_text(path: Path, text: str) -> Path:
+    path.write_text(text + "\n")
     return path
 
 
-def _atomic_text(path: Path, text: str) -> Path:
-    return _atomic(path, lambda tmp: tmp.write_text(text + "\n"))
-
-
-def _atomic_safetensors(path: Path, params: Params) -> Path:
+def _write_safetensors(path: Path, params: Params) -> Path:
     from safetensors.torch import save_file
 
-    tensors = {name: x.detach().contiguous() for name, x in params.items()}
-    return _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    save_file({name: x.detach().contiguous() for name, x in params.items()}, str(path),
+              metadata={"format": "pt"})
+    return path
 
 
-def _atomic_torch(path: Path, params: Params) -> Path:
-    return _atomic(path, lambda tmp: torch.save({n: x.detach().clone() for n, x in params.items()},
-                                                tmp))
+def _write_torch(path: Path, params: Params) -> Path:
+    torch.save({n: x.detach().clone() for n, x in params.items()}, path)
+    return path
 
 
 # -- reading
