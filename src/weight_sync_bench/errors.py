@@ -208,6 +208,22 @@ class UserCodeError(WsbError):
         self.role, self.function, self.user_traceback = role, function, user_traceback
 
 
+class ModifiedInput(UserCodeError):
+    """The user's function changed what the harness handed it: a source shard or full tensor
+    modified, resized or re-strided in place, or a tensor of the given dicts replaced or
+    removed. ``rank`` (None for a full model) and ``name`` say which tensor."""
+
+    def __init__(self, message: str, *, rank: int | None = None, name: str | None = None,
+                 **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.rank, self.name = rank, name
+
+
+class UserCodeTimeout(UserCodeError):
+    """The user's function did not return within the deadline (``--deadline``); the message
+    and ``user_traceback`` give where it was."""
+
+
 class Unsupported(WsbError):
     """Raised by a user's own splitter, resharder or converter to decline a case it does not
     support (``raise weight_sync_bench.Unsupported("only even vocabularies")``). Under

@@ -245,8 +245,9 @@ def test_a_streamed_fn_that_writes_into_its_input_is_refused_not_compared_with_i
             x.mul_(2)  # the streamed input is the harness's own tensor: compared with it next
         return split(full, degree)
 
-    from weight_sync_bench.errors import UserCodeError
-    with pytest.raises(UserCodeError, match=r"your splitter `.*scales_in_place` wrote into "
-                                            r"the tensors it was given \(tok_embeddings"):
-        check_split(scales_in_place, TOY, 2, stream="parameter")
-    assert not check_split(scales_in_place, TOY, 2).passed  # whole-model: fn gets copies
+    from weight_sync_bench.errors import ModifiedInput
+    for stream in ("parameter", None):  # streamed: the harness's own tensors; whole: copies
+        with pytest.raises(ModifiedInput, match=r"your splitter `.*scales_in_place` modified "
+                                                r"in place `tok_embeddings.weight`"):
+            check_split(scales_in_place, TOY, 2, stream=stream)
+    assert check_split(split, TOY, 2, stream="parameter").passed  # the twin

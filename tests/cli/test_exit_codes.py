@@ -148,11 +148,6 @@ def test_a_fuzz_run_that_tried_no_example_exits_2_and_says_so(capsys, tmp_path, 
     assert "tried no example" not in capsys.readouterr().out
 
 
-def test_an_option_that_only_means_something_over_gloo_is_refused_in_process(capsys):
-    assert main(["check", "--config", "toy", "--deadline", "5"]) == 2
-    assert "--deadline 5 is the gloo watchdog's" in capsys.readouterr().err
-
-
 def test_every_subcommand_takes_quiet_and_the_checking_ones_take_json():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name in ("check", "layout", "fuzz", "mutants", "floor", "replay", "train-check"):

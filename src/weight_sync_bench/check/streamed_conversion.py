@@ -22,11 +22,10 @@ from weight_sync_bench.check.shards import validate_convention_shards
 from weight_sync_bench.check.streaming import PER, Progress, drawn_units
 from weight_sync_bench.check.threshold import environment_notes, resolve_floor
 from weight_sync_bench.check.user_code import call
-from weight_sync_bench.check.user_code import describe as describe_fn
 from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.conventions import endpoint, reading_plan
 from weight_sync_bench.conventions.maps import Owners, gather_canonical, runs, translate
-from weight_sync_bench.errors import InvalidNumber, UnsupportedLayout, UserCodeError
+from weight_sync_bench.errors import InvalidNumber, UnsupportedLayout
 from weight_sync_bench.model.config import dtype_name, make_tokens, parse_dtype
 from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.model.stepwise import ReferenceSteps, ShardedSteps
@@ -173,16 +172,11 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
                 del full[n]  # so the peak is 3x the parameter, not 4x (fn's own copies)
             want = [{n: p for n, p in rank.items() if p.source in sources}
                     for rank in dst_pieces]
-            versions = [x._version for rank in given for x in rank.values()]
+            # a converter that writes into ``given`` (the harness's own slices, not copies)
+            # fails in ``call`` (ModifiedInput), before anything is compared against them
             out = call(fn, (given, t), role="converter", config=config,
                        during=f"while converting {config.name} {source} -> {target} "
                               f"({', '.join(group)})")
-            if [x._version for rank in given for x in rank.values()] != versions:
-                raise UserCodeError(
-                    f"your converter `{describe_fn(fn)}` wrote into the tensors it was "
-                    f"given ({', '.join(group)}) while converting {config.name} {source} "
-                    f"-> {target}: a streamed check hands fn its own tensors, not copies; "
-                    "return new ones", role="converter", function=describe_fn(fn))
             validate_convention_shards(out, target, config,
                                        {n: weights for n in config.param_shapes()},
                                        pieces=want)

@@ -22,17 +22,33 @@ and ``wsb replay`` of a user function's corpus entry.
   against its convention by the conversion check (``check.convert``), in that convention's
   words.
 
+- Every call is guarded on both sides. What the harness hands the function (source shards,
+  full tensors) is fingerprinted before the call (each tensor's identity, shape, stride,
+  dtype and a BLAKE2b digest of its bytes) and checked after it: a function that changed
+  an input in place, or replaced or removed a tensor of the dicts it was given, fails with
+  ``ModifiedInput`` naming the rank and the tensor (in a weight sync, a converter that
+  zeroes its input destroys the trainer's weights). With a deadline (``deadline(seconds)``,
+  ``wsb ... --deadline``), the function runs in a daemon thread and a call that has not
+  returned in time raises ``UserCodeTimeout`` with the function's stack; the thread cannot
+  be stopped from outside, so it is abandoned and ends with the process. Code stuck in a
+  native call that holds the GIL (a C extension blocking without releasing it) stops the
+  whole interpreter, the deadline's thread included: only an outer timeout ends that.
+
 A ``KeyboardInterrupt`` is not the user's code failing, and passes through.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib
 import inspect
 import os
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -40,9 +56,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weight_sync_bench.errors import (
+    InvalidNumber,
     InvalidShards,
     InvalidUserShards,
+    ModifiedInput,
     UserCodeError,
+    UserCodeTimeout,
     WrongShardShape,
     WrongUserShard,
     WsbError,
@@ -165,13 +184,146 @@ def check_signature(fn: Callable[..., Any], args: Sequence[object], *, role: str
 def call(fn: Callable[..., Any], args: Sequence[object], *, role: str, during: str,
          config: ModelConfig | None = None, name: str | None = None) -> Any:
     """``fn(*args, **geometry(fn, role, config))``, its signature checked first, what it
-    raises framed as the user's (``name``, default ``describe(fn)``, names it)."""
+    raises framed as the user's (``name``, default ``describe(fn)``, names it); its inputs
+    checked unchanged after it returns (``ModifiedInput``), and bounded by the deadline where
+    one is set (``UserCodeTimeout``)."""
     kwargs = geometry(fn, role, config)
     check_signature(fn, args, role=role, keywords=tuple(kwargs))
+    function = name or describe(fn)
+    before = fingerprint(args)
     try:
-        return fn(*args, **kwargs)
+        result = _bounded(fn, args, kwargs, role=role, function=function, during=during)
+    except (UserCodeTimeout, KeyboardInterrupt):
+        raise
     except Exception as exc:
-        raise frame_error(exc, role=role, function=name or describe(fn), during=during) from exc
+        raise frame_error(exc, role=role, function=function, during=during) from exc
+    changed = before.changed(args)
+    if changed is not None:
+        rank, tensor, how = changed
+        where = f"source rank {rank} `{tensor}`" if rank is not None else f"`{tensor}`"
+        raise ModifiedInput(f"your {role} `{function}` {how} {where} {during}: the harness's "
+                            "inputs must come back as they were given (in a weight sync this "
+                            "destroys the trainer's weights); copy before changing a tensor "
+                            "(x.clone())", role=role, function=function, rank=rank,
+                            name=tensor)
+    return result
+
+
+# -- what the user's function is handed, unchanged
+
+
+def _digest(x: torch.Tensor) -> bytes:
+    flat = x.detach().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    raw = flat.contiguous().view(torch.uint8).numpy()  # the bytes, whatever the dtype
+    return hashlib.blake2b(memoryview(raw), digest_size=16).digest()
+
+
+def _tensors(args: Sequence[object]) -> Iterator[tuple[int | None, str, object]]:
+    """``(rank, name, value)`` of every tensor the arguments hold: shards (a list of rank
+    dicts) by rank and name, a full model (a dict) by name, a bare tensor by position."""
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            yield None, f"argument {i}", arg
+        elif isinstance(arg, Mapping):
+            yield from ((None, str(k), v) for k, v in arg.items())
+        elif isinstance(arg, Sequence) and not isinstance(arg, (str, bytes)):
+            for rank, params in enumerate(arg):
+                if isinstance(params, Mapping):
+                    yield from ((rank, str(k), v) for k, v in params.items())
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Each input tensor's object, layout and digest, by ``(rank, name)``."""
+
+    tensors: dict[tuple[int | None, str], tuple[object, tuple[Any, ...], bytes]]
+
+    def changed(self, args: Sequence[object]) -> tuple[int | None, str, str] | None:
+        """The first input the call changed, as ``(rank, name, how)``; None where none."""
+        seen = {}
+        for rank, name, value in _tensors(args):
+            seen[rank, name] = value
+        for (rank, name), (obj, layout, digest) in self.tensors.items():
+            if (rank, name) not in seen:
+                return rank, name, "removed"
+            now = seen[rank, name]
+            if now is not obj:
+                return rank, name, "replaced"
+            assert isinstance(now, torch.Tensor)
+            if _layout(now) != layout:
+                return rank, name, "resized or re-strided in place"
+            if _digest(now) != digest:
+                return rank, name, "modified in place"
+        return None
+
+
+def _layout(x: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(x.shape), x.stride(), x.dtype, x.storage_offset())
+
+
+def fingerprint(args: Sequence[object]) -> Fingerprint:
+    """What ``call`` checks unchanged after the user's function returns."""
+    return Fingerprint({(rank, name): (x, _layout(x), _digest(x))
+                        for rank, name, x in _tensors(args) if isinstance(x, torch.Tensor)})
+
+
+# -- the deadline
+
+
+_DEADLINE: list[float | None] = [None]  # seconds a call of the user's function may take
+
+
+def set_deadline(seconds: float | None) -> None:
+    """Bound every later call of the user's function to ``seconds`` (None: unbounded), as
+    ``wsb ... --deadline`` does."""
+    _DEADLINE[0] = None if seconds is None else InvalidNumber.positive("deadline", seconds)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None) -> Iterator[None]:
+    """``set_deadline(seconds)`` for the block, the previous deadline restored after it."""
+    previous = _DEADLINE[0]
+    set_deadline(seconds)
+    try:
+        yield
+    finally:
+        _DEADLINE[0] = previous
+
+
+def _bounded(fn: Callable[..., Any], args: Sequence[object], kwargs: dict[str, Any], *,
+             role: str, function: str, during: str) -> Any:
+    """``fn(*args, **kwargs)``, in a daemon thread when a deadline is set (with this
+    thread's grad mode), ``UserCodeTimeout`` with its stack where it has not returned in
+    time; what it raised is re-raised here."""
+    seconds = _DEADLINE[0]
+    if seconds is None:
+        return fn(*args, **kwargs)
+    outcome: dict[str, Any] = {}
+    grad = torch.is_grad_enabled()
+
+    def run() -> None:
+        try:
+            with torch.set_grad_enabled(grad):
+                outcome["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name=f"wsb-user-{role}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        frame = sys._current_frames().get(worker.ident or -1)
+        stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else ""
+        raise UserCodeTimeout(
+            f"your {role} `{function}` did not return within {seconds:g} s (--deadline) "
+            f"{during}; it was left running in a daemon thread (Python cannot stop it) and "
+            "ends with the process. Where it was:\n" + "\n".join(stack.splitlines()[-12:]),
+            role=role, function=function, user_traceback=stack or None)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def call_user(fn: Callable[..., Any], args: Sequence[object], *, role: str, during: str,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from weight_sync_bench.cli.records import keys_of
-from weight_sync_bench.errors import ArtifactProtected, InvalidNumber, WsbError
+from weight_sync_bench.errors import ArtifactProtected, InvalidNumber
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -158,19 +158,24 @@ def add_output_options(parser: argparse.ArgumentParser, *, json_records: bool = 
 
 def add_deadline_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--deadline", type=positive, default=None, metavar="SECONDS",
-                        help="gloo only: the rank pool's watchdog deadline for one task "
-                             "(default 60); a rank that has not finished by then is named")
+                        help="the most one call of your function (--converter, --resharder, "
+                             "--splitter) may take, in process (default: unbounded; exit 4 "
+                             "with its stack when over), and with gloo the rank pool's "
+                             "watchdog deadline for one task (default 60; a rank that has "
+                             "not finished by then is named)")
 
 
 def apply_deadline(deadline: float | None, gloo: bool) -> None:
-    """Set the shared rank pool's watchdog deadline (``--deadline``), gloo runs only."""
+    """``--deadline``: bound each call of the user's function (``user_code.set_deadline``)
+    and, on gloo runs, set the shared rank pool's watchdog deadline."""
     if deadline is None:
         return
-    if not gloo:
-        raise WsbError(f"--deadline {deadline:g} is the gloo watchdog's: it needs the "
-                            "gloo backend (--backend gloo, --phase 1b or --gloo)")
-    from weight_sync_bench.collectives.gloo.pool import shared_pool  # the gloo launcher
-    shared_pool(4, deadline=deadline)
+    from weight_sync_bench.check.user_code import set_deadline
+
+    set_deadline(deadline)
+    if gloo:
+        from weight_sync_bench.collectives.gloo.pool import shared_pool  # the gloo launcher
+        shared_pool(4, deadline=deadline)
 
 
 # -- output
