@@ -317,7 +317,8 @@ class ModelConfig:
         else:
             path = Path(source)
             data = read_hf_config(path)
-            label = name or (path.parent.name if path.name == "config.json" else path.stem)
+            label = name or (path.absolute().parent.name if path.name == "config.json"
+                             else path.stem)
         if not isinstance(data, dict):
             raise InvalidConfig(f"{label}: an HF config is a JSON object, got {type(data).__name__}")
 
@@ -494,6 +495,14 @@ MAX_HF_SIZE = 2**31 - 1
 # Qwen2's q/k/v biases, Qwen3's q/k norms, and the MoE blocks of Qwen2-MoE, Qwen3-MoE and
 # Mixtral (transformers 4.57.6 modelling files). A config without a model_type reads as Llama.
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+# The config.json field each size of a geometry is read from (``from_hf_config``): what a
+# refusal names for a geometry the user gave as a config.json. Mixtral's experts are
+# ``num_local_experts`` of ``intermediate_size``.
+HF_NAMES = {"vocab": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+            "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim", "ffn": "intermediate_size", "n_experts": "num_experts",
+            "expert_ffn": "moe_intermediate_size",
+            "shared_ffn": "shared_expert_intermediate_size"}
 # Fields that, set, change the model in a way the block does not implement.
 UNMODELLED = {"kv_lora_rank": "DeepSeek's multi-head latent attention (MLA)",
               "q_lora_rank": "DeepSeek's multi-head latent attention (MLA)",
