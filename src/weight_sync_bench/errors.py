@@ -119,6 +119,12 @@ class RankStopped(RankTimeout):
         self.states = states or {}
 
 
+class TooManyRanks(WsbError, ValueError):
+    """More rank processes asked for (a degree, a world, a mesh) than the pool starts on
+    this machine (``collectives.gloo.pool.max_ranks``), refused before any starts. Names the
+    number asked for and the cap's arithmetic; ``WSB_MAX_RANKS`` raises the cap."""
+
+
 class PeerAborted(WsbError, RuntimeError):
     """Raised on a rank because another rank failed first, at a point every rank agreed on
     (so the process group is still consistent). The pool reports the other rank's error."""

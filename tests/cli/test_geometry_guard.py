@@ -1,7 +1,9 @@
 """One geometry guard for every command that builds a model (``cli.checkpoint.guard``,
-``model.footprint.require_fits``): an absurd geometry is refused with exit 2 before
-anything is allocated, naming what drives the estimate and what raises the limit. The
-twin: a small geometry is not refused by the same commands.
+``model.footprint.require_fits``), and one cap on the rank processes a pool starts
+(``collectives.gloo.pool.check_ranks``): an absurd geometry or world is refused with exit 2
+before anything is allocated or forked, naming what drives the estimate (or the count) and
+what raises the limit. The twins: a small geometry is not refused by the same commands, and
+a world under the cap starts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,14 @@ import pytest
 from weight_sync_bench import memory
 from weight_sync_bench.cli.main import _models, build_parser, main
 from weight_sync_bench.cli.train import TRAIN_CONFIGS
-from weight_sync_bench.errors import GeometryTooLarge
+from weight_sync_bench.collectives.gloo import pool as pool_module
+from weight_sync_bench.collectives.gloo.pool import (
+    MAX_RANKS_ENV,
+    RankPool,
+    check_ranks,
+    max_ranks,
+)
+from weight_sync_bench.errors import GeometryTooLarge, InvalidNumber, TooManyRanks
 from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN
 from weight_sync_bench.fuzz.user import real_geometries
 from weight_sync_bench.model.footprint import GIB, Limits, footprint
@@ -106,3 +115,51 @@ def test_the_harness_own_geometries_fit_far_inside_the_default_limits():
         cost = footprint(config)
         assert cost.bytes < limits.max_bytes and cost.flops < limits.max_flops, config
 
+
+# -- the rank cap
+
+
+def test_a_world_over_the_rank_cap_is_refused_before_any_rank_starts(capsys, monkeypatch):
+    monkeypatch.delenv(MAX_RANKS_ENV, raising=False)
+    monkeypatch.setattr(RankPool, "start", lambda *a, **k: pytest.fail("a rank started"))
+    cap, why = max_ranks()
+    assert cap >= 16 and why.endswith(f"CPUs, 16) = {cap}")
+    dp = cap // 4 + 1  # megatron:4 over dp replicas: 4 x dp ranks, past the cap
+    assert main(["sync", "--config", "toy_kv4", "--from", "megatron:4", "--to", "vllm:2",
+                 "--dp", str(dp), "--no-forward"]) == 2
+    err = refusal(capsys, "sync")
+    assert err == (f"wsb sync: {4 * dp} rank processes asked for (one per rank of the degree, "
+                   f"world or mesh): at most {why} start on this machine; WSB_MAX_RANKS=N "
+                   "raises the cap\n")
+    with pytest.raises(TooManyRanks):
+        RankPool(cap + 1)
+
+
+def test_a_world_at_the_cap_passes_and_the_environment_raises_it(monkeypatch):
+    """The twin: ``cap`` ranks pass the check (a pool of them may be made), and
+    ``WSB_MAX_RANKS`` moves the cap; a value that is no count is a typed error."""
+    monkeypatch.delenv(MAX_RANKS_ENV, raising=False)
+    cap, _ = max_ranks()
+    check_ranks(cap)
+    RankPool(cap)  # made, not started
+    monkeypatch.setenv(MAX_RANKS_ENV, str(cap + 8))
+    check_ranks(cap + 8)
+    assert max_ranks() == (cap + 8, f"WSB_MAX_RANKS={cap + 8}")
+    with pytest.raises(TooManyRanks, match=rf"at most WSB_MAX_RANKS={cap + 8} start"):
+        check_ranks(cap + 9)
+    for bad in ("0", "many", "-3"):
+        monkeypatch.setenv(MAX_RANKS_ENV, bad)
+        with pytest.raises(InvalidNumber, match=f"^{MAX_RANKS_ENV} must be an int >= 1"):
+            check_ranks(2)
+
+
+def test_the_shared_pool_is_kept_when_a_larger_one_is_refused(monkeypatch):
+    """``shared_pool`` checks the cap before it closes the pool it would replace."""
+    monkeypatch.delenv(MAX_RANKS_ENV, raising=False)
+    closed = []
+    kept = RankPool(2)
+    monkeypatch.setattr(kept, "close", lambda: closed.append(True))
+    monkeypatch.setattr(pool_module, "_shared", kept)
+    with pytest.raises(TooManyRanks):
+        pool_module.shared_pool(max_ranks()[0] + 1)
+    assert pool_module._shared is kept and not closed

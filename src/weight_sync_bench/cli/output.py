@@ -39,7 +39,7 @@ exit status (the same for every subcommand):
          entry whose claim no longer holds)
     2    bad input or usage: argparse's errors, a typed error about the input (a bad
          number, an unsupported degree, a malformed --hf-config file, a geometry over
-         --max-gib / --max-gflop, a corrupt or
+         --max-gib / --max-gflop or more rank processes than the cap, a corrupt or
          oversized corpus file, a tolerance artifact that does not cover the check, an
          artifact --write/--force protects), a
          MODULE:FUNCTION that does not exist (no module of that name importable from here,
@@ -62,6 +62,7 @@ environment:
     WSB_FUZZ_DIR       the fuzz runner's example database and summaries (default
                        .hypothesis/ in the current directory)
     WSB_PROFILE        the Hypothesis profile when --profile is not given (default wsb-test)
+    WSB_MAX_RANKS      the most rank processes a gloo pool starts (default max(2 x CPUs, 16))
     the others default to the checkout the package was imported from"""
 
 # Progress on a terminal is rewritten in place at most this often; into a file or a pipe
