@@ -119,6 +119,12 @@ class RankStopped(RankTimeout):
         self.states = states or {}
 
 
+class TooManyRanks(WsbError, ValueError):
+    """More rank processes asked for (a degree, a world, a mesh) than the pool starts on
+    this machine (``collectives.gloo.pool.max_ranks``), refused before any starts. Names the
+    number asked for and the cap's arithmetic; ``WSB_MAX_RANKS`` raises the cap."""
+
+
 class PeerAborted(WsbError, RuntimeError):
     """Raised on a rank because another rank failed first, at a point every rank agreed on
     (so the process group is still consistent). The pool reports the other rank's error."""
@@ -252,15 +258,27 @@ class WrongUserShard(InvalidUserShards):
         self.expected_dtype, self.actual_dtype = expected_dtype, actual_dtype
 
 
-class CorpusEntryTooLarge(CorruptCorpusEntry):
-    """A corpus entry whose geometry would need more memory or work than the replay limit,
-    refused before anything is allocated. Names the file, the field that drives the
-    estimate and the estimate (``estimate`` in bytes, ``flops``)."""
+class GeometryTooLarge(WsbError, ValueError):
+    """A geometry whose check would need more memory or work than the limit
+    (``model.footprint``), refused before anything of it is allocated. Names the field that
+    drives the estimate (``field``; None where none lies outside the reference geometries),
+    the estimate (``estimate`` in bytes, ``flops``) and the flag that raises the limit."""
 
-    def __init__(self, message: str, *, estimate: int | None = None, flops: int | None = None,
-                 **kwargs: object) -> None:
-        super().__init__(message, **kwargs)  # type: ignore[arg-type]
-        self.estimate, self.flops = estimate, flops
+    def __init__(self, message: str, *, field: str | None = None, estimate: int | None = None,
+                 flops: int | None = None) -> None:
+        super().__init__(message)
+        self.field, self.estimate, self.flops = field, estimate, flops
+
+
+class CorpusEntryTooLarge(CorruptCorpusEntry, GeometryTooLarge):
+    """A corpus entry whose geometry would need more memory or work than the replay limit,
+    refused before anything is allocated: ``GeometryTooLarge`` for a file, which it names
+    (``path``) besides the field that drives the estimate and the estimate."""
+
+    def __init__(self, message: str, *, path: str | None = None, field: str | None = None,
+                 estimate: int | None = None, flops: int | None = None) -> None:
+        WsbError.__init__(self, message)
+        self.path, self.field, self.estimate, self.flops = path, field, estimate, flops
 
 
 class ArtifactProtected(WsbError):

@@ -1,11 +1,13 @@
-"""This process's memory, read from the kernel, and freed heap handed back to it.
+"""This process's memory (and the machine's), read from the kernel, and freed heap handed
+back to it.
 
 What the harness's memory figures are made of (a streamed check's peak per rank, a
-resharder's extra memory per rank): Linux's ``/proc/self`` (``statm``, ``status``'s
-``VmRSS`` and ``VmHWM``, ``clear_refs``) and glibc's ``malloc_trim``. Each degrades where the
-platform lacks it, and says so: ``trim`` and ``reset_peak`` return False, ``rss`` None, and a
-``Peak`` that could not reset reads the process's lifetime peak (``ru_maxrss``), which can
-only overstate. Imports no layer, so every layer may use it.
+resharder's extra memory per rank, the default limit of ``model.footprint``): Linux's
+``/proc/self`` (``statm``, ``status``'s ``VmRSS`` and ``VmHWM``, ``clear_refs``),
+``/proc/meminfo``'s ``MemTotal`` and glibc's ``malloc_trim``. Each degrades where the
+platform lacks it, and says so: ``trim`` and ``reset_peak`` return False, ``rss`` and
+``total`` None, and a ``Peak`` that could not reset reads the process's lifetime peak
+(``ru_maxrss``), which can only overstate. Imports no layer, so every layer may use it.
 """
 
 from __future__ import annotations
@@ -52,6 +54,19 @@ def rss() -> tuple[int, int] | None:
     except OSError:
         return None
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def total() -> int | None:
+    """This machine's physical memory in bytes (``MemTotal`` of ``/proc/meminfo``), or None
+    where there is no such file."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def resident() -> int:

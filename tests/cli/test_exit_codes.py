@@ -18,6 +18,7 @@ from weight_sync_bench.cli.main import main as wsb_main
 from weight_sync_bench.cli.output import EXIT_CODES, Terminated
 from weight_sync_bench.errors import (
     CorruptCorpusEntry,
+    GeometryTooLarge,
     InvalidMesh,
     InvalidNumber,
     InvalidShards,
@@ -25,6 +26,7 @@ from weight_sync_bench.errors import (
     MissingArtifacts,
     RankCrash,
     RankStopped,
+    TooManyRanks,
     ToleranceMismatch,
     UnsupportedLayout,
     UserCodeError,
@@ -44,6 +46,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
     # a tolerance artifact that does not cover the check: the input asks for what was
     # never measured (the message names the command that measures it)
     (ToleranceMismatch("x"), 2), (WsbError("x"), 2),
+    # a geometry or a world too large to run here: the input's size, refused before it runs
+    (GeometryTooLarge("x"), 2), (TooManyRanks("x"), 2),
     (RankCrash("x", signal_name="SIGKILL"), 3), (RankStopped("x"), 3),
     (MissingArtifacts("x"), 3),  # the harness cannot find its own files
     (RuntimeError("a bug of the harness"), 3),
@@ -61,7 +65,8 @@ def test_help_and_readme_state_the_same_exit_codes_and_environment(capsys):
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert EXIT_CODES in text
-    for variable in ("WSB_CORPUS_DIR", "WSB_TOLERANCE_DIR", "WSB_FUZZ_DIR", "WSB_PROFILE"):
+    for variable in ("WSB_CORPUS_DIR", "WSB_TOLERANCE_DIR", "WSB_FUZZ_DIR", "WSB_PROFILE",
+                     "WSB_MAX_RANKS"):
         assert variable in text
     readme = README.read_text()
     section = readme[readme.index("## Exit codes and machine-readable output"):]
@@ -69,7 +74,8 @@ def test_help_and_readme_state_the_same_exit_codes_and_environment(capsys):
     codes = re.findall(r"^\| `(\d+)` \|", section, re.M)
     assert codes == ["0", "1", "2", "3", "4", "130", "143"]
     assert codes == re.findall(r"^    (\d+) ", EXIT_CODES, re.M)[:5] + ["130", "143"]
-    for variable in ("WSB_CORPUS_DIR", "WSB_TOLERANCE_DIR", "WSB_FUZZ_DIR", "WSB_PROFILE"):
+    for variable in ("WSB_CORPUS_DIR", "WSB_TOLERANCE_DIR", "WSB_FUZZ_DIR", "WSB_PROFILE",
+                     "WSB_MAX_RANKS"):
         assert variable in readme
 
 

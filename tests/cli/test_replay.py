@@ -14,8 +14,8 @@ import pytest
 
 from weight_sync_bench.cli import main
 from weight_sync_bench.errors import CorpusEntryTooLarge
-from weight_sync_bench.fuzz.case import footprint
 from weight_sync_bench.fuzz.corpus import ReplayLimits, entry_paths, load_entry, scan_corpus
+from weight_sync_bench.model.footprint import footprint
 from weight_sync_bench.fuzz.domain import DOMAIN
 from weight_sync_bench.tolerance.artifacts import environment
 

@@ -35,9 +35,7 @@ from weight_sync_bench.fuzz import corpus
 from weight_sync_bench.fuzz.case import (
     Case,
     ConversionCase,
-    Footprint,
     Outcome,
-    footprint,
 )
 from weight_sync_bench.fuzz.corpus import (
     GIB,
@@ -61,6 +59,7 @@ from weight_sync_bench.fuzz.corpus import (
 from weight_sync_bench.fuzz.domain import DOMAIN
 from weight_sync_bench.fuzz.replay import replay
 from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.model.footprint import Footprint, footprint
 
 # the smallest geometry with two kv heads: layout degrees 1 and 2; cost 60160 B, 1813536 flops
 G = {"vocab": 16, "d_model": 8, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "head_dim": 2,
@@ -386,7 +385,7 @@ def test_an_entry_inside_the_domain_over_tight_limits_is_refused_naming_the_geom
         "need about 5.6e-05 GiB (limit 9.31e-07 GiB; raise it with --max-gib) and about "
         "0.00181 GFLOP (limit 1e-06 GFLOP; raise it with --max-gflop), refused before "
         "allocating anything (estimate: 4 B x (4 x 532 parameters + 624 activations) + 4 x 12 "
-        "tensors x 1024 B, 1.81e+06 flops; see fuzz.case.footprint)")
+        "tensors x 1024 B, 1.81e+06 flops; see model.footprint)")
     assert (err.value.path, err.value.field) == (str(path), "case.geometry")
     assert (err.value.estimate, err.value.flops) == (60160, 1813536)
 
@@ -412,7 +411,7 @@ def test_a_huge_entry_is_refused_naming_the_field_furthest_outside_the_domain(tm
         "about 383 GiB (limit 2 GiB; raise it with --max-gib) and about 1.81e+04 GFLOP (limit "
         "50 GFLOP; raise it with --max-gflop), refused before allocating anything (estimate: "
         "4 B x (4 x 2.68e+09 parameters + 2e+06 activations) + 4 x 9e+07 tensors x 1024 B, "
-        "1.81e+13 flops; see fuzz.case.footprint)")
+        "1.81e+13 flops; see model.footprint)")
     for read in (lambda: load_entry(path), lambda: load_corpus([path]),
                  lambda: case_from(data, path)):
         with pytest.raises(CorpusEntryTooLarge) as err:
@@ -448,7 +447,7 @@ def test_the_estimate_is_printed_in_gib_and_gflop(tmp_path, monkeypatch):
         "need about 3 GiB (limit 1 GiB; raise it with --max-gib) and about 1.25 GFLOP (limit "
         "1.24 GFLOP; raise it with --max-gflop), refused before allocating anything (estimate: "
         "4 B x (4 x 10 parameters + 20 activations) + 4 x 3 tensors x 1024 B, 1.24e+09 flops; "
-        "see fuzz.case.footprint)")
+        "see model.footprint)")
     assert (err.value.estimate, err.value.flops) == (3 * GIB, 1_245_000_000)
 
 
@@ -717,7 +716,7 @@ def test_format_replay_of_one_origin_prints_one_table_and_keeps_a_note_verbatim(
 
 def test_a_deep_thin_entry_is_refused_before_its_layout_is_built(tmp_path, monkeypatch):
     """Six million one-wide layers: the element counts alone call it a few GiB and GFLOP,
-    the per-tensor bookkeeping and per-kernel dispatch (``fuzz.case.TENSOR_BYTES``,
+    the per-tensor bookkeeping and per-kernel dispatch (``model.footprint.TENSOR_BYTES``,
     ``KERNEL_FLOPS``) make it what it is. Building its layout first would take minutes."""
     def never(*args, **kwargs):
         raise AssertionError("the layout was built before the footprint check")

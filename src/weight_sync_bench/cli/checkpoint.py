@@ -24,9 +24,11 @@ from weight_sync_bench.cli.output import (
     EXIT_OK,
     Output,
     add_deadline_option,
+    add_limit_options,
     add_output_options,
     apply_deadline,
     count,
+    limits_of,
     seed,
 )
 from weight_sync_bench.cli.records import verdict_record
@@ -35,12 +37,14 @@ from weight_sync_bench.conventions.checkpoint import write_checkpoint
 from weight_sync_bench.errors import FloorNotMeasured, WsbError
 from weight_sync_bench.model.config import (
     CONFIGS,
+    HF_NAMES,
     MOE_CONFIGS,
     SHIPPED_HF_CONFIGS,
     ModelConfig,
     config_by_name,
     hf_config_file,
 )
+from weight_sync_bench.model.footprint import require_fits
 
 MODEL_HELP = ("--hf-config PATH reads a Hugging Face config.json (or names a shipped one: "
               + ", ".join(SHIPPED_HF_CONFIGS) + "); --layers and --vocab reduce it so that it fits "
@@ -94,6 +98,23 @@ def model_of(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConf
         args.config or args.config_default)
 
 
+def guard(args: argparse.Namespace, config: ModelConfig, *, unit: str = "model",
+          hint: str = "") -> None:
+    """The geometry guard of every command that builds ``config``, before anything of it is
+    allocated: ``model.footprint.require_fits`` under ``--max-gib`` / ``--max-gflop``
+    (``GeometryTooLarge``, exit 2). ``unit``: how the command holds the model (whole, or
+    streamed per ``"layer"`` or ``"parameter"``). A geometry from ``--hf-config`` is named
+    in the file's words (``hidden_size``) or the flag's (``--layers``, ``--vocab``)."""
+    names: dict[str, str] = {}
+    if getattr(args, "hf_config", None) is not None:
+        names = {**HF_NAMES, "n_layers": "--layers" if args.layers else "num_hidden_layers",
+                 "vocab": "--vocab" if args.vocab else "vocab_size"}
+    for key, flag in (("batch", "--batch"), ("seq_len", "--seq-len")):
+        if getattr(args, key, None):
+            names[key] = flag
+    require_fits(config, limits_of(args), unit=unit, names=names, hint=hint)
+
+
 def phase_of(args: argparse.Namespace) -> str:
     """The phase whose floor judges a check: 1b over gloo, else 1a."""
     return "1b" if args.backend == "gloo" else "1a"
@@ -114,6 +135,7 @@ def floor_command(args: argparse.Namespace, config: ModelConfig) -> str:
 def cmd_emit(args: argparse.Namespace) -> int:
     out = Output(args)
     config = model_of(args)
+    guard(args, config)
     where = endpoint(args.convention)
     shards = shards_for(config, where, seed=args.seed)
     files = write_checkpoint(args.directory, shards, where, config,
@@ -134,6 +156,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     out = Output(args)
     apply_deadline(args.deadline, args.backend == "gloo")
     config = model_of(args)
+    guard(args, config)
     where = endpoint(args.convention)
     source = endpoint(args.src) if args.src is not None else where
     try:
@@ -177,6 +200,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                            "above the model's size one model.safetensors, no index)")
     emit.add_argument("directory", metavar="DIR", type=Path,
                       help="a new or empty directory")
+    add_limit_options(emit, what="a geometry")
     add_output_options(emit, json_records=False)
     emit.set_defaults(func=cmd_emit)
 
@@ -205,6 +229,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "index entry naming ../ or an absolute path, and a FIFO or device "
                              "are refused before they are opened (exit 2)")
     verify.add_argument("directory", metavar="DIR", type=Path)
+    add_limit_options(verify, what="a geometry")
     add_output_options(verify)
     add_deadline_option(verify)
     verify.set_defaults(func=cmd_verify)

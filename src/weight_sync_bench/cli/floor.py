@@ -41,6 +41,7 @@ from weight_sync_bench.cli import floor_measure, floor_samples
 from weight_sync_bench.cli.output import (
     ProgressLine,
     add_deadline_option,
+    add_limit_options,
     add_output_options,
     count,
     seed,
@@ -103,6 +104,7 @@ def _measure_options() -> argparse.ArgumentParser:
                       help="override the HF config's vocab_size (geometry)")
     what.add_argument("--batch", type=count, default=None, help="token batch (geometry)")
     what.add_argument("--seq-len", type=count, default=None, help="token length (geometry)")
+    add_limit_options(what, what="a geometry (geometry; phase 1a streamed per layer)")
     _where(parser, "replace even a measurement of more repetitions than this one, or one "
                    "that holds other CPU vendors' figures beside this one's; a geometry "
                    "already measured here is measured again")

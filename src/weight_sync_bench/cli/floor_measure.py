@@ -13,6 +13,7 @@ from typing import Any
 
 from weight_sync_bench.check import floor as phase_floor
 from weight_sync_bench.cli import floor_report as report
+from weight_sync_bench.cli.checkpoint import guard
 from weight_sync_bench.cli.output import (
     EXIT_OK,
     ProgressLine,
@@ -138,6 +139,7 @@ def measure_geometry(args: argparse.Namespace, line: ProgressLine) -> int:
     where no floor covers it, or where the one that does was measured on another machine
     class or kernel set (merged in); ``--force`` measures it again anyway."""
     config = geometry_config(args)
+    guard(args, config, unit="layer" if args.phase == "1a" else "model")  # 1a: streamed
     if not args.force:
         try:
             floor = floor_for(config, args.phase, args.dtype)
@@ -166,7 +168,8 @@ def measure_geometry(args: argparse.Namespace, line: ProgressLine) -> int:
                 "--repetitions", str(repetitions), "--force"]
         for flag, value in (("--hf-config", args.hf_config), ("--config", args.config),
                             ("--layers", args.layers), ("--vocab", args.vocab),
-                            ("--batch", args.batch), ("--seq-len", args.seq_len)):
+                            ("--batch", args.batch), ("--seq-len", args.seq_len),
+                            ("--max-gib", args.max_gib), ("--max-gflop", args.max_gflop)):
             if value is not None:
                 argv += [flag, str(value)]
         with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:

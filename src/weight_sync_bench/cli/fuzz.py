@@ -30,6 +30,7 @@ from weight_sync_bench.cli.output import (
     EXIT_USAGE,
     Output,
     add_deadline_option,
+    add_limit_options,
     add_output_options,
     apply_deadline,
     count,
@@ -422,10 +423,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     replay = subparsers.add_parser("replay", help="re-measure and classify corpus entries")
     replay.add_argument("paths", nargs="*", help="entries or directories (default: every file "
                                                   "in corpus/, each phase through its forward)")
-    replay.add_argument("--max-gib", type=positive, default=2.0, metavar="G",
-                        help="refuse an entry whose estimated memory exceeds G GiB (default 2)")
-    replay.add_argument("--max-gflop", type=positive, default=50.0, metavar="F",
-                        help="refuse an entry whose estimated work exceeds F GFLOP (default 50)")
+    add_limit_options(replay, max_gib=2.0, max_gflop=50.0, what="an entry")
     add_output_options(replay)
     add_deadline_option(replay)
     replay.set_defaults(func=cmd_replay)

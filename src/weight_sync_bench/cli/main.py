@@ -50,6 +50,7 @@ from weight_sync_bench.check.user_code import load_function
 from weight_sync_bench.cli.checkpoint import (
     add_model_options,
     floor_command,
+    guard,
     hf_model,
     model_of,
     phase_of,
@@ -71,6 +72,7 @@ from weight_sync_bench.cli.output import (
     ProgressLine,
     Ticker,
     add_deadline_option,
+    add_limit_options,
     add_output_options,
     apply_deadline,
     count,
@@ -156,12 +158,17 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace, pro
 
 
 def _models(args: argparse.Namespace) -> list[ModelConfig]:
-    """The geometries to check: the ``--hf-config`` one, or ``--config`` (``all``: each)."""
+    """The geometries to check: the ``--hf-config`` one, or ``--config`` (``all``: each),
+    each within ``--max-gib`` / ``--max-gflop`` (``guard``: held whole, or streamed per
+    ``--stream``'s unit) before anything of it is built."""
     hf = hf_model(args)
-    if hf is not None:
-        return [hf]
     name = args.config or args.config_default
-    return list(CONFIGS.values()) if name == "all" else [config_by_name(name)]
+    configs = [hf] if hf is not None else (
+        list(CONFIGS.values()) if name == "all" else [config_by_name(name)])
+    for config in configs:
+        guard(args, config, unit=args.stream or "model",
+              hint="" if args.stream else "; --stream parameter holds one parameter at a time")
+    return configs
 
 
 def _pairs(args: argparse.Namespace, degrees: list[int]) -> list[tuple[int, int]]:
@@ -467,6 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a geometry no measured floor covers (an --hf-config one): "
                             "measure its floor now and cache it under tolerance/geometry/ "
                             "(the next check reads it), rather than refuse")
+    add_limit_options(check)
     add_output_options(check)
     add_deadline_option(check)
     check.set_defaults(func=launched(cmd_check))

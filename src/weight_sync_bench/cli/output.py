@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from weight_sync_bench.cli.records import keys_of
-from weight_sync_bench.errors import ArtifactProtected, InvalidNumber
+from weight_sync_bench.errors import ArtifactProtected, InvalidNumber, WsbError
+from weight_sync_bench.model.footprint import DEFAULT_MAX_FLOPS, GIB, Limits
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -37,8 +38,10 @@ exit status (the same for every subcommand):
     1    a check failed: a counterexample (a failed verdict, a mutant not killed, a corpus
          entry whose claim no longer holds)
     2    bad input or usage: argparse's errors, a typed error about the input (a bad
-         number, an unsupported degree, a corrupt or oversized corpus file, a tolerance
-         artifact that does not cover the check, an artifact --write/--force protects), a
+         number, an unsupported degree, a malformed --hf-config file, a geometry over
+         --max-gib / --max-gflop or more rank processes than the cap, a corrupt or
+         oversized corpus file, a tolerance artifact that does not cover the check, an
+         artifact --write/--force protects), a
          MODULE:FUNCTION that does not exist (no module of that name importable from here,
          or no function of that name in it), or a run that checked nothing
     3    a harness fault: a rank crashed, stopped or timed out (RankFailure), the committed
@@ -59,6 +62,7 @@ environment:
     WSB_FUZZ_DIR       the fuzz runner's example database and summaries (default
                        .hypothesis/ in the current directory)
     WSB_PROFILE        the Hypothesis profile when --profile is not given (default wsb-test)
+    WSB_MAX_RANKS      the most rank processes a gloo pool starts (default max(2 x CPUs, 16))
     the others default to the checkout the package was imported from"""
 
 # Progress on a terminal is rewritten in place at most this often; into a file or a pipe
@@ -154,6 +158,28 @@ def add_output_options(parser: argparse.ArgumentParser, *, json_records: bool = 
                             help="refuse a floor measured under another torch, numpy, Python, "
                                  "machine class or CPU kernel set than this one (exit 2), "
                                  "rather than note it (the same as WSB_STRICT_ENV=1)")
+
+
+def add_limit_options(parser: argparse.ArgumentParser, *, max_gib: float | None = None,
+                      max_gflop: float = DEFAULT_MAX_FLOPS / 1e9, what: str = "a check") -> None:
+    """``--max-gib G`` and ``--max-gflop F``: the most ``what`` may cost
+    (``model.footprint``), refused before anything is allocated. ``max_gib`` None: this
+    machine's memory (``Limits()``)."""
+    memory = (f"{max_gib:g}" if max_gib is not None else
+              "this machine's memory, /proc/meminfo MemTotal")
+    parser.add_argument("--max-gib", type=positive, default=max_gib, metavar="G",
+                        help=f"refuse {what} whose estimated memory exceeds G GiB (default "
+                             f"{memory})")
+    parser.add_argument("--max-gflop", type=positive, default=max_gflop, metavar="F",
+                        help=f"refuse {what} whose estimated work exceeds F GFLOP (default "
+                             f"{max_gflop:g})")
+
+
+def limits_of(args: argparse.Namespace) -> Limits:
+    """The ``Limits`` that ``--max-gib`` and ``--max-gflop`` give."""
+    if args.max_gib is None:
+        return Limits(max_flops=args.max_gflop * 1e9)
+    return Limits(max_bytes=int(args.max_gib * GIB), max_flops=args.max_gflop * 1e9)
 
 
 def add_deadline_option(parser: argparse.ArgumentParser) -> None:

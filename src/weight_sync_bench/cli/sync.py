@@ -25,12 +25,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from weight_sync_bench.cli.checkpoint import add_model_options, model_of
+from weight_sync_bench.cli.checkpoint import add_model_options, guard, model_of
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
     EXIT_OK,
     Output,
     add_deadline_option,
+    add_limit_options,
     add_output_options,
     apply_deadline,
     count,
@@ -67,6 +68,7 @@ def _record(result: SyncResult) -> dict[str, Any]:
 def cmd_sync(args: argparse.Namespace) -> int:
     out = Output(args)
     config = model_of(args)
+    guard(args, config)
     if not args.no_forward:
         try:
             threshold_for(config, "1b")
@@ -152,6 +154,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "rank of a torchrun job (env:// rendezvous)")
     p.add_argument("--backend", choices=list(TORCHRUN_BACKENDS), default="gloo",
                    help="nccl: torchrun only, and only where CUDA is available")
+    add_limit_options(p, what="a geometry")
     add_output_options(p)
     add_deadline_option(p)
     p.set_defaults(func=cmd_sync)

@@ -25,8 +25,8 @@ outcomes carries how many of the reference's expert choices were near-tied
 (``Outcome.near_ties``: within the threshold of flipping, where the routing check kept the
 reference's choice), which the runner tallies.
 
-``footprint`` estimates what running a case costs, from the geometry alone (no tensor is
-made, and nothing loops over layers), so a replay can refuse a case before allocating it.
+What running a case costs is ``model.footprint``'s estimate of its geometry, so that a
+replay can refuse a case before allocating it.
 """
 
 from __future__ import annotations
@@ -59,60 +59,6 @@ MOE_PROPERTIES = ("moe_convert", "moe_convert_kill")  # a conversion of an MoE g
 # The claim each property makes: the check passes, or the mutation is killed
 CLAIMS = {"invariant": "invariant", "kill": "kill", "convert": "invariant",
           "convert_kill": "kill", "moe_convert": "invariant", "moe_convert_kill": "kill"}
-FLOAT_BYTES = 4  # fp32 everywhere
-# What the element counts miss, and a deep, thin geometry is made of: every parameter tensor
-# costs bookkeeping whatever its size (the tensor object, its storage, its entry in each
-# copy's dict), and every kernel a forward dispatches costs time whatever its size. Chosen
-# bounds, not measured figures a verdict reads: on the fuzz's smallest geometry (sizes 1-2)
-# at 2 x 10^4 layers, init_params held ~930 bytes per tensor and the reference forward took
-# ~0.4 ms per layer (~30 kernels), the time one core needs for a few 10^5 flops.
-TENSOR_BYTES = 1024
-TENSORS = (3, 9)  # (outside the layers: embedding, final norm, lm_head; per layer)
-KERNEL_FLOPS = 20_000
-KERNELS_PER_LAYER = 30  # norms, qkv, RoPE, attention, o_proj, SwiGLU, down, residuals
-
-
-@dataclass(frozen=True)
-class Footprint:
-    """What one case costs: peak ``bytes`` held and ``flops`` done, estimated (see
-    ``footprint``), with the parameter and activation counts they come from."""
-
-    params: int
-    activations: int
-    bytes: int
-    flops: int
-    tensors: int
-
-
-def footprint(config: ModelConfig) -> Footprint:
-    """An upper estimate of running one case of ``config`` (reference, declared forward and
-    one forward of the case's own shards), in closed form from the geometry:
-
-    - parameters ``P = 2 V d + d + L (qkv d + d q + 3 ffn d + qkv + 4 d)`` (V the padded
-      vocab, biases counted whether present or not);
-    - bytes ``4 x (4 P + A)``: the full parameters, the declared split at src and at dst and
-      the case's own shards, plus the activations of one forward at a time,
-      ``A = B T (3 d + 2 qkv + 3 ffn + 5 V) + 2 B H T^2`` (per-token widths of a layer, three
-      logit tensors and the scratch, the attention scores);
-    - flops ``3 x (2 P B T + 4 L B H T^2 head_dim)``: three forwards' matmuls and attention.
-
-    Plus what does not scale with the sizes, so that a geometry of a million one-wide layers
-    is not estimated as free: ``TENSOR_BYTES`` per parameter tensor of each of the four
-    copies, and ``KERNEL_FLOPS`` per kernel each forward dispatches (``KERNELS_PER_LAYER``
-    per layer).
-    """
-    c = config
-    d, L, qkv, q = c.d_model, c.n_layers, c.qkv_rows, c.q_rows
-    V, B, T, H = c.padded_vocab, c.batch, c.seq_len, c.n_heads
-    params = 2 * V * d + d + L * (qkv * d + d * q + 3 * c.ffn * d + qkv + 4 * d)
-    activations = B * T * (3 * d + 2 * qkv + 3 * c.ffn + 5 * V) + 2 * B * H * T * T
-    tensors = TENSORS[0] + TENSORS[1] * L
-    flops = 3 * (2 * params * B * T + 4 * L * B * H * T * T * c.head_dim
-                 + KERNEL_FLOPS * KERNELS_PER_LAYER * L)
-    held = FLOAT_BYTES * (4 * params + activations) + 4 * TENSOR_BYTES * tensors
-    return Footprint(params, activations, held, flops, tensors)
-
-
 @dataclass(frozen=True)
 class Case:
     config: ModelConfig

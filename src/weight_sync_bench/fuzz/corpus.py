@@ -21,8 +21,8 @@ written before the field existed has its origin inferred by the same rule, with 
 (``Entry.origin_note``).
 
 Reading is bounded: an entry whose geometry would need more memory or work than
-``ReplayLimits`` allow (``case.footprint``, from the geometry alone) is refused before
-anything is allocated, naming the field that drives the estimate. ``scan_corpus`` reads
+``ReplayLimits`` allow (``model.footprint``, from the geometry alone, each entry alone) is
+refused before anything is allocated, naming the field furthest outside the fuzz domain. ``scan_corpus`` reads
 every entry it can and reports each bad one with its file and field, so one bad file never
 blocks the good ones.
 """
@@ -58,13 +58,12 @@ from weight_sync_bench.errors import (
 from weight_sync_bench.fuzz.case import (
     CONVERSION_PROPERTIES,
     PROPERTIES,
-    TENSOR_BYTES,
     Case,
     ConversionCase,
     Outcome,
-    footprint,
 )
 from weight_sync_bench.model.config import BOOL_FIELDS, MOE_FIELDS, VARIANT_FIELDS, ModelConfig
+from weight_sync_bench.model.footprint import Limits, driving_field, footprint, sizes
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.paths import corpus_dir
 from weight_sync_bench.tolerance.artifacts import PHASES, cpu_vendor, environment
@@ -180,46 +179,35 @@ GIB = 2**30
 
 
 @dataclass(frozen=True)
-class ReplayLimits:
-    """The most one corpus entry may cost to load and run (``case.footprint``): ``max_bytes``
-    held (default 2 GiB) and ``max_flops`` (default 50 GFLOP, about a minute on one thread).
+class ReplayLimits(Limits):
+    """The most one corpus entry may cost to load and run (``model.footprint``):
+    ``max_bytes`` held (default 2 GiB) and ``max_flops`` (default 50 GFLOP, about a minute on
+    one thread), tighter than a command's ``Limits`` (an entry is a file from elsewhere).
     ``wsb replay --max-gib / --max-gflop`` raise them."""
 
     max_bytes: int = 2 * GIB
     max_flops: float = 50e9
 
-    def __post_init__(self) -> None:
-        InvalidNumber.positive("max_bytes", self.max_bytes)
-        InvalidNumber.positive("max_flops", self.max_flops)
-
 
 def _check_footprint(config: ModelConfig, path: Path, limits: ReplayLimits) -> None:
     """Refuse a geometry over the limits, naming the field furthest above the fuzz domain's
-    largest geometry (what drives the estimate) and the estimate."""
-    from weight_sync_bench.fuzz.domain import DOMAIN
+    largest geometry (what drives the estimate; the MoE domain's for an MoE entry) and the
+    estimate."""
+    from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN
 
     cost = footprint(config)
-    over = []
-    if cost.bytes > limits.max_bytes:
-        over.append(f"about {cost.bytes / GIB:.3g} GiB (limit {limits.max_bytes / GIB:.3g} GiB; "
-                    "raise it with --max-gib)")
-    if cost.flops > limits.max_flops:
-        over.append(f"about {cost.flops / 1e9:.3g} GFLOP (limit {limits.max_flops / 1e9:.3g} "
-                    "GFLOP; raise it with --max-gflop)")
+    over = limits.over(cost)
     if not over:
         return
-    top = DOMAIN.largest().geometry()
-    geometry = config.geometry()
-    largest = max(_GEOMETRY, key=lambda k: geometry[k] / top[k])
+    top = (MOE_DOMAIN if config.n_experts else DOMAIN).largest()
+    largest = driving_field(config, sizes(top))
     # the field furthest outside the fuzz domain drives the estimate; inside it, no one does
-    field = f"case.geometry.{largest}" if geometry[largest] > top[largest] else "case.geometry"
-    what = f"{geometry[largest]}" if field != "case.geometry" else "inside the fuzz domain"
+    field = f"case.geometry.{largest}" if largest is not None else "case.geometry"
+    what = f"{getattr(config, largest)}" if largest is not None else "inside the fuzz domain"
     raise CorpusEntryTooLarge(
         f"{path}: field '{field}' is {what}: replaying this entry "
         f"would need {' and '.join(over)}, refused before allocating anything (estimate: "
-        f"4 B x (4 x {cost.params:.3g} parameters + {cost.activations:.3g} activations) + "
-        f"4 x {cost.tensors:.3g} tensors x {TENSOR_BYTES} B, "
-        f"{cost.flops:.3g} flops; see fuzz.case.footprint)",
+        f"{cost.formula()})",
         path=str(path), field=field, estimate=cost.bytes, flops=cost.flops)
 
 

@@ -9,7 +9,7 @@ gate_up, two row-parallel projections and replicated norms.
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from weight_sync_bench.errors import InvalidConfig
+from weight_sync_bench.model.hf_file import read_hf_config
 
 
 @dataclass(frozen=True)
@@ -299,7 +300,14 @@ class ModelConfig:
         q, k, v biases only, ``Qwen2Attention``). ``n_layers`` and ``vocab`` override the file
         (a reduced copy of a real geometry); ``name`` defaults to the file's stem.
 
-        What the block cannot model is rejected with ``InvalidConfig`` naming the field:
+        Every field read is checked first, and an ``InvalidConfig`` names the field and the
+        value: missing (where there is no default), of the wrong type (a bool, a float such
+        as 4.5 or a string where a size is read), a size outside ``1..MAX_HF_SIZE``, a float
+        that is not finite and > 0, heads that do not group (``num_attention_heads %
+        num_key_value_heads``), an odd ``head_dim``, more experts per token than experts.
+        A path is read by ``model.hf_file.read_hf_config`` (a regular file of at most 16 MiB,
+        UTF-8 JSON holding an object). What the block cannot model is rejected with
+        ``InvalidConfig`` naming the field:
         ``mlp_bias`` (gate/up/down biases; the block has no gate_up bias), an activation other
         than SiLU, ``rope_scaling``. A sliding window is not modelled either; it changes
         nothing while ``seq_len`` stays below it (every window in the shipped configs does).
@@ -308,17 +316,16 @@ class ModelConfig:
             data, label = dict(source), name or "hf"
         else:
             path = Path(source)
-            try:
-                data = json.loads(path.read_text())
-            except FileNotFoundError:
-                raise InvalidConfig(f"{path}: no such HF config.json") from None
-            except json.JSONDecodeError as exc:
-                raise InvalidConfig(f"{path}: not valid JSON ({exc})") from None
-            label = name or (path.parent.name if path.name == "config.json" else path.stem)
+            data = read_hf_config(path)
+            label = name or (path.absolute().parent.name if path.name == "config.json"
+                             else path.stem)
         if not isinstance(data, dict):
             raise InvalidConfig(f"{label}: an HF config is a JSON object, got {type(data).__name__}")
 
-        def field(key: str, kind: type | tuple[type, ...], default: object = _REQUIRED) -> Any:
+        def field(key: str, kind: type | tuple[type, ...], default: object = _REQUIRED, *,
+                  minimum: int = 1) -> Any:
+            """``data[key]`` checked: of ``kind`` (a bool is no number), a size in
+            ``minimum..MAX_HF_SIZE``, a float finite and > 0; ``default`` where absent."""
             value = data.get(key)
             if value is None:
                 if default is _REQUIRED:
@@ -327,6 +334,12 @@ class ModelConfig:
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
                 raise InvalidConfig(f"{label}: HF config field {key!r} is {value!r}, expected "
                                     f"{getattr(kind, '__name__', kind)}")
+            if kind is int and not minimum <= value <= MAX_HF_SIZE:
+                raise InvalidConfig(f"{label}: HF config field {key!r} is {value!r}, expected "
+                                    f"an int in {minimum}..{MAX_HF_SIZE} (2^31-1)")
+            if kind == (int, float) and not (math.isfinite(value) and value > 0):
+                raise InvalidConfig(f"{label}: HF config field {key!r} is {value!r}, expected "
+                                    "a finite number > 0")
             return value
 
         hidden = field("hidden_size", int)
@@ -341,6 +354,12 @@ class ModelConfig:
         if data.get("rope_scaling") is not None:
             raise InvalidConfig(f"{label}: HF config field 'rope_scaling' is "
                                 f"{data['rope_scaling']!r}: only plain RoPE is modelled")
+        kv_heads = field("num_key_value_heads", int, heads)
+        if heads % kv_heads:
+            raise InvalidConfig(f"{label}: HF config fields 'num_attention_heads' and "
+                                "'num_key_value_heads': GQA needs num_attention_heads % "
+                                f"num_key_value_heads == 0 (num_attention_heads={heads}, "
+                                f"num_key_value_heads={kv_heads})")
         head_dim = field("head_dim", int, None)
         if head_dim is None:
             if hidden % heads:
@@ -348,6 +367,11 @@ class ModelConfig:
                                     f"num_attention_heads != 0 (hidden_size={hidden}, "
                                     f"num_attention_heads={heads})")
             head_dim = hidden // heads
+        if head_dim % 2:
+            raise InvalidConfig(f"{label}: HF config field 'head_dim' is {head_dim}"
+                                f"{'' if 'head_dim' in data else ' (hidden_size / num_attention_heads)'}"
+                                ": RoPE rotates pairs, so it must be even")
+        layers, vocab_size = field("num_hidden_layers", int), field("vocab_size", int)
         model_type = field("model_type", str, "llama")
         if model_type not in HF_MODEL_TYPES:
             raise InvalidConfig(f"{label}: HF config field 'model_type' is {model_type!r}: the "
@@ -367,11 +391,11 @@ class ModelConfig:
                          "lie within it, so attention is unchanged")
         return cls(
             name=label,
-            vocab=vocab if vocab is not None else field("vocab_size", int),
+            vocab=vocab if vocab is not None else vocab_size,
             d_model=hidden,
-            n_layers=n_layers if n_layers is not None else field("num_hidden_layers", int),
+            n_layers=n_layers if n_layers is not None else layers,
             n_heads=heads,
-            n_kv_heads=field("num_key_value_heads", int, heads),
+            n_kv_heads=kv_heads,
             head_dim=head_dim,
             ffn=field("intermediate_size", int),
             rope_theta=float(field("rope_theta", (int, float), 10000.0)),
@@ -460,11 +484,25 @@ class ModelConfig:
 
 
 _REQUIRED = object()
+# The largest size ``from_hf_config`` reads from a config.json (a width, a count of heads,
+# layers, experts or tokens): 2^31-1, so that a weight's element count (two sizes
+# multiplied) stays below 2^62 and no size is read that no real model approaches (the
+# largest widths shipped are 152,064 rows of vocabulary). Whether a geometry within it fits
+# this machine is ``model.footprint``'s to say.
+MAX_HF_SIZE = 2**31 - 1
 
 # The Hugging Face model types the harness's block is (``from_hf_config``): Llama's, with
 # Qwen2's q/k/v biases, Qwen3's q/k norms, and the MoE blocks of Qwen2-MoE, Qwen3-MoE and
 # Mixtral (transformers 4.57.6 modelling files). A config without a model_type reads as Llama.
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+# The config.json field each size of a geometry is read from (``from_hf_config``): what a
+# refusal names for a geometry the user gave as a config.json. Mixtral's experts are
+# ``num_local_experts`` of ``intermediate_size``.
+HF_NAMES = {"vocab": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+            "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads",
+            "head_dim": "head_dim", "ffn": "intermediate_size", "n_experts": "num_experts",
+            "expert_ffn": "moe_intermediate_size",
+            "shared_ffn": "shared_expert_intermediate_size"}
 # Fields that, set, change the model in a way the block does not implement.
 UNMODELLED = {"kv_lora_rank": "DeepSeek's multi-head latent attention (MLA)",
               "q_lora_rank": "DeepSeek's multi-head latent attention (MLA)",
@@ -481,20 +519,30 @@ def _moe_fields(model_type: str, data: Mapping[str, Any], field: Any, label: str
     ``intermediate_size``). The layers that are sparse: ``(i + 1) % decoder_sparse_step == 0``
     and ``i`` not in ``mlp_only_layers``; the harness models every layer sparse, or a first
     few dense (``dense_layers``), and refuses any other pattern."""
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return {}
+    experts_key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+    experts, top_k = field(experts_key, int), field("num_experts_per_tok", int)
+    if top_k > experts:
+        raise InvalidConfig(f"{label}: HF config field 'num_experts_per_tok' is {top_k}: a token "
+                            f"chooses at most every expert ({experts_key}={experts})")
     if model_type == "mixtral":
-        return {"n_experts": field("num_local_experts", int), "top_k": field("num_experts_per_tok", int),
+        return {"n_experts": experts, "top_k": top_k,
                 "expert_ffn": field("intermediate_size", int), "norm_topk": True,
                 "moe_style": "mixtral"}
-    if model_type not in ("qwen2_moe", "qwen3_moe"):
-        return {}
     step = field("decoder_sparse_step", int, 1)
-    dense = sorted(field("mlp_only_layers", list, []))
+    listed = field("mlp_only_layers", list, [])
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in listed):
+        raise InvalidConfig(f"{label}: HF config field 'mlp_only_layers' is {listed!r}, "
+                            "expected a list of layer indices (ints >= 0)")
+    dense = sorted(listed)
     if step != 1 or dense != list(range(len(dense))):
         raise InvalidConfig(f"{label}: HF config fields 'decoder_sparse_step' {step} and "
                             f"'mlp_only_layers' {dense}: the harness models every layer sparse "
                             "but a first few (decoder_sparse_step 1, mlp_only_layers 0..k-1)")
-    shared = field("shared_expert_intermediate_size", int, 0) if model_type == "qwen2_moe" else 0
-    return {"n_experts": field("num_experts", int), "top_k": field("num_experts_per_tok", int),
+    shared = (field("shared_expert_intermediate_size", int, 0, minimum=0)
+              if model_type == "qwen2_moe" else 0)
+    return {"n_experts": experts, "top_k": top_k,
             "expert_ffn": field("moe_intermediate_size", int),
             "norm_topk": field("norm_topk_prob", bool, False), "shared_ffn": shared,
             "shared_gate": shared > 0, "dense_layers": len(dense)}
@@ -546,10 +594,17 @@ def hf_config_path(name: str) -> Path:
 
 def hf_config_file(given: str | Path) -> Path:
     """What a command's ``--hf-config`` names: the path given, else (no such file) the
-    shipped ``config.json`` of that name (``llama3_8b``, ``qwen3_30b_a3b``, ...)."""
+    shipped ``config.json`` of that name (``llama3_8b``, ``qwen3_30b_a3b``, ...). Only a
+    shipped name is looked up here; whatever the path is (missing, a directory, too long a
+    name), ``read_hf_config`` says so when it is read."""
     path = Path(given)
-    if not path.exists() and str(given) in SHIPPED_HF_CONFIGS:
-        return hf_config_path(str(given))
+    if str(given) in SHIPPED_HF_CONFIGS:
+        try:
+            path.stat()
+        except FileNotFoundError:
+            return hf_config_path(str(given))
+        except OSError:
+            pass
     return path
 
 
@@ -560,7 +615,7 @@ def shipped_hf_config(name: str, *, shrink: int = 1, n_layers: int | None = None
     GQA grouping and the head_dim / (hidden / heads) ratio are the model's), ``n_layers``
     and ``vocab`` overridden. ``shipped_hf_config("mistral_nemo", shrink=16)`` has
     d_model 320, head_dim 8 (5120 / 32 / 16 would be 10)."""
-    data = json.loads(hf_config_path(name).read_text())
+    data = read_hf_config(hf_config_path(name))
     for key in ("hidden_size", "intermediate_size", "head_dim", "moe_intermediate_size",
                 "shared_expert_intermediate_size"):
         if data.get(key) is not None:

@@ -58,7 +58,15 @@ from typing import TYPE_CHECKING, Any
 
 from weight_sync_bench.collectives.gloo.breadcrumbs import BreadcrumbBoard, Fault
 from weight_sync_bench.collectives.gloo.rank import dumps, rank_main, recv, send
-from weight_sync_bench.errors import RankCrash, RankFailure, RankStopped, RankTimeout, WsbError
+from weight_sync_bench.errors import (
+    InvalidNumber,
+    RankCrash,
+    RankFailure,
+    RankStopped,
+    RankTimeout,
+    TooManyRanks,
+    WsbError,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -69,6 +77,40 @@ _FORKSERVER = multiprocessing.get_context("forkserver")
 # caller's multiprocessing. The "__main__" entry is multiprocessing's own default: a script
 # using the pool needs the usual `if __name__ == "__main__":` guard.
 _PRELOAD = ["__main__", "weight_sync_bench.check.forwards"]
+
+
+# The most rank processes a pool starts (``max_ranks``): every degree and world the harness
+# checks or measures fits (degrees up to 8, a vLLM world of 16, training's GLOO_WORLD 8),
+# and on a larger machine twice its cores. Each rank is a forked torch process with its own
+# heap and gloo sockets, so ``--from plain:100000`` would fork until the machine gave out.
+MIN_RANK_CAP = 16
+RANKS_PER_CPU = 2
+MAX_RANKS_ENV = "WSB_MAX_RANKS"
+
+
+def max_ranks() -> tuple[int, str]:
+    """The most rank processes one pool starts, and its arithmetic in words: ``WSB_MAX_RANKS``
+    where set (an int >= 1), else ``max(RANKS_PER_CPU x os.cpu_count(), MIN_RANK_CAP)``."""
+    given = os.environ.get(MAX_RANKS_ENV)
+    if given is not None:
+        try:
+            cap = int(given)
+        except ValueError:
+            raise InvalidNumber(f"{MAX_RANKS_ENV} must be an int >= 1, got {given!r}") from None
+        return InvalidNumber.count(MAX_RANKS_ENV, cap), f"{MAX_RANKS_ENV}={cap}"
+    cpus = os.cpu_count() or 1
+    cap = max(RANKS_PER_CPU * cpus, MIN_RANK_CAP)
+    return cap, f"max({RANKS_PER_CPU} x {cpus} CPUs, {MIN_RANK_CAP}) = {cap}"
+
+
+def check_ranks(size: int) -> None:
+    """``TooManyRanks`` where ``size`` rank processes are over ``max_ranks()``: the one
+    check, made before any rank of a pool starts."""
+    cap, why = max_ranks()
+    if size > cap:
+        raise TooManyRanks(f"{size} rank processes asked for (one per rank of the degree, "
+                           f"world or mesh): at most {why} start on this machine; "
+                           f"{MAX_RANKS_ENV}=N raises the cap")
 
 
 @dataclass
@@ -126,6 +168,7 @@ class RankPool:
                  grace: float = 0.25) -> None:
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"RankPool: size must be a positive int, got size={size!r}")
+        check_ranks(size)
         _check_deadline(deadline, pg_timeout)
         self.size, self.deadline, self.pg_timeout = size, deadline, pg_timeout
         self.start_deadline, self.rendezvous_deadline, self.grace = (
@@ -603,6 +646,7 @@ def shared_pool(size: int, *, deadline: float | None = None) -> RankPool:
             raise ValueError(f"shared_pool: deadline must be a finite number of seconds > 0, "
                              f"got deadline={deadline!r}")
         _shared_deadline = float(deadline)
+    check_ranks(size)  # before the pool there is replaced
     with _shared_lock:
         wanted = _shared_deadline
         if _shared is not None and wanted is not None and _shared.deadline != wanted:
