@@ -25,6 +25,7 @@ the one window left, and only the directory's owner can make it.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from weight_sync_bench.errors import UnsafeFile
 # 10 MB. 64 MiB leaves six times that.
 JSON_LIMIT = 64 * 2**20
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
@@ -110,14 +111,17 @@ def read_bounded(path: str | Path, limit: int | None = None, *,
     except OSError as exc:
         if isinstance(exc, FileNotFoundError):
             raise
-        raise UnsafeFile(f"{label}: cannot be opened ({exc.strerror}; a symlink is read through "
-                         "its resolved path only)", path=label) from None
+        if exc.errno == errno.ELOOP:
+            raise UnsafeFile(f"{label}: a symlink, read through its resolved path only",
+                             path=label) from None
+        raise  # permissions, a directory in the way: the caller names it
+    mode = os.fstat(fd).st_mode  # of what was opened, before Python's file refuses a directory
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise UnsafeFile(f"{label}: {kind(mode)}, not a regular file", path=label)
     with os.fdopen(fd, "rb") as f:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise UnsafeFile(f"{label}: {kind(mode)}, not a regular file", path=label)
         data = f.read(limit + 1)
     if len(data) > limit:
-        raise UnsafeFile(f"{label}: larger than {limit:,} bytes, the most the harness reads of "
-                         "such a file (files.JSON_LIMIT)", path=label)
+        raise UnsafeFile(f"{label}: larger than {limit:,} bytes ({limit / 2**20:g} MiB), the "
+                         "most the harness reads of such a file", path=label)
     return data

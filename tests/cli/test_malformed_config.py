@@ -158,8 +158,8 @@ def test_a_well_formed_hf_config_gets_past_the_same_parse_in_every_command(
 
 
 def test_a_fifo_is_refused_without_opening_it(tmp_path):
-    """A FIFO nobody writes to would block a plain ``open`` for ever: it is refused from its
-    ``stat``, in every command. In a subprocess with a timeout, so a regression fails here
+    """A FIFO nobody writes to would block a plain ``open`` for ever: it is opened
+    non-blocking and refused by the ``fstat`` of what was opened, in every command. In a subprocess with a timeout, so a regression fails here
     rather than hangs the suite."""
     fifo = tmp_path / "case" / "config.json"
     fifo.parent.mkdir()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from weight_sync_bench.cli.records import keys_of
-from weight_sync_bench.errors import ArtifactProtected, InvalidNumber, WsbError
+from weight_sync_bench.errors import ArtifactProtected, InvalidNumber
 from weight_sync_bench.model.footprint import DEFAULT_MAX_FLOPS, GIB, Limits
 
 EXIT_OK = 0
