@@ -257,3 +257,17 @@ def test_a_refused_pickle_is_named_without_advice_to_disable_weights_only(tmp_pa
     assert "GLOBAL" in str(info.value)  # what the pickle calls is named
     assert "weights_only" not in str(info.value) and "likely succeed" not in str(info.value)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("declared", [2**62, 100_000_001])
+def test_a_safetensors_header_over_safetensors_limit_is_refused_unread(tmp_path, threshold,
+                                                                       declared):
+    """safetensors refuses a header longer than its MAX_HEADER_SIZE (100,000,000 bytes)
+    before reading it; the file here is sparse, so a reader that did read it would take
+    seconds and the memory, not fail at once."""
+    ckpt = emit(tmp_path / "ckpt", "vllm:2")
+    with open(ckpt / RANK1, "r+b") as f:
+        f.write(declared.to_bytes(8, "little"))
+        f.truncate(8 + 100_000_001)
+    with pytest.raises(CheckpointError, match="header too large"):
+        verify_checkpoint(ckpt, SMALL, "vllm:2", threshold=threshold)
