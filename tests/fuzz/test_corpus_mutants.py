@@ -307,8 +307,13 @@ def test_not_json_and_unreadable_files_name_the_file(tmp_path):
     assert (err.value.path, err.value.field) == (str(missing), None)
     with pytest.raises(CorruptCorpusEntry) as err:
         load_entry(tmp_path)
-    assert str(err.value) == f"{tmp_path}: cannot be read (Is a directory)"
+    assert str(err.value) == f"{tmp_path}: a directory, not a regular file"
     assert err.value.path == str(tmp_path)
+    fifo = tmp_path / "fifo.json"  # opened non-blocking: refused, never waited on
+    os.mkfifo(fifo)
+    with pytest.raises(CorruptCorpusEntry) as err:
+        load_entry(fifo)
+    assert str(err.value) == f"{fifo}: a FIFO (named pipe), not a regular file"
 
 
 def test_a_layout_entry_loads_as_exactly_its_case(tmp_path):

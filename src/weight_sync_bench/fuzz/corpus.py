@@ -53,8 +53,10 @@ from weight_sync_bench.errors import (
     InvalidNumber,
     UnknownConvention,
     UnknownMutation,
+    UnsafeFile,
     UnsupportedLayout,
 )
+from weight_sync_bench.files import read_bounded
 from weight_sync_bench.fuzz.case import (
     CONVERSION_PROPERTIES,
     PROPERTIES,
@@ -367,10 +369,12 @@ class Entry:
 
 
 def load_entry(path: Path, limits: ReplayLimits | None = None) -> Entry:
-    try:
-        data = json.loads(Path(path).read_text())
+    try:  # bounded, and never blocked by a FIFO (files.read_bounded)
+        data = json.loads(read_bounded(os.path.realpath(path), shown=path))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptCorpusEntry(f"{path}: not valid JSON ({exc})", path=str(path)) from None
+    except UnsafeFile as exc:
+        raise CorruptCorpusEntry(str(exc), path=str(path)) from None
     except OSError as exc:
         raise CorruptCorpusEntry(f"{path}: cannot be read ({exc.strerror or exc})",
                                  path=str(path)) from None
