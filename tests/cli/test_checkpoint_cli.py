@@ -158,6 +158,26 @@ def test_a_symlink_out_of_the_directory_is_exit_2_unless_its_root_is_allowed(con
     assert verify(linked, "vllm:2", "--allow-root", str(converted / "vllm2")) == 0  # the twin
 
 
+def test_an_hf_index_naming_a_file_outside_is_exit_2_and_the_file_is_never_read(converted,
+                                                                                tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for path in (converted / "hf").iterdir():
+        (hf / path.name).write_bytes(path.read_bytes())
+    assert main(["verify", "--convention", "hf", "--config", "toy", str(hf)]) == 0  # the twin
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    (hf / first).rename(tmp_path / "outside.safetensors")  # it would verify if it were read
+    index["weight_map"] = {t: "../outside.safetensors" if f == first else f
+                           for t, f in index["weight_map"].items()}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    assert main(["verify", "--convention", "hf", "--config", "toy", str(hf)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"wsb verify: {hf / '../outside.safetensors'}: the entry "
+                          "'../outside.safetensors'") and "outside" in err
+
+
 def test_emit_refuses_a_directory_with_files_and_verify_a_directory_that_is_not_there(
         tmp_path, capsys):
     (tmp_path / "full").mkdir()
