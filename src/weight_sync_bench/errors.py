@@ -96,6 +96,21 @@ class RankCrash(RankFailure):
         self.signal_name, self.exit_code = signal_name, exit_code
 
 
+class LauncherCrash(RankCrash):
+    """The process that starts the ranks died, and the ranks exited because their parent went
+    away: no rank crashed on its own. ``launcher`` names that process (the rank pool's
+    forkserver), ``launcher_pid`` is its pid and ``launcher_end`` how it ended
+    (``"killed by SIGKILL"``, ``"exited with code 1"``, or ``"gone"`` where its status could
+    not be read). ``rank`` is the first rank seen to go; its own exit status is unknown
+    (``exit_code`` and ``signal_name`` are None: multiprocessing reports 255 for every rank
+    whose forkserver is gone)."""
+
+    def __init__(self, message: str, *, launcher: str, launcher_pid: int, launcher_end: str,
+                 **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.launcher, self.launcher_pid, self.launcher_end = launcher, launcher_pid, launcher_end
+
+
 class RankTimeout(RankFailure):
     """Ranks that did not finish (or did not arrive at rendezvous) before the parent's
     watchdog deadline. ``stuck`` are the ranks behind the others; ``stacks`` maps every

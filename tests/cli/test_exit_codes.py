@@ -22,6 +22,7 @@ from weight_sync_bench.errors import (
     InvalidNumber,
     InvalidShards,
     InvalidUserShards,
+    LauncherCrash,
     MissingArtifacts,
     RankCrash,
     RankStopped,
@@ -45,6 +46,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
     # never measured (the message names the command that measures it)
     (ToleranceMismatch("x"), 2), (WsbError("x"), 2),
     (RankCrash("x", signal_name="SIGKILL"), 3), (RankStopped("x"), 3),
+    # the process that starts the ranks died: a fault of the harness, not of the input
+    (LauncherCrash("x", launcher="forkserver", launcher_pid=1,
+                   launcher_end="killed by SIGKILL"), 3),
     (MissingArtifacts("x"), 3),  # the harness cannot find its own files
     (RuntimeError("a bug of the harness"), 3),
     (UserCodeError("x"), 4), (InvalidUserShards("x"), 4),

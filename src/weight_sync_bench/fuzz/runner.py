@@ -44,7 +44,13 @@ from hypothesis.strategies import SearchStrategy
 from weight_sync_bench.check.checker import Forward, ThresholdRule
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
-from weight_sync_bench.errors import InvalidNumber, MissingArtifacts, RankFailure, WsbError
+from weight_sync_bench.errors import (
+    InvalidNumber,
+    LauncherCrash,
+    MissingArtifacts,
+    RankFailure,
+    WsbError,
+)
 from weight_sync_bench.conventions.mutations import DENSE_MUTATIONS, MOE_MUTATIONS
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.fuzz.case import (
@@ -122,6 +128,9 @@ class HarnessFault:
         """``killed by SIGKILL``, ``stopped (process state T)``, ``stalled past the
         deadline``, ``raised``: what happened to the rank, in a few words."""
         e = self.error
+        if isinstance(e, LauncherCrash):  # not the rank's doing: its parent went away
+            return (f"exited: its parent, the {e.launcher} (pid {e.launcher_pid}), ended "
+                    f"({e.launcher_end})")
         signal_name = getattr(e, "signal_name", None)
         if signal_name:
             return f"killed by {signal_name}"

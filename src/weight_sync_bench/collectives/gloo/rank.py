@@ -106,7 +106,7 @@ def rank_main(rank: int, world: int, directory: Path, conn: Connection, pg_timeo
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stacks = open(directory / f"rank{rank}.stacks", "w")  # noqa: SIM115 - lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_when_orphaned, args=(rank, os.getppid()), daemon=True).start()
     tracer = Tracer(rank, BreadcrumbBoard(directory / "breadcrumbs", world))
     tracer.mark("start")
     if fault is not None and fault.action == "skip_rendezvous" and fault.rank == rank:
@@ -164,15 +164,26 @@ def error_payload(exc: BaseException, tracer: Tracer) -> dict[str, Any]:
             "crumb": str(tracer.crumb), "raised_at": time.time()}
 
 
-def _exit_when_orphaned(parent: int) -> None:
+ORPHAN_EXIT = 70  # a rank whose forkserver or owner is gone (os.EX_SOFTWARE)
+
+
+def _exit_when_orphaned(rank: int, parent: int) -> None:
     """A rank whose owner died exits, even while blocked in a collective or in rendezvous.
 
     The owner is the process that made the pool (``multiprocessing.parent_process()``, whose
     sentinel closes when it dies), not the forkserver that forked the rank: every rank holds
     the forkserver's "alive" pipe open, so a forkserver outlives its owner for as long as any
-    rank does, and a rank that watched only its immediate parent would wait on itself."""
+    rank does, and a rank that watched only its immediate parent would wait on itself. Before
+    it exits, the rank says in its log which one went away: the pool quotes that log tail in
+    its report."""
     owner = multiprocessing.parent_process()
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent or (owner is not None and not owner.is_alive()):
-            os._exit(70)
+        if os.getppid() != parent:
+            gone = f"its parent, the forkserver (pid {parent}), is gone"
+        elif owner is not None and not owner.is_alive():
+            gone = f"the process that owns the pool (pid {owner.pid}) is gone"
+        else:
+            continue
+        print(f"rank {rank}: {gone}; exiting {ORPHAN_EXIT}", file=sys.stderr, flush=True)
+        os._exit(ORPHAN_EXIT)
