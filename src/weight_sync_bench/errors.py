@@ -134,6 +134,18 @@ class RankStopped(RankTimeout):
         self.states = states or {}
 
 
+class MismatchedOptions(WsbError, ValueError):
+    """The ranks of one torchrun job were started with different options (a launch script
+    that templates each rank's command line, a stale one on one host). ``differ`` maps each
+    option that differs, as spelled on the command line (``--seed``), to every rank's value
+    in rank order; found when the ranks join, before any of them plans or moves anything."""
+
+    def __init__(self, message: str, *, differ: dict[str, tuple[str, ...]] | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.differ = differ or {}
+
+
 class PeerAborted(WsbError, RuntimeError):
     """Raised on a rank because another rank failed first, at a point every rank agreed on
     (so the process group is still consistent). The pool reports the other rank's error."""
