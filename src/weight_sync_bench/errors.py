@@ -167,6 +167,18 @@ class CorruptCorpusEntry(WsbError, ValueError):
         self.path, self.field = path, field
 
 
+class CorpusNotWritable(WsbError):
+    """A corpus directory that cannot be created or written (read-only, a file in the way, no
+    space): ``directory`` and the operating system's ``reason``. A fuzz run refuses it
+    before it runs anything; a counterexample found after it became unwritable is printed
+    in full instead (``fuzz.corpus.save_entry``), never dropped."""
+
+    def __init__(self, message: str, *, directory: str | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(message)
+        self.directory, self.reason = directory, reason
+
+
 class InvalidBatch(WsbError, ValueError):
     """A training batch that cannot be laid out: documents longer than the row, fewer rows
     than data-parallel ranks, or no valid label anywhere (a mean over zero tokens)."""
