@@ -32,6 +32,11 @@ What bounds a fault, and what torchrun's own agent adds (see the README's "Under
 - a rank that dies: torchrun's agent sees the exit within its ``--monitor-interval``,
   terminates every other worker and fails the job naming the dead rank's global rank, local
   rank and exit code or signal (``ChildFailedError``); rank 0 may not get to report;
+- torchrun's agent killed (SIGKILL: it cannot pass it on): it starts its workers in sessions
+  of their own, so they outlive it; each rank watches its parent and, within half a second
+  of the agent going, says so on its stderr (``rank 1: its parent, torchrun's agent (pid N),
+  is gone; exiting 70``) and exits, even from inside a collective (``rank.exit_when_orphaned``,
+  what a pool rank does when its forkserver goes);
 - not given: ``RankStopped`` (a SIGSTOPped rank reads as hung: no /proc of a remote host),
   and stacks on demand from rank 0 (there is no SIGUSR1 across hosts; each rank's own timer
   dumps them instead).
@@ -53,7 +58,12 @@ import torch
 import torch.distributed as dist
 
 from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
-from weight_sync_bench.collectives.gloo.rank import RankContext, error_payload
+from weight_sync_bench.collectives.gloo.rank import (
+    RankContext,
+    error_payload,
+    exit_if_orphaned,
+    exit_when_orphaned,
+)
 from weight_sync_bench.errors import (
     MismatchedOptions,
     RankFailure,
@@ -121,6 +131,7 @@ class TorchrunRanks:
                              f"got deadline={deadline!r}")
         device_for(backend, 0)  # what this machine cannot run is refused first, naming why
         self.rank, self.size, self.local_rank = torchrun_env(command)
+        _watch_the_agent(self.rank)
         self.backend, self.deadline = backend, float(deadline)
         self.device = device_for(backend, self.local_rank)
         if self.device != "cpu":
@@ -283,6 +294,7 @@ class TorchrunRanks:
             dist.monitored_barrier(group=self.control, timeout=timedelta(seconds=wait),
                                    wait_all_ranks=True)
         except RuntimeError as exc:
+            exit_if_orphaned()  # a peer that left because the agent went: say that instead
             self._consistent = False
             if self.rank != 0:
                 raise RankTimeout(f"rank {self.rank}: rank 0 did not finish {where} within "
@@ -356,9 +368,25 @@ class TorchrunRanks:
         return original
 
     def _destroy(self) -> None:
+        # a job whose agent is gone ends here, saying so, not with the error that only
+        # followed from it (a peer that noticed first closed its connection)
+        exit_if_orphaned()
         self._open = False
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_watching: list[int] = []  # the rank this process watches its agent as, once per process
+
+
+def _watch_the_agent(rank: int) -> None:
+    """This rank exits (70, saying why on its stderr) once its parent, torchrun's agent, is
+    gone: an agent killed by SIGKILL leaves its workers running in sessions of their own, and
+    a rank stuck in a collective, or waiting for one that is, would never end. Not in a
+    process that watches already (a pool rank; a second job in one process)."""
+    if not _watching:
+        _watching.append(rank)
+        exit_when_orphaned(f"rank {rank}", "torchrun's agent")
 
 
 @contextmanager
