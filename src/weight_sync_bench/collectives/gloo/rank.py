@@ -193,7 +193,10 @@ def exit_if_orphaned() -> None:
     gone = _gone()
     if gone is not None:
         who = _watched[0][0]
-        print(f"{who}: {gone}; exiting {ORPHAN_EXIT}", file=sys.stderr, flush=True)
+        # a process's last words before os._exit, as faulthandler's are: straight to fd 2 (a
+        # pool rank's log, a torchrun rank's terminal), there being no caller left to return
+        # them to
+        os.write(2, f"{who}: {gone}; exiting {ORPHAN_EXIT}\n".encode())
         os._exit(ORPHAN_EXIT)
 
 
