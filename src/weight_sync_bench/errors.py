@@ -96,6 +96,21 @@ class RankCrash(RankFailure):
         self.signal_name, self.exit_code = signal_name, exit_code
 
 
+class LauncherCrash(RankCrash):
+    """The process that starts the ranks died, and the ranks exited because their parent went
+    away: no rank crashed on its own. ``launcher`` names that process (the rank pool's
+    forkserver), ``launcher_pid`` is its pid and ``launcher_end`` how it ended
+    (``"killed by SIGKILL"``, ``"exited with code 1"``, or ``"gone"`` where its status could
+    not be read). ``rank`` is the first rank seen to go; its own exit status is unknown
+    (``exit_code`` and ``signal_name`` are None: multiprocessing reports 255 for every rank
+    whose forkserver is gone)."""
+
+    def __init__(self, message: str, *, launcher: str, launcher_pid: int, launcher_end: str,
+                 **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.launcher, self.launcher_pid, self.launcher_end = launcher, launcher_pid, launcher_end
+
+
 class RankTimeout(RankFailure):
     """Ranks that did not finish (or did not arrive at rendezvous) before the parent's
     watchdog deadline. ``stuck`` are the ranks behind the others; ``stacks`` maps every
@@ -125,6 +140,18 @@ class TooManyRanks(WsbError, ValueError):
     number asked for and the cap's arithmetic; ``WSB_MAX_RANKS`` raises the cap."""
 
 
+class MismatchedOptions(WsbError, ValueError):
+    """The ranks of one torchrun job were started with different options (a launch script
+    that templates each rank's command line, a stale one on one host). ``differ`` maps each
+    option that differs, as spelled on the command line (``--seed``), to every rank's value
+    in rank order; found when the ranks join, before any of them plans or moves anything."""
+
+    def __init__(self, message: str, *, differ: dict[str, tuple[str, ...]] | None = None
+                 ) -> None:
+        super().__init__(message)
+        self.differ = differ or {}
+
+
 class PeerAborted(WsbError, RuntimeError):
     """Raised on a rank because another rank failed first, at a point every rank agreed on
     (so the process group is still consistent). The pool reports the other rank's error."""
@@ -144,6 +171,18 @@ class CorruptCorpusEntry(WsbError, ValueError):
     def __init__(self, message: str, *, path: str | None = None, field: str | None = None) -> None:
         super().__init__(message)
         self.path, self.field = path, field
+
+
+class CorpusNotWritable(WsbError):
+    """A corpus directory that cannot be created or written (read-only, a file in the way, no
+    space): ``directory`` and the operating system's ``reason``. A fuzz run refuses it
+    before it runs anything; a counterexample found after it became unwritable is printed
+    in full instead (``fuzz.corpus.save_entry``), never dropped."""
+
+    def __init__(self, message: str, *, directory: str | None = None,
+                 reason: str | None = None) -> None:
+        super().__init__(message)
+        self.directory, self.reason = directory, reason
 
 
 class InvalidBatch(WsbError, ValueError):

@@ -23,6 +23,7 @@ from weight_sync_bench.errors import (
     InvalidNumber,
     InvalidShards,
     InvalidUserShards,
+    LauncherCrash,
     MissingArtifacts,
     RankCrash,
     RankStopped,
@@ -49,6 +50,9 @@ README = Path(__file__).resolve().parents[2] / "README.md"
     # a geometry or a world too large to run here: the input's size, refused before it runs
     (GeometryTooLarge("x"), 2), (TooManyRanks("x"), 2),
     (RankCrash("x", signal_name="SIGKILL"), 3), (RankStopped("x"), 3),
+    # the process that starts the ranks died: a fault of the harness, not of the input
+    (LauncherCrash("x", launcher="forkserver", launcher_pid=1,
+                   launcher_end="killed by SIGKILL"), 3),
     (MissingArtifacts("x"), 3),  # the harness cannot find its own files
     (RuntimeError("a bug of the harness"), 3),
     (UserCodeError("x"), 4), (InvalidUserShards("x"), 4),

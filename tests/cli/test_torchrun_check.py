@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from weight_sync_bench.cli.main import main
+from weight_sync_bench.collectives.gloo.pool import is_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = Path(__file__).with_name("torchrun_faults.py")
@@ -133,3 +135,36 @@ def test_without_a_fault_each_rank_gets_its_own_arguments_and_the_check_passes()
     assert done.returncode == 0 and "PASSED" in done.stdout, done.stdout + done.stderr
     assert "ECHO [(0, 1, 'c', 'v0')]" in done.stdout  # rank 1 idle
     assert "ECHO [(0, 2, 'c', 'v0'), (1, 2, 'c', 'v1')]" in done.stdout  # each its own
+
+
+@pytest.mark.slow
+def test_ranks_whose_torchrun_agent_was_killed_exit_saying_so_rather_than_hang():
+    """SIGKILL of torchrun's agent, the process that starts the ranks, while rank 1 is stuck
+    and rank 0 waits for it: the agent starts its workers in sessions of their own, so they
+    outlive it, and nothing would end them. Each rank sees its parent go within half a second,
+    says so on its stderr, and exits 70. The waits below only detect a hang. (The twin: under a
+    live agent, the stuck rank is named by rank 0, test_a_hung_rank_is_named_by_rank_0...)"""
+    exe = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
+    env["OMP_NUM_THREADS"] = "1"
+    agent = subprocess.Popen([exe, "--standalone", "--nproc-per-node", "2", str(FAULTS),
+                              "orphan", "1", "300"], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pids: list[int] = []
+    try:
+        ready = agent.stdout.readline()  # rank 0's, through the agent's inherited pipe
+        found = re.match(r"READY \[(\d+), (\d+)\]", ready)
+        assert found, ready + agent.stderr.read()
+        pids = [int(p) for p in found.groups()]
+        agent.kill()
+        agent.wait(timeout=60)
+        out, err = agent.communicate(timeout=120)  # the pipes close once the ranks exit too
+    finally:
+        agent.kill()
+        for pid in pids:  # a failed test leaves no orphan behind
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    for rank in (0, 1):
+        assert f"rank {rank}: its parent, torchrun's agent (pid {agent.pid}), is gone; " \
+            "exiting 70" in err, out + err
+    assert not any(is_alive(pid) for pid in pids)

@@ -3,10 +3,14 @@ ranks with a fault injected into one rank (``Fault``, the pool's test hook), and
 raised printed as one line, ``RAISED <type> stuck=<ranks> rank=<rank>``.
 
     torchrun --standalone --nproc-per-node 2 tests/cli/torchrun_faults.py ACTION RANK DEADLINE
+
+ACTION ``orphan``: rank 0 prints ``READY <every rank's pid>`` once the job runs tasks, then
+runs a check whose rank RANK stalls, for the test to SIGKILL torchrun's agent meanwhile.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -21,12 +25,19 @@ def echo_task(ctx, *, common: str, value: str) -> tuple[int, int, str, str]:
     return ctx.rank, ctx.degree, common, value
 
 
+def pid_task(ctx) -> int:
+    return os.getpid()
+
+
 def main(action: str, rank: int, deadline: float) -> int:
     ranks = TorchrunRanks(deadline=deadline)
     if ranks.rank != 0:
         ranks.serve()
         return 0
     started = time.monotonic()
+    if action == "orphan":
+        print(f"READY {ranks.run(pid_task, ranks.size)}", flush=True)
+        action = "stall"
     try:
         run_phase1b(TOY, ranks.size, param_seed=0, token_seed=0, pool=ranks,
                     fault=Fault(action, rank, "forward", 1) if action != "none" else None)

@@ -2,13 +2,20 @@
 ``arm`` test hook; an interrupt while the parent waits tears the ranks down.
 
 A rank stopped inside a collective has the same breadcrumb as its waiting peers ("inside
-collective #n, waiting for peers"): only /proc says which one cannot answer.
+collective #n, waiting for peers"): only /proc says which one cannot answer. Likewise a
+rank whose parent, the forkserver, was killed reads as "exit code 255" to multiprocessing:
+only the forkserver's own end says that no rank crashed.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -112,3 +119,45 @@ def test_the_shared_pools_deadline_is_settable_and_validated():
             shared_pool(4, deadline=0)
     finally:
         shared_pool(4, deadline=60.0)  # the default, for the tests after this one
+
+
+LAUNCHER_FAULTS = Path(__file__).with_name("launcher_faults.py")
+
+
+def _launcher_fault(victim: str) -> str:
+    """``launcher_faults.py`` in a process of its own (its forkserver is its own to kill);
+    the timeout only detects a hang: the ranks' task waits 600 s unless the fault ends it."""
+    src = Path(__file__).resolve().parents[2] / "src"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(LAUNCHER_FAULTS), victim], capture_output=True,
+                          text=True, timeout=300, env=env, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_a_killed_forkserver_is_named_not_blamed_on_rank_0_as_exit_code_255():
+    """SIGKILL of the forkserver, the process that starts the ranks: every rank exits because
+    its parent went away, and multiprocessing reports each as exit code 255. The report names
+    the forkserver, its pid and its signal, and says why rank 0 left (from its own log)."""
+    out = _launcher_fault("forkserver")
+    found = re.search(r"RAISED LauncherCrash rank=0 launcher=(\d+) forkserver=(\d+)", out)
+    assert found and found.group(1) == found.group(2), out
+    pid = found.group(1)
+    assert (f"the forkserver process (pid {pid}), which starts the rank processes, died during "
+            "task wait_or_die at t=2: killed by SIGKILL; rank 0 (pid ") in out
+    assert "exited because its parent went away" in out and "no rank crashed on its own" in out
+    assert f"rank 0 log tail:\n  rank 0: its parent, the forkserver (pid {pid}), is gone; " \
+        "exiting 70" in out
+    assert "crashed" not in out.split("no rank crashed")[0]  # not "rank 0 crashed ... 255"
+    assert "AGAIN [0, 1]" in out  # a new forkserver, new ranks: the pool runs again
+
+
+def test_a_rank_that_kills_itself_is_still_blamed_as_that_rank():
+    """The twin: the forkserver lives, rank 1 dies by SIGKILL on its own: a RankCrash of
+    rank 1, named by its signal, and no launcher named."""
+    out = _launcher_fault("rank")
+    assert re.search(r"RAISED RankCrash rank=1 launcher=None forkserver=\d+", out), out
+    assert re.search(r"rank 1 crashed during task wait_or_die at t=2: killed by SIGKILL "
+                     r"\(pid \d+\)", out), out
+    assert "forkserver process" not in out and "AGAIN [0, 1]" in out

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from weight_sync_bench.errors import CorruptCorpusEntry
+from weight_sync_bench.errors import CorpusNotWritable, CorruptCorpusEntry
 from weight_sync_bench.fuzz.case import Case, ConversionCase, run_case
 from weight_sync_bench.fuzz.corpus import (
     classify,
@@ -16,12 +16,14 @@ from weight_sync_bench.fuzz.corpus import (
     load_corpus,
     load_entry,
     make_entry,
+    save_entry,
     versions,
+    writable_corpus,
     write_entry,
 )
 from weight_sync_bench.fuzz.domain import DOMAIN
 from weight_sync_bench.fuzz.replay import replay
-from weight_sync_bench.fuzz.runner import corpus_examples, run_property
+from weight_sync_bench.fuzz.runner import PropertyFailed, corpus_examples, run_property
 
 # Names, not paths: the session's corpus copy is made per pytest session (conftest), and a
 # module imported once may serve several sessions (mutmut runs them in one process).
@@ -103,6 +105,48 @@ def test_concurrent_writers_of_one_case_create_exactly_one_file(tmp_path):
     with multiprocessing.get_context("fork").Pool(4) as pool:
         created = pool.map(_write_in_child, [(entry, tmp_path)] * 8)
     assert sum(created) == 1 and len(list(tmp_path.iterdir())) == 1
+
+
+def _blocked(tmp_path):
+    """A corpus directory that cannot be made, even by root: a file is where it would go."""
+    (tmp_path / "a_file").write_text("")
+    return tmp_path / "a_file" / "corpus"
+
+
+def test_a_corpus_directory_that_cannot_be_written_is_a_typed_error_naming_it(tmp_path):
+    blocked = _blocked(tmp_path)
+    for write in (lambda: writable_corpus(blocked), lambda: write_entry(_entry(), blocked)):
+        with pytest.raises(CorpusNotWritable, match=f"the corpus directory {blocked} cannot be "
+                           r"written \(Not a directory\)") as caught:
+            write()
+        assert (caught.value.directory, caught.value.reason) == (str(blocked), "Not a directory")
+    # the twin: a directory that is missing but can be made is made, and nothing is left in it
+    fine = tmp_path / "deep" / "corpus"
+    assert writable_corpus(fine) == fine and list(fine.iterdir()) == []
+
+
+def test_a_counterexample_that_cannot_be_saved_is_printed_whole_not_lost(tmp_path):
+    """A directory that became unwritable during a run (the run checks it at the start): the
+    failure still raises, its message carrying the whole entry and the file name it would have
+    had; the entry read back from the message is the one the twin writes to a good directory."""
+    blocked = _blocked(tmp_path)
+    with pytest.raises(PropertyFailed) as caught:
+        run_property("invariant", "lm_head_reversed", max_examples=10, seed=1, corpus=False,
+                     corpus_path=blocked)
+    message = str(caught.value)
+    assert caught.value.entry is None
+    assert (f"  corpus entry NOT written: the corpus directory {blocked} cannot be written (Not "
+            "a directory): set WSB_CORPUS_DIR to a writable directory\n  the entry, to save "
+            "as ") in message
+    name, printed = message.split("the entry, to save as ")[1].split(" (wsb replay FILE "
+                                                                     "replays it):\n")
+    unsaved = json.loads(printed)
+    (tmp_path / "good").mkdir()
+    saved = save_entry(unsaved, tmp_path / "good")  # the twin: a directory that takes it
+    assert saved.created and saved.path.name == name and saved.note == f"corpus entry: {saved.path}"
+    assert load_entry(saved.path).case.mutation == "lm_head_reversed"
+    again = save_entry(unsaved, tmp_path / "good")
+    assert (again.path, again.created) == (saved.path, False) and "(already there)" in again.note
 
 
 def test_replay_classifies_and_never_touches_the_file(tmp_path):

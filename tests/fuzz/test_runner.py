@@ -4,8 +4,14 @@ written to the corpus, never raised; budgets in examples or minutes."""
 import pytest
 
 from weight_sync_bench.collectives.inprocess import InProcessCollective
-from weight_sync_bench.errors import WsbError
-from weight_sync_bench.fuzz.runner import FuzzReport, Progress, format_report, fuzz
+from weight_sync_bench.errors import LauncherCrash, RankCrash, WsbError
+from weight_sync_bench.fuzz.runner import (
+    FuzzReport,
+    HarnessFault,
+    Progress,
+    format_report,
+    fuzz,
+)
 from weight_sync_bench.model.sharded import ShardedModel
 
 
@@ -68,3 +74,13 @@ def test_the_invariant_and_a_kill_hold_over_gloo_through_the_rank_pool(tmp_path)
     # at least the budget (the corpus's explicit examples come on top)
     assert {t.label for t in report.tallies} == {"invariant", "kill[o_proj_reversed]"}
     assert all(t.examples >= 4 for t in report.tallies)
+
+
+def test_a_harness_fault_says_a_killed_forkserver_ended_the_rank_not_the_rank_itself():
+    launcher = LauncherCrash("x", launcher="forkserver", launcher_pid=41,
+                             launcher_end="killed by SIGKILL", rank=0)
+    assert HarnessFault("invariant", None, launcher).how == (
+        "exited: its parent, the forkserver (pid 41), ended (killed by SIGKILL)")
+    # the twin: a rank killed on its own is named by its own signal
+    crash = RankCrash("x", signal_name="SIGKILL", exit_code=-9, rank=1)
+    assert HarnessFault("invariant", None, crash).how == "killed by SIGKILL"

@@ -122,3 +122,20 @@ def test_wsb_fuzz_writes_the_summary_where_told_and_by_default_under_the_fuzz_di
     assert json.loads(written.read_text())["smallest_kill_ratios"]["kv_swapped"] >= 10
     root = checkout()
     assert root is None or root not in written.resolve().parents
+
+
+def test_two_runs_with_one_default_summary_name_keep_both_and_a_given_path_is_replaced(
+        tmp_path, monkeypatch):
+    """Two runs with one master seed finishing in the same second have one default name: the
+    second takes ``-2`` instead of replacing the first; a path the caller names is replaced."""
+    monkeypatch.setenv("WSB_FUZZ_DIR", str(tmp_path))
+    summary = build_summary(_report(examples=1, chunk=1, mutations=[]), env=ENV)
+    first = write_summary(summary)
+    other = {**summary, "totals": {**summary["totals"], "examples": -1}}  # another run's
+    second = write_summary(other)
+    assert second == first.with_name(f"{first.stem}-2.json")
+    assert json.loads(first.read_text()) == summary and json.loads(second.read_text()) == other
+    assert sorted(p.name for p in first.parent.iterdir()) == sorted([first.name, second.name])
+    given = tmp_path / "given.json"
+    write_summary(summary, given)
+    assert write_summary(other, given) == given and json.loads(given.read_text()) == other

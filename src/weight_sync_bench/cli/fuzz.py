@@ -96,6 +96,9 @@ def _write_summary(report: Any, args: argparse.Namespace, command: str,
     except MissingArtifacts as exc:
         return None, f"campaign summary not written: {exc} (or pass --summary PATH)"
     except OSError as exc:
+        if args.summary is None:  # a by-product: the run's report still prints, its code holds
+            return None, (f"campaign summary not written: {exc.filename or 'its directory'}: "
+                          f"{exc.strerror or exc} (or pass --summary PATH)")
         raise WsbError(f"--summary {args.summary}: cannot write the campaign summary "
                        f"({exc.strerror or exc})") from None
     return path, f"campaign summary: {path}"

@@ -24,6 +24,9 @@ from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS, devic
 from weight_sync_bench.errors import UnsupportedLauncher
 
 LAUNCHERS = ("pool", "torchrun")
+# What only rank 0 uses (it alone prints), so the ranks of a job may differ in it; the names
+# the CLI itself sets, not options
+RANK_LOCAL = ("quiet", "json", "func", "command", "option_names")
 NCCL_NOTE = ("--backend nccl: the job's groups are cpu:gloo,cuda:nccl; the phase 1b check's "
              "tensors stay on CPU (its floor was measured on CPU fp32), so its collectives "
              "ran over gloo")
@@ -33,6 +36,24 @@ def add_launcher_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launcher", choices=LAUNCHERS, default="pool",
                         help="pool: the harness's rank processes; torchrun: this process is "
                              "one rank of a torchrun job (env:// rendezvous; rank 0 prints)")
+
+
+def option_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option's destination -> its longest spelling (``src`` -> ``--from``), for naming
+    what the ranks of a job disagree on as the user typed it. Call once every option is added.
+    (argparse keeps its actions in ``_actions``, its one list of them; there is no public one.)"""
+    return {a.dest: max(a.option_strings, key=len) for a in parser._actions  # noqa: SLF001
+            if a.option_strings}
+
+
+def job_options(args: argparse.Namespace) -> dict[str, str]:
+    """What every rank of a torchrun job must agree on (``TorchrunRanks.agree``): each option
+    the subcommand parsed, spelled as on the command line (``args.option_names``, set by
+    ``option_names``), its value as text; not ``RANK_LOCAL``."""
+    names = getattr(args, "option_names", {})
+    return {names.get(dest, dest): "(not given)" if value is None else str(value)
+            for dest, value in vars(args).items()
+            if dest not in RANK_LOCAL}
 
 
 def launched(fn: Callable[[argparse.Namespace], int], *, pool_default: str = "inprocess"
@@ -57,7 +78,7 @@ def launched(fn: Callable[[argparse.Namespace], int], *, pool_default: str = "in
         from weight_sync_bench.collectives.gloo.torchrun import TorchrunRanks
 
         ranks = TorchrunRanks(backend or "gloo", deadline=args.deadline or 300.0,
-                              command=args.command)
+                              command=args.command, options=job_options(args))
         stand_in(ranks)
         try:
             if ranks.rank != 0:

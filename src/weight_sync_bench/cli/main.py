@@ -58,7 +58,7 @@ from weight_sync_bench.cli.checkpoint import (
 from weight_sync_bench.cli.checkpoint import register as register_checkpoint
 from weight_sync_bench.cli.floor import register as register_floor
 from weight_sync_bench.cli.fuzz import register as register_fuzz
-from weight_sync_bench.cli.launch import add_launcher_option, launched
+from weight_sync_bench.cli.launch import add_launcher_option, launched, option_names
 from weight_sync_bench.cli.output import (
     ENVIRONMENT,
     EXIT_BROKEN_PIPE,
@@ -428,9 +428,9 @@ def _version() -> str:
             f"{platform.machine()})")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "wsb") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="wsb", description=__doc__.split("\n\n")[0],
+        prog=prog, description=__doc__.split("\n\n")[0],
         epilog=f"{EXIT_CODES}\n\n{ENVIRONMENT}\n\n'wsb' is the venv's console script: "
                ".venv/bin/wsb after `make`, or `python -m weight_sync_bench`.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -477,7 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_limit_options(check)
     add_output_options(check)
     add_deadline_option(check)
-    check.set_defaults(func=launched(cmd_check))
+    check.set_defaults(func=launched(cmd_check), option_names=option_names(check))
 
     layout = sub.add_parser("layout", help="print the declared layout table", epilog=LAYOUT_LEGEND)
     add_model_options(layout, default="toy")
@@ -498,17 +498,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def program() -> str:
+    """``wsb``, or ``wsb (rank R of W)`` in a process torchrun started (``RANK`` and
+    ``WORLD_SIZE`` set): every rank's errors, argparse's included, reach one terminal, and
+    each says which rank it is."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    return f"wsb (rank {rank} of {world})" if rank and world else "wsb"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
-    args = build_parser().parse_args(argv)
+    prog = program()
+    args = build_parser(prog).parse_args(argv)
     if not getattr(args, "strict_env", False):
-        return run(args.func, args, f"wsb {args.command}")
+        return run(args.func, args, f"{prog} {args.command}")
     # --strict-env: through the environment, so rank processes and torchrun jobs inherit it;
     # put back afterwards, for a caller (a test) that runs several commands in one process
     before = os.environ.get("WSB_STRICT_ENV")
     os.environ["WSB_STRICT_ENV"] = "1"
     try:
-        return run(args.func, args, f"wsb {args.command}")
+        return run(args.func, args, f"{prog} {args.command}")
     finally:
         if before is None:
             os.environ.pop("WSB_STRICT_ENV", None)

@@ -26,6 +26,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from weight_sync_bench.cli.checkpoint import add_model_options, guard, model_of
+from weight_sync_bench.cli.launch import job_options, option_names
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
     EXIT_OK,
@@ -87,7 +88,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
         result = run_torchrun(config, args.src, args.dst, dp=args.dp, seed=args.seed,
                               bucket_bytes=args.bucket, forward_check=not args.no_forward,
                               backend=args.backend, deadline=args.deadline or 300.0,
-                              into=args.into)
+                              into=args.into, options=job_options(args))
         if result is None:
             return EXIT_OK  # a rank other than 0: rank 0 prints and judges
         results.append(result)
@@ -157,4 +158,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add_limit_options(p, what="a geometry")
     add_output_options(p)
     add_deadline_option(p)
-    p.set_defaults(func=cmd_sync)
+    p.set_defaults(func=cmd_sync, option_names=option_names(p))

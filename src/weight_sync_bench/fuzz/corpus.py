@@ -5,7 +5,11 @@ part that lasts. An entry names the case (geometry, degrees, seeds, mutation, ph
 property that failed on it, what was measured (deviation, threshold, ratio, and the worst
 deviation seen before shrinking) and where it was found (versions, commit, profile,
 Hypothesis seed). The file name is a hash of the property and the case, so two workers
-that shrink to the same case write one file; writes are atomic and never overwrite.
+(or two runs sharing one directory) that shrink to the same case write one file; each
+writer writes a temporary file of its own (pid and random suffix) and links it into place,
+so an entry is whole or absent, never overwritten, and no temporary file is left behind.
+A directory that cannot be written is a typed error (``CorpusNotWritable``); a
+counterexample that cannot be saved is printed whole instead (``save_entry``).
 
 An entry is born failing: ``invariant`` failed (the check failed on it; with a mutation,
 that is the mutation detected, found at its smallest geometry) or ``kill`` failed (a
@@ -48,6 +52,7 @@ from weight_sync_bench.check.mutations import mutation_by_name
 from weight_sync_bench.conventions.mutations import mutation_by_name as conversion_mutation
 from weight_sync_bench.errors import (
     CorpusEntryTooLarge,
+    CorpusNotWritable,
     CorruptCorpusEntry,
     InvalidConfig,
     InvalidNumber,
@@ -137,22 +142,80 @@ def _num(x: float) -> float | str:
     return x if math.isfinite(x) else repr(x)
 
 
+def _temporary(directory: Path, name: str) -> Path:
+    """A name no other writer uses: this process's pid and a random suffix."""
+    return directory / f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+
+
+def _not_writable(directory: Path, exc: OSError) -> CorpusNotWritable:
+    reason = exc.strerror or str(exc)
+    return CorpusNotWritable(
+        f"the corpus directory {directory} cannot be written ({reason}"
+        f"{': ' + exc.filename if exc.filename and exc.filename != str(directory) else ''}): "
+        "set WSB_CORPUS_DIR to a writable directory", directory=str(directory), reason=reason)
+
+
+def writable_corpus(directory: Path | None = None) -> Path:
+    """``directory`` (default the corpus directory), created if missing and shown writable by
+    creating and removing a file of its own, or ``CorpusNotWritable`` naming it and why: a
+    fuzz run asks before it runs anything, not when it has a counterexample to save."""
+    directory = directory or corpus_dir()
+    probe = _temporary(directory, "probe")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as exc:
+        raise _not_writable(directory, exc) from None
+    return directory
+
+
 def write_entry(entry: dict[str, Any], directory: Path | None = None) -> tuple[Path, bool]:
     """Write ``entry`` as ``<hash>.json`` atomically; ``(path, created)``. An existing file
-    of that name (the same case, found by another worker or run) is left as it is."""
+    of that name (the same case, found by another worker or run) is left as it is.
+    ``CorpusNotWritable`` where the directory cannot be created or written."""
     directory = directory or corpus_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     case = case_from(entry, directory / "<new>")
     path = directory / entry_name(entry["property"], case, entry.get("user"))
-    tmp = directory / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    tmp.write_text(json.dumps(entry, indent=2) + "\n")
+    tmp = _temporary(directory, path.name)
     try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(entry, indent=2) + "\n")
         os.link(tmp, path)  # atomic, and fails rather than replace an existing entry
         return path, True
     except FileExistsError:
         return path, False
+    except OSError as exc:
+        raise _not_writable(directory, exc) from None
     finally:
-        tmp.unlink()
+        if tmp.exists():  # False too where the directory itself is missing or not one
+            tmp.unlink()
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Where a counterexample went: ``path`` (None where it could not be written),
+    ``created`` (False: the same entry was already there), and ``note``, the line (or, for an
+    entry that could not be written, the lines and the entry itself) its report carries."""
+
+    path: Path | None
+    created: bool
+    note: str
+
+
+def save_entry(entry: dict[str, Any], directory: Path | None = None) -> Saved:
+    """``write_entry``, for a counterexample in hand: where the directory cannot be written
+    (``CorpusNotWritable``), the entry is not lost but printed whole in the note, with the
+    file name it would have had, to save and replay (``wsb replay FILE``)."""
+    try:
+        path, created = write_entry(entry, directory)
+    except CorpusNotWritable as exc:
+        case = case_from(entry, Path("<unsaved>"))
+        name = entry_name(entry["property"], case, entry.get("user"))
+        return Saved(None, False, f"corpus entry NOT written: {exc}\n  the entry, to save as "
+                                  f"{name} (wsb replay FILE replays it):\n"
+                                  + json.dumps(entry, indent=2))
+    return Saved(path, created, f"corpus entry: {path}{'' if created else ' (already there)'}")
 
 
 def _field(data: Any, dotted: str, kind: type | tuple[type, ...], path: Path) -> Any:

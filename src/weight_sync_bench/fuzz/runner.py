@@ -44,7 +44,13 @@ from hypothesis.strategies import SearchStrategy
 from weight_sync_bench.check.checker import Forward, ThresholdRule
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
-from weight_sync_bench.errors import InvalidNumber, MissingArtifacts, RankFailure, WsbError
+from weight_sync_bench.errors import (
+    InvalidNumber,
+    LauncherCrash,
+    MissingArtifacts,
+    RankFailure,
+    WsbError,
+)
 from weight_sync_bench.conventions.mutations import DENSE_MUTATIONS, MOE_MUTATIONS
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.fuzz.case import (
@@ -56,7 +62,7 @@ from weight_sync_bench.fuzz.case import (
     Outcome,
     run_case,
 )
-from weight_sync_bench.fuzz.corpus import load_corpus, make_entry, write_entry
+from weight_sync_bench.fuzz.corpus import load_corpus, make_entry, save_entry, writable_corpus
 from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule
 from weight_sync_bench.fuzz.domain import MOE_DOMAIN
 from weight_sync_bench.fuzz.strategies import cases, geometries, moe_geometries, seeds
@@ -122,6 +128,9 @@ class HarnessFault:
         """``killed by SIGKILL``, ``stopped (process state T)``, ``stalled past the
         deadline``, ``raised``: what happened to the rank, in a few words."""
         e = self.error
+        if isinstance(e, LauncherCrash):  # not the rank's doing: its parent went away
+            return (f"exited: its parent, the {e.launcher} (pid {e.launcher_pid}), ended "
+                    f"({e.launcher_end})")
         signal_name = getattr(e, "signal_name", None)
         if signal_name:
             return f"killed by {signal_name}"
@@ -334,13 +343,12 @@ def run_property(prop: str, mutation: str | None = None, *, profile: str | None 
                            worst_ratio=worst.ratio, profile=name, hypothesis_seed=seed,
                            hypothesis_version=hypothesis.__version__)
         entry.update(entry_fields or {})
-        path, created = write_entry(entry, corpus_path)
-        if created:
-            tally.new_entries.append(path)
+        saved = save_entry(entry, corpus_path)
+        if saved.created:
+            tally.new_entries.append(saved.path)
         tally.failures += 1
-        failure.tally, failure.entry = tally, path
-        failure.args = (f"{failure.args[0]}\n  corpus entry: {path}"
-                        f"{'' if created else ' (already there)'}",)
+        failure.tally, failure.entry = tally, saved.path
+        failure.args = (f"{failure.args[0]}\n  {saved.note}",)
         raise
     except Exception as exc:
         interrupt = _interrupt_behind(exc)
@@ -356,7 +364,9 @@ def find_smallest(mutation: str, *, profile: str | None = None, phase: str = "1a
     """Run the invariant on shards with ``mutation`` applied: it fails wherever the check
     detects the mutation, and Hypothesis shrinks that failure to the mutation's smallest
     geometry, which lands in the corpus (how the committed seed entries were born). Returns
-    the failure; raises ``WsbError`` if the invariant held, i.e. the mutation went unseen."""
+    the failure; raises ``WsbError`` if the invariant held, i.e. the mutation went unseen,
+    and ``CorpusNotWritable`` before it runs where the corpus directory cannot be written."""
+    writable_corpus(corpus_path)
     try:
         run_property("invariant", mutation, profile=profile, phase=phase, forward=forward,
                      corpus=False, corpus_path=corpus_path)
@@ -468,6 +478,9 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
         InvalidNumber.seed("master_seed", master_seed)
     name = profile_name(profile)
     rule = threshold_rule or fuzz_threshold_rule(phase)
+    corpus = corpus_path or _corpus_or_none()
+    if corpus is not None:  # refused now, not when a counterexample has nowhere to go
+        writable_corpus(corpus)
     master_seed = master_seed if master_seed is not None else random.SystemRandom().getrandbits(32)
     rng = random.Random(master_seed)
     work = (work if work is not None
@@ -517,8 +530,7 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
         first = False
     yield FuzzReport(list(merged.values()), time.monotonic() - start, name, master_seed,
                      failures, faults=[f for t in merged.values() for f in t.faults],
-                     stopped=stopped, interrupted=interrupted,
-                     corpus=corpus_path or _corpus_or_none())
+                     stopped=stopped, interrupted=interrupted, corpus=corpus)
 
 
 def _interrupt_behind(exc: BaseException | None) -> KeyboardInterrupt | None:

@@ -32,6 +32,7 @@ as corpus entries write them: JSON has no NaN.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -152,14 +153,28 @@ def default_summary_path(summary: dict[str, Any]) -> Path:
 
 
 def write_summary(summary: dict[str, Any], path: Path | None = None) -> Path:
-    """Write ``summary`` to ``path`` (default ``default_summary_path``) atomically: a temporary
-    file beside it, then ``os.replace``; returns the path."""
+    """Write ``summary`` atomically (a temporary file of this process's beside it); returns
+    the path. A ``path`` given is replaced (``os.replace``): the caller named it. The default
+    (``default_summary_path``) never replaces another run's summary: two runs with one master
+    seed finishing within the same second (two terminals, two CI jobs on one checkout) would
+    have one name, so the later one links its file to the first free ``<name>-2.json``,
+    ``<name>-3.json``..."""
+    given = path is not None
     path = Path(path) if path is not None else default_summary_path(summary)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, path)
+        if given:
+            os.replace(tmp, path)
+            return path
+        base = path
+        for n in itertools.count(2):
+            try:
+                os.link(tmp, path)  # atomic, and fails rather than replace a file
+                return path
+            except FileExistsError:
+                path = base.with_name(f"{base.stem}-{n}{base.suffix}")
+        raise AssertionError("unreachable: itertools.count never ends")
     finally:
         tmp.unlink(missing_ok=True)
-    return path

@@ -69,7 +69,7 @@ from weight_sync_bench.fuzz.corpus import (
     entry_paths,
     load_corpus,
     make_entry,
-    write_entry,
+    save_entry,
 )
 from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain
 from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule
@@ -556,10 +556,9 @@ def _record(failure: PropertyFailed, tally: Tally, function: UserFunction,
                        hypothesis_version=hypothesis.__version__)
     entry.update(function.entry_fields())
     try:
-        path, created = write_entry(entry, corpus_path or user_corpus_dir())
+        saved = save_entry(entry, corpus_path or user_corpus_dir())
     except MissingArtifacts as exc:
         failure.args = (f"{failure.args[0]}\n  corpus entry not written: {exc}",)
         return
-    failure.entry = path
-    failure.args = (f"{failure.args[0]}\n  corpus entry: {path}"
-                    f"{'' if created else ' (already there)'}",)
+    failure.entry = saved.path
+    failure.args = (f"{failure.args[0]}\n  {saved.note}",)

@@ -80,6 +80,8 @@ from weight_sync_bench.tolerance.rules import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
     from weight_sync_bench.model.config import ModelConfig
     from weight_sync_bench.sync.layouts import SyncLayout
@@ -90,11 +92,14 @@ __all__ = ["TORCHRUN_BACKENDS", "device_for", "run_torchrun", "torchrun_env"]
 def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int = 1,
                  seed: int = 0, bucket_bytes: int = DEFAULT_BUCKET, forward_check: bool = True,
                  backend: str = "gloo", calibrate: bool = True, deadline: float = 300.0,
-                 into: str = "fresh") -> SyncResult | None:
+                 into: str = "fresh", options: Mapping[str, str] | None = None
+                 ) -> SyncResult | None:
     """This process's part of the sync (module docstring): the result on rank 0. ``into``
     as ``SyncSession.run``'s: ``"existing"`` receives into destination tensors each rank
     allocates and fills with stale values before the timed reshard (``existing_task``, the
-    rank pool's own), on CPU only."""
+    rank pool's own), on CPU only. ``options``: what this rank was started with, compared
+    across the ranks as they join (``TorchrunRanks.agree``), before any rank plans: ranks
+    that plan different syncs would otherwise fail far from the cause, or not at all."""
     if into not in INTO:
         raise ValueError(f"run_torchrun: into={into!r}, expected one of {INTO}")
     rank, world, local_rank = torchrun_env("sync")
@@ -102,20 +107,22 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
     if into == "existing" and device != "cpu":
         raise UnsupportedLauncher(f"--into existing runs on CPU (gloo): its stale destination "
                                   f"tensors are not made on {device}")
-    src, dst = sync_layout(config, src_text, dp=dp), sync_layout(config, dst_text)
-    plan = plan_for(src, dst)
-    plan.prepare(bucket_bytes)  # the cut and runs, cached on the plan: made here, not timed
-    if world != plan.world:
-        raise UnsupportedLauncher(f"{plan.label} runs on {plan.world} ranks; torchrun started "
-                                  f"{world} (--nproc-per-node {plan.world})")
-    notes: tuple[str, ...] = ()
-    run_forward = forward_check and dst.convention is not None
-    if run_forward and device != "cpu":
-        run_forward = False
-        notes += (f"no forward over {backend}: the phase 1b floor was measured on CPU fp32",)
-    threshold = threshold_for(config, "1b") if run_forward else None  # all ranks: same error
-    ranks = TorchrunRanks(backend, deadline=deadline, command="sync")  # the job, its groups
+    # the job, its groups; the ranks agree on their options before anything else
+    ranks = TorchrunRanks(backend, deadline=deadline, command="sync", options=options)
     try:
+        src, dst = sync_layout(config, src_text, dp=dp), sync_layout(config, dst_text)
+        plan = plan_for(src, dst)
+        plan.prepare(bucket_bytes)  # the cut and runs, cached on the plan: made here, not timed
+        if world != plan.world:
+            raise UnsupportedLauncher(f"{plan.label} runs on {plan.world} ranks; torchrun "
+                                      f"started {world} (--nproc-per-node {plan.world})")
+        notes: tuple[str, ...] = ()
+        run_forward = forward_check and dst.convention is not None
+        if run_forward and device != "cpu":
+            run_forward = False
+            notes += (f"no forward over {backend}: the phase 1b floor was measured on CPU "
+                      "fp32",)
+        threshold = threshold_for(config, "1b") if run_forward else None  # all ranks alike
         group, tracer = ranks.groups[world], ranks.tracer
         tracer.mark("sync: load")
         reference = init = None

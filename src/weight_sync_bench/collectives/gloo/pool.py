@@ -24,7 +24,10 @@ process-group timeout (so the watchdog, not gloo, sees a stuck rank), and then:
 - a rank reports an exception: its id and traceback reach the caller within ``grace``
   seconds, with every rank's breadcrumb (``RankFailure``);
 - a rank's pipe closes without a reply: a crash, named by signal, with the rank's log
-  tail (``RankCrash``);
+  tail (``RankCrash``); unless the forkserver that forked the ranks is gone (killed, say,
+  by SIGKILL): then every rank exits because its parent went away, multiprocessing reports
+  each as "exit code 255", and the report names the forkserver, its pid and how it ended
+  instead of blaming rank 0 (``LauncherCrash``);
 - the deadline passes: every live rank of the task dumps its stacks (faulthandler on
   SIGUSR1), and the ranks behind the others are named with their breadcrumbs
   (``RankTimeout``). First the watchdog reads each unfinished rank's process state from
@@ -60,6 +63,7 @@ from weight_sync_bench.collectives.gloo.breadcrumbs import BreadcrumbBoard, Faul
 from weight_sync_bench.collectives.gloo.rank import dumps, rank_main, recv, send
 from weight_sync_bench.errors import (
     InvalidNumber,
+    LauncherCrash,
     RankCrash,
     RankFailure,
     RankStopped,
@@ -179,6 +183,7 @@ class RankPool:
         self._dir: Path | None = None
         self._task = 0
         self._armed: Fault | None = None
+        self._forkserver: int | None = None  # the ranks' parent, which forked them
         self._live = _Live()
         self._finalizer = weakref.finalize(self, self._live.kill)
 
@@ -218,6 +223,9 @@ class RankPool:
             for rank in range(self.size):
                 with _signals_deferred():  # never a rank forked that the pool does not know
                     self._ranks.append(self._spawn(rank, fault))
+            # read now, while the rank is its child: once the forkserver dies, the ranks'
+            # parent is init (or a subreaper), and their exit codes all read 255
+            self._forkserver = parent_pid(self._ranks[0].proc.pid)
             self._await_ready()
         except BaseException:
             self._teardown()
@@ -282,7 +290,7 @@ class RankPool:
         self._live.kill()
         if self._board is not None:
             self._board.close()
-        self._ranks, self._board, self._dir = [], None, None
+        self._ranks, self._board, self._dir, self._forkserver = [], None, None, None
 
     def arm(self, fault: Fault) -> None:
         """Test hook: the next task this pool runs carries ``fault``, for faults injected
@@ -391,6 +399,9 @@ class RankPool:
     def _crash_error(self, reply: _Reply, where: str, ranks: Sequence[_Rank]) -> RankCrash:
         assert self._board is not None
         r = next(r for r in self._ranks if r.rank == reply.rank)
+        launcher_end = None if self._forkserver is None else child_end(self._forkserver)
+        if launcher_end is not None:
+            return self._launcher_error(r, launcher_end, where, ranks)
         code = reply.value
         sig = signal.Signals(-code).name if code < 0 else None
         how = f"killed by {sig}" if sig else f"exited with code {code}"
@@ -400,6 +411,25 @@ class RankPool:
                 f"rank {r.rank} log tail:\n{_tail(r.log)}")
         return RankCrash(text, rank=r.rank, signal_name=sig, exit_code=code, pids=self.pids,
                          breadcrumb=str(self._board.read(r.rank)))
+
+    def _launcher_error(self, r: _Rank, end: str, where: str, ranks: Sequence[_Rank]
+                        ) -> LauncherCrash:
+        """The forkserver, the ranks' parent, ended: the rank whose pipe closed first left
+        because its parent went away (its log says so), not on its own."""
+        assert self._board is not None and self._forkserver is not None
+        how = end if end != "gone" else ("gone (how it ended cannot be read: not this "
+                                         "process's child)")
+        text = (f"the forkserver process (pid {self._forkserver}), which starts the rank "
+                f"processes, died during {where}: {how}; rank {r.rank} (pid {r.proc.pid}) exited "
+                f"because its parent went away (its own exit status is unknown: multiprocessing "
+                f"reports 255 for every rank whose forkserver is gone); no rank crashed on its "
+                f"own, and the pool starts afresh on its next task\n"
+                f"rank {r.rank} breadcrumb: {self._board.read(r.rank)}\n"
+                f"other ranks:\n{self._crumbs(ranks, skip=r.rank)}\n"
+                f"rank {r.rank} log tail:\n{_tail(r.log)}")
+        return LauncherCrash(text, launcher="forkserver", launcher_pid=self._forkserver,
+                             launcher_end=end, rank=r.rank, pids=self.pids,
+                             breadcrumb=str(self._board.read(r.rank)))
 
     def _raised_error(self, failed: list[_Reply], where: str, ranks: Sequence[_Rank]) -> RankFailure:
         # The root cause: an error raised outside a collective before one raised inside one
@@ -673,6 +703,34 @@ def process_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return None
+
+
+def parent_pid(pid: int) -> int | None:
+    """A process's parent pid, read from /proc (None where it is gone, or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return None
+
+
+def child_end(pid: int) -> str | None:
+    """How a child process of this one ended, read without reaping it (``waitid`` with
+    ``WNOWAIT``, so multiprocessing still reaps its forkserver itself): ``"killed by
+    SIGKILL"``, ``"exited with code 1"``; None while it runs. For a process that is not this
+    one's child: ``"gone"`` once it is gone or a zombie, else None."""
+    try:
+        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None if is_alive(pid) else "gone"
+    if ended is None:
+        return None
+    if ended.si_code == os.CLD_EXITED:
+        return f"exited with code {ended.si_status}"
+    try:
+        return f"killed by {signal.Signals(ended.si_status).name}"
+    except ValueError:
+        return f"killed by signal {ended.si_status}"
 
 
 def is_alive(pid: int) -> bool:

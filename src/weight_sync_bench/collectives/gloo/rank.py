@@ -46,6 +46,7 @@ from weight_sync_bench.errors import PeerAborted
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
+    from multiprocessing.process import BaseProcess
     from pathlib import Path
 
 
@@ -106,7 +107,7 @@ def rank_main(rank: int, world: int, directory: Path, conn: Connection, pg_timeo
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stacks = open(directory / f"rank{rank}.stacks", "w")  # noqa: SIM115 - lives as long as the rank
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    exit_when_orphaned(f"rank {rank}", "the forkserver", multiprocessing.parent_process())
     tracer = Tracer(rank, BreadcrumbBoard(directory / "breadcrumbs", world))
     tracer.mark("start")
     if fault is not None and fault.action == "skip_rendezvous" and fault.rank == rank:
@@ -164,15 +165,59 @@ def error_payload(exc: BaseException, tracer: Tracer) -> dict[str, Any]:
             "crumb": str(tracer.crumb), "raised_at": time.time()}
 
 
-def _exit_when_orphaned(parent: int) -> None:
-    """A rank whose owner died exits, even while blocked in a collective or in rendezvous.
+ORPHAN_EXIT = 70  # a rank whose forkserver or owner is gone (os.EX_SOFTWARE)
 
-    The owner is the process that made the pool (``multiprocessing.parent_process()``, whose
-    sentinel closes when it dies), not the forkserver that forked the rank: every rank holds
-    the forkserver's "alive" pipe open, so a forkserver outlives its owner for as long as any
-    rank does, and a rank that watched only its immediate parent would wait on itself."""
-    owner = multiprocessing.parent_process()
+
+def exit_when_orphaned(who: str, parent_is: str, owner: BaseProcess | None = None) -> None:
+    """From now on, this process (``who``, e.g. ``rank 1``) exits ``ORPHAN_EXIT`` within half
+    a second of its parent going away (``parent_is`` names it: ``the forkserver``,
+    ``torchrun's agent``), or of ``owner`` dying, even while blocked in a collective or in
+    rendezvous, where nothing else would end it. Before it exits it says on stderr (a pool
+    rank's log, which the pool quotes; a torchrun rank's terminal) which one went away.
+
+    A pool rank's owner is the process that made the pool (``multiprocessing
+    .parent_process()``, whose sentinel closes when it dies), not the forkserver that forked
+    the rank: every rank holds the forkserver's "alive" pipe open, so a forkserver outlives
+    its owner for as long as any rank does, and a rank that watched only its immediate
+    parent would wait on itself. A torchrun rank's parent is the agent, which starts its
+    workers in sessions of their own: killed by SIGKILL, it takes none of them with it."""
+    _watched.append((who, os.getppid(), parent_is, owner))
+    threading.Thread(target=_watch, daemon=True, name="wsb-orphan-watch").start()
+
+
+def exit_if_orphaned() -> None:
+    """Exit as the watch would, now, where what ``exit_when_orphaned`` watches is gone: for a
+    rank about to report an error that is only the consequence (a peer that left first
+    because the same parent went away closes its connection, before this rank's own watch
+    looks again)."""
+    gone = _gone()
+    if gone is not None:
+        who = _watched[0][0]
+        # a process's last words before os._exit, as faulthandler's are: straight to fd 2 (a
+        # pool rank's log, a torchrun rank's terminal), there being no caller left to return
+        # them to
+        os.write(2, f"{who}: {gone}; exiting {ORPHAN_EXIT}\n".encode())
+        os._exit(ORPHAN_EXIT)
+
+
+# what this process watches (``exit_when_orphaned``): who it is, its parent's pid and name,
+# the pool's owner
+_watched: list[tuple[str, int, str, BaseProcess | None]] = []
+
+
+def _gone() -> str | None:
+    """What went away of what this process watches, or None."""
+    if not _watched:
+        return None
+    _, parent, parent_is, owner = _watched[0]
+    if os.getppid() != parent:
+        return f"its parent, {parent_is} (pid {parent}), is gone"
+    if owner is not None and not owner.is_alive():
+        return f"the process that owns the pool (pid {owner.pid}) is gone"
+    return None
+
+
+def _watch() -> None:
     while True:
         time.sleep(0.5)
-        if os.getppid() != parent or (owner is not None and not owner.is_alive()):
-            os._exit(70)
+        exit_if_orphaned()

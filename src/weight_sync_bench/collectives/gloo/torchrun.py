@@ -32,6 +32,11 @@ What bounds a fault, and what torchrun's own agent adds (see the README's "Under
 - a rank that dies: torchrun's agent sees the exit within its ``--monitor-interval``,
   terminates every other worker and fails the job naming the dead rank's global rank, local
   rank and exit code or signal (``ChildFailedError``); rank 0 may not get to report;
+- torchrun's agent killed (SIGKILL: it cannot pass it on): it starts its workers in sessions
+  of their own, so they outlive it; each rank watches its parent and, within half a second
+  of the agent going, says so on its stderr (``rank 1: its parent, torchrun's agent (pid N),
+  is gone; exiting 70``) and exits, even from inside a collective (``rank.exit_when_orphaned``,
+  what a pool rank does when its forkserver goes);
 - not given: ``RankStopped`` (a SIGSTOPped rank reads as hung: no /proc of a remote host),
   and stacks on demand from rank 0 (there is no SIGUSR1 across hosts; each rank's own timer
   dumps them instead).
@@ -42,7 +47,10 @@ from __future__ import annotations
 import faulthandler
 import os
 import re
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -50,11 +58,21 @@ import torch
 import torch.distributed as dist
 
 from weight_sync_bench.collectives.gloo.breadcrumbs import Tracer
-from weight_sync_bench.collectives.gloo.rank import RankContext, error_payload
-from weight_sync_bench.errors import RankFailure, RankTimeout, UnsupportedLauncher
+from weight_sync_bench.collectives.gloo.rank import (
+    RankContext,
+    error_payload,
+    exit_if_orphaned,
+    exit_when_orphaned,
+)
+from weight_sync_bench.errors import (
+    MismatchedOptions,
+    RankFailure,
+    RankTimeout,
+    UnsupportedLauncher,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Iterator, Mapping, Sequence
 
     from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
 
@@ -99,16 +117,21 @@ class TorchrunRanks:
     ``backend="nccl"`` (CUDA only) makes the job's groups ``cpu:gloo,cuda:nccl``: CUDA tensors
     over NCCL, CPU tensors over gloo. ``deadline`` is the task groups' timeout and the
     watchdog's bound. ``command`` names the subcommand in the error outside torchrun.
+    ``options`` (option -> value as text, e.g. ``{"--seed": "0"}``) are what this rank was
+    started with: the ranks compare them as they join, and every rank raises
+    ``MismatchedOptions`` naming each option that differs and every rank's value
+    (``agree``), before any task runs.
     """
 
     def __init__(self, backend: str = "gloo", *, deadline: float = 300.0,
-                 command: str = "check") -> None:
+                 command: str = "check", options: Mapping[str, str] | None = None) -> None:
         if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) \
                 or not 0 < deadline < float("inf"):
             raise ValueError(f"TorchrunRanks: deadline must be a finite number of seconds > 0, "
                              f"got deadline={deadline!r}")
         device_for(backend, 0)  # what this machine cannot run is refused first, naming why
         self.rank, self.size, self.local_rank = torchrun_env(command)
+        _watch_the_agent(self.rank)
         self.backend, self.deadline = backend, float(deadline)
         self.device = device_for(backend, self.local_rank)
         if self.device != "cpu":
@@ -116,10 +139,17 @@ class TorchrunRanks:
         timeout = timedelta(seconds=self.deadline)
         self.tracer = Tracer(self.rank)
         self.tracer.mark("rendezvous")
-        dist.init_process_group("gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl",
-                                init_method="env://", rank=self.rank, world_size=self.size,
-                                timeout=timeout)
+        with _terminable():  # the agent's SIGTERM ends a rank waiting here for a dead peer
+            dist.init_process_group("gloo" if backend == "gloo" else "cpu:gloo,cuda:nccl",
+                                    init_method="env://", rank=self.rank, world_size=self.size,
+                                    timeout=timeout)
         self.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        if options is not None:
+            try:
+                self.agree(options)
+            except MismatchedOptions:
+                self._destroy()
+                raise
         self.groups: dict[int, Any] = {self.size: dist.group.WORLD}
         for degree in range(1, self.size):  # collective over the world: every rank, in order
             self.groups[degree] = dist.new_group(list(range(degree)), timeout=timeout)
@@ -128,6 +158,30 @@ class TorchrunRanks:
         self._task = 0
         self._open = True
         self._consistent = True  # False once a task failed inside a collective
+
+    def agree(self, options: Mapping[str, str]) -> None:
+        """Every rank's ``options`` gathered on every rank (a collective of the whole job);
+        ``MismatchedOptions`` on every rank alike where any option differs, naming it and
+        each rank's value. A few dozen short strings: the values themselves travel, not a
+        digest, so that the error can say what differs."""
+        mine = {str(k): str(v) for k, v in options.items()}
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, mine, group=self.control)
+        names = list(dict.fromkeys(k for given in gathered for k in given))  # rank 0's order
+        absent = "(not an option of this rank's command)"
+        differ = {name: tuple(given.get(name, absent) for given in gathered) for name in names
+                  if len({given.get(name, absent) for given in gathered}) > 1}
+        if not differ:
+            return
+        lines = [f"  {name}: " + ", ".join(f"{value} on rank {r}" for r, value in
+                                          enumerate(values)) for name, values in differ.items()]
+        raise MismatchedOptions(
+            f"the {self.size} ranks of this torchrun job were started with different options "
+            f"(this is rank {self.rank}; every rank compared what every rank parsed, before "
+            f"any work):\n" + "\n".join(lines) + "\nevery rank of a job must run the same "
+            "command: torchrun gives each the same command line, so a launch script that "
+            "changes one rank's options, or a stale one on one host, is the cause",
+            differ=differ)
 
     # -- the pool's surface (what ``shared_pool``'s callers use)
 
@@ -240,6 +294,7 @@ class TorchrunRanks:
             dist.monitored_barrier(group=self.control, timeout=timedelta(seconds=wait),
                                    wait_all_ranks=True)
         except RuntimeError as exc:
+            exit_if_orphaned()  # a peer that left because the agent went: say that instead
             self._consistent = False
             if self.rank != 0:
                 raise RankTimeout(f"rank {self.rank}: rank 0 did not finish {where} within "
@@ -313,6 +368,40 @@ class TorchrunRanks:
         return original
 
     def _destroy(self) -> None:
+        # a job whose agent is gone ends here, saying so, not with the error that only
+        # followed from it (a peer that noticed first closed its connection)
+        exit_if_orphaned()
         self._open = False
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_watching: list[int] = []  # the rank this process watches its agent as, once per process
+
+
+def _watch_the_agent(rank: int) -> None:
+    """This rank exits (70, saying why on its stderr) once its parent, torchrun's agent, is
+    gone: an agent killed by SIGKILL leaves its workers running in sessions of their own, and
+    a rank stuck in a collective, or waiting for one that is, would never end. Not in a
+    process that watches already (a pool rank; a second job in one process)."""
+    if not _watching:
+        _watching.append(rank)
+        exit_when_orphaned(f"rank {rank}", "torchrun's agent")
+
+
+@contextmanager
+def _terminable() -> Iterator[None]:
+    """SIGTERM's default action (the process ends) while this rank waits in rendezvous.
+
+    A peer that fails before it joins (a bad option on its command line) leaves this rank
+    blocked inside ``init_process_group``, in C++, where the CLI's SIGTERM handler (which
+    raises in Python, between bytecodes) never runs: torchrun's agent would wait its 30 s
+    before a SIGKILL. Nothing is set up yet that a handler would need to clean up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
