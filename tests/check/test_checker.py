@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from weight_sync_bench.errors import ModifiedInput
+
 from weight_sync_bench import (
     TOY,
     TOY_KV4,
@@ -123,13 +125,21 @@ def test_malformed_shards_raise_a_typed_error_naming_rank_and_parameter(corrupt,
 
 
 def test_the_user_function_cannot_corrupt_the_harness_copy_of_the_weights():
+    """It gets copies (the reference is never touched), and writing into them is named:
+    in a weight sync the input is the trainer's weights (``user_code.call``)."""
+    checker = Checker(TOY)
+    before = {n: t.clone() for n, t in checker.full.items()}
+
     def destructive(full, degree):
         shards = declared_split(full, degree)
         for t in full.values():
             t.zero_()
         return shards
 
-    assert check_split(destructive, TOY, 2).passed
+    with pytest.raises(ModifiedInput, match="modified in place `tok_embeddings.weight`"):
+        check_split(destructive, TOY, 2)
+    assert all(torch.equal(before[n], t) for n, t in Checker(TOY).full.items())
+    assert check_split(declared_split, TOY, 2).passed  # the twin
 
 
 def test_diagnosis_round_trips_through_gather():

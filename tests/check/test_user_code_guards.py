@@ -128,7 +128,7 @@ def test_the_function_runs_with_the_callers_grad_mode_under_a_deadline():
 
 @pytest.fixture
 def user_module(tmp_path, monkeypatch):
-    (tmp_path / "mine.py").write_text(textwrap.dedent("""
+    (tmp_path / "guarded_mine.py").write_text(textwrap.dedent("""
         import time
         from weight_sync_bench import convert
 
@@ -149,8 +149,8 @@ def user_module(tmp_path, monkeypatch):
 
 def test_on_the_command_line_both_are_exit_4(user_module, capsys):
     route = ["--from", "megatron:2", "--to", "vllm:2", "--config", "toy"]
-    assert main(["check", "--converter", "mine:zeroing", *route]) == 4
+    assert main(["check", "--converter", "guarded_mine:zeroing", *route]) == 4
     assert "modified in place source rank 0" in capsys.readouterr().err
-    assert main(["check", "--converter", "mine:slow", "--deadline", "1", *route]) == 4
+    assert main(["check", "--converter", "guarded_mine:slow", "--deadline", "1", *route]) == 4
     err = capsys.readouterr().err
     assert "did not return within 1 s (--deadline)" in err and "time.sleep(60)" in err

@@ -120,8 +120,11 @@ def test_a_corpus_directory_that_cannot_be_written_is_a_typed_error_naming_it(tm
                            r"written \(Not a directory\)") as caught:
             write()
         assert (caught.value.directory, caught.value.reason) == (str(blocked), "Not a directory")
-    # the twin: a directory that is missing but can be made is made, and nothing is left in it
+    # the twins: a directory that is missing but can be made is not made before it has an
+    # entry (a run that finds nothing leaves nothing); an existing one is probed, left empty
     fine = tmp_path / "deep" / "corpus"
+    assert writable_corpus(fine) == fine and not (tmp_path / "deep").exists()
+    fine.mkdir(parents=True)
     assert writable_corpus(fine) == fine and list(fine.iterdir()) == []
 
 

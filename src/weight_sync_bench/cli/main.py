@@ -46,7 +46,7 @@ from weight_sync_bench.check.convert import check_convert
 from weight_sync_bench.check.floor import measure_geometry
 from weight_sync_bench.check.forwards import BACKENDS
 from weight_sync_bench.check.stream import PER, stream_check
-from weight_sync_bench.check.user_code import load_function
+from weight_sync_bench.check.user_code import deadline, load_function
 from weight_sync_bench.cli.checkpoint import (
     add_model_options,
     floor_command,
@@ -133,7 +133,7 @@ def run(func: Callable[[argparse.Namespace], int], args: argparse.Namespace, pro
     and temporary directories go with the interpreter's exit handlers), and an exception
     becomes one line on stderr (a traceback only for a bug of the harness) and its code."""
     out = Output(args)
-    with signals_raise():
+    with signals_raise(), deadline(None):  # a --deadline is this command's, not the process's
         try:
             return func(args)
         except BrokenPipeError:  # `wsb ... | head`: the reader left; say nothing more

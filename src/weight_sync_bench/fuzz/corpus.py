@@ -33,6 +33,7 @@ blocks the good ones.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -156,17 +157,28 @@ def _not_writable(directory: Path, exc: OSError) -> CorpusNotWritable:
 
 
 def writable_corpus(directory: Path | None = None) -> Path:
-    """``directory`` (default the corpus directory), created if missing and shown writable by
-    creating and removing a file of its own, or ``CorpusNotWritable`` naming it and why: a
-    fuzz run asks before it runs anything, not when it has a counterexample to save."""
+    """``directory`` (default the corpus directory) shown writable, or ``CorpusNotWritable``
+    naming it and why: a fuzz run asks before it runs anything, not when it has a
+    counterexample to save. An existing directory is shown writable by creating and removing
+    a file of its own; a missing one is not created (a run that finds nothing leaves
+    nothing), its nearest existing ancestor must be a directory this process may write."""
     directory = directory or corpus_dir()
-    probe = _temporary(directory, "probe")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.touch(exist_ok=False)
-        probe.unlink()
-    except OSError as exc:
-        raise _not_writable(directory, exc) from None
+    if directory.exists() or directory.is_symlink():
+        probe = _temporary(directory, "probe")
+        try:
+            probe.touch(exist_ok=False)
+            probe.unlink()
+        except OSError as exc:
+            raise _not_writable(directory, exc) from None
+        return directory
+    ancestor = directory.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise _not_writable(directory, NotADirectoryError(errno.ENOTDIR,
+                                                          os.strerror(errno.ENOTDIR)))
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise _not_writable(directory, PermissionError(errno.EACCES, os.strerror(errno.EACCES)))
     return directory
 
 
