@@ -1,4 +1,7 @@
+import json
 import textwrap
+
+import pytest
 
 from weight_sync_bench.cli.main import main
 from weight_sync_bench.model.config import TOY_KV4
@@ -59,6 +62,39 @@ def test_wsb_check_runs_a_users_resharder_by_module_path(tmp_path, monkeypatch, 
     out = capsys.readouterr().out
     assert ("rank 0 layers.0.gate_up.weight holds gate rows 0-703; declared gate rows 0-351, "
             "up rows 0-351") in out
+
+
+@pytest.mark.parametrize("flags", [[], ["-q"], ["--json"]])
+def test_a_sweep_whose_last_check_alone_fails_exits_1_counting_it(tmp_path, monkeypatch,
+                                                                  capsys, flags):
+    """The exit code and the tally come from every check of the sweep, not the first: the
+    resharder is wrong only at the sweep's last pair (4 -> 4)."""
+    (tmp_path / "sweep_resharders.py").write_text(textwrap.dedent("""
+        from weight_sync_bench import layout_for, reshard, TOY_KV4
+
+        def good(shards, dst):
+            return reshard(shards, layout_for(TOY_KV4), dst)
+
+        def wrong_at_the_end(shards, dst):
+            out = good(shards, dst)
+            if len(shards) == 4 and dst == 4:
+                x = out[3]["norm.weight"].clone()
+                x.view(-1).view(__import__("torch").int32)[-1] ^= 1
+                out[3]["norm.weight"] = x
+            return out
+    """))
+    monkeypatch.chdir(tmp_path)
+    argv = ["check", "--config", "toy_kv4", *flags, "--resharder"]
+    assert main([*argv, "sweep_resharders:wrong_at_the_end"]) == 1
+    out = capsys.readouterr().out
+    if "--json" in flags:
+        summary = json.loads(out.splitlines()[-1])
+        assert (summary["kind"], summary["passed"], summary["failed"], summary["exit_code"]) == (
+            "summary", 8, 1, 1)
+    else:
+        assert "8 passed, 1 failed" in out
+    assert main([*argv, "sweep_resharders:good"]) == 0  # the twin
+    assert "--json" in flags or "9 passed, 0 failed" in capsys.readouterr().out
 
 
 def test_a_missing_resharder_is_a_clear_error(tmp_path, monkeypatch, capsys):

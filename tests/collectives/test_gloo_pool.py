@@ -199,7 +199,8 @@ def test_two_pools_started_at_once_do_not_collide():
 
 def test_ranks_of_a_parent_killed_without_cleanup_exit_on_their_own():
     """SIGKILL leaves no finalizer to run: the forkserver sees its owner gone and exits,
-    and each rank, finding itself orphaned, exits within a second."""
+    and each rank, finding itself orphaned, exits on its own (within a second when idle; the
+    wait below is a hang detector, 30x that, so a loaded machine cannot fail it)."""
     script = ("import os, signal, multiprocessing.forkserver as fs\n"
               "from weight_sync_bench.collectives.gloo.pool import RankPool\n"
               "pool = RankPool(2)\npool.start()\n"
@@ -211,7 +212,7 @@ def test_ranks_of_a_parent_killed_without_cleanup_exit_on_their_own():
     directory, *pids = out.stdout.split()
     shutil.rmtree(directory)  # a SIGKILLed owner cannot remove its pool's files
     assert len(pids) == 3
-    give_up = time.monotonic() + 5.0
+    give_up = time.monotonic() + 30.0
     while any(is_alive(int(p)) for p in pids) and time.monotonic() < give_up:
         time.sleep(0.1)
     assert not any(is_alive(int(p)) for p in pids)
@@ -253,11 +254,13 @@ def test_rank_stalled_before_a_collective_is_named_with_its_breadcrumb_and_stack
             % (old[0], len(layout_for(TINY)) + 3)) in message
     assert "in _fire" in error.stacks[1]  # the stalled rank's own stack
     assert "in all_reduce" in error.stacks[0]  # the waiting rank's stack, inside gloo
-    assert deadline <= elapsed < deadline + 5.0
+    # the deadline fired, not the process group's timeout (60 s): about deadline + 0.5 s when
+    # idle; the upper bound is a hang detector, ten times the measured overshoot and more
+    assert deadline <= elapsed < deadline + 20.0
     _assert_healthy_again(pool, old)
 
 
-def test_rank_that_raises_reaches_the_caller_with_its_traceback_within_a_second(pool):
+def test_rank_that_raises_reaches_the_caller_with_its_traceback_before_any_deadline(pool):
     pool.start()
     old = pool.pids
     with pytest.raises(RankFailure) as caught:
@@ -269,7 +272,9 @@ def test_rank_that_raises_reaches_the_caller_with_its_traceback_within_a_second(
     assert "rank 1 raised InjectedFault" in str(error)
     assert "in forward" in error.remote_traceback  # the rank's own frames, ShardedModel's
     assert "InjectedFault: injected fault: raise at rank 1, forward collective 1" in error.remote_traceback
-    assert received - error.raised_at < 1.0  # the watchdog deadline (20 s) did not fire
+    # the watchdog deadline (20 s) did not fire: a report takes ~0.1 s when idle; 10 s is two
+    # orders above that and half the deadline, so only a report that waited for it fails
+    assert received - error.raised_at < 10.0
     _assert_healthy_again(pool, old)
 
 
@@ -284,7 +289,8 @@ def test_rank_killed_by_a_signal_is_reported_as_a_crash_with_the_signal_name(poo
     assert (error.rank, error.signal_name, error.exit_code) == (1, "SIGKILL", -9)
     assert "rank 1 crashed during task phase1b_task at t=2: killed by SIGKILL" in str(error)
     assert "rank 1 breadcrumb: forward: after collective #" in str(error)
-    assert time.monotonic() - start < 5.0  # a crash, not a hang: the deadline is 20 s
+    # a crash, not a hang: ~1 s when idle, the deadline 20 s; 10 s tells the two apart
+    assert time.monotonic() - start < 10.0
     _assert_healthy_again(pool, old)
 
 

@@ -60,7 +60,8 @@ def test_a_rank_stopped_inside_a_collective_is_named_stopped_from_its_process_st
     assert error.breadcrumb.startswith("forward: inside collective #")
     assert f"waiting for them:\n  rank 0 (pid {old[0]}): {error.breadcrumb}" in message
     assert "in all_reduce" in error.stacks[0] and "did not answer" in error.stacks[1]
-    assert elapsed < 1.0 + 4.0  # the deadline, and the stacks of the live rank only
+    # the deadline, and the stacks of the live rank only (~1.5 s when idle): a hang detector
+    assert elapsed < 1.0 + 20.0
     _healthy_again(pool, old)
 
 

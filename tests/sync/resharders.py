@@ -17,6 +17,32 @@ def flip_one_bit(ctx, rank, local, plan):
     return out
 
 
+def flip_one_bit_on_the_last_rank(ctx, rank, local, plan):
+    """``flip_one_bit`` on the destination's last rank, in the last element of its first
+    tensor: a verdict computed from rank 0 alone would miss it."""
+    out = execute_plan(ctx, rank, local, plan)
+    if rank == plan.dst.world - 1:
+        name = next(iter(plan.dst.pieces[rank]))
+        out[name].view(-1).view(torch.int32)[-1] ^= 1
+    return out
+
+
+def negative_zero_on_the_last_rank(ctx, rank, local, plan):
+    """The harness's executor, then ``-0.0`` written over one ``+0.0`` the last rank must
+    hold (a padding row): equal in value, not in bytes. Raises where that rank holds no
+    zero, so the test cannot pass by having nothing to corrupt."""
+    out = execute_plan(ctx, rank, local, plan)
+    if rank == plan.dst.world - 1:
+        for x in out.values():
+            flat = x.view(-1)
+            zeros = ((flat == 0) & ~torch.signbit(flat)).nonzero()
+            if len(zeros):
+                flat[zeros[-1, 0]] = -0.0
+                return out
+        raise AssertionError(f"rank {rank} holds no +0.0 to corrupt")
+    return out
+
+
 def drops_a_name(ctx, rank, local, plan):
     out = execute_plan(ctx, rank, local, plan)
     if rank == 0:

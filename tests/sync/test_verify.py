@@ -6,6 +6,8 @@ the measurement can see one)."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -48,6 +50,21 @@ def test_check_distributed_reshard_returns_the_phase_2_verdict(pool):
     assert str(verdict).startswith("PASS toy_kv4 vllm:2 -> hf:1 (phase 2)")
 
 
+@pytest.mark.parametrize("fault", ["flip_one_bit_on_the_last_rank",
+                                   "negative_zero_on_the_last_rank"])
+def test_a_fault_on_the_last_rank_or_equal_in_value_fails_the_element_check(pool, fault):
+    """Every rank's elements decide the verdict, bit for bit: -0.0 where +0.0 is declared
+    (Megatron's vocabulary padding at t=4) fails as a flipped bit does."""
+    result = run_distributed_reshard(getattr(resharders, fault), tiny(4), "vllm:2",
+                                     "megatron:4", pool=pool, forward=False)
+    assert not result.passed and not result.elements_passed
+    assert [e.passed for e in result.elements] == [True, True, True, False]
+    assert result.elements[3].lines and result.elements[3].lines[0].startswith("rank 3 ")
+    twin = run_distributed_reshard(execute_plan, tiny(4), "vllm:2", "megatron:4", pool=pool,
+                                   forward=False)
+    assert twin.passed and twin.elements_passed
+
+
 def test_one_flipped_bit_fails_the_element_check_naming_rank_tensor_and_slice(pool):
     result = run_distributed_reshard(resharders.flip_one_bit, tiny(2), "megatron:2", "vllm:2",
                                      pool=pool, forward=False)
@@ -67,7 +84,8 @@ def test_a_resharder_that_returns_the_wrong_names_or_raises_is_framed_as_the_use
         run_distributed_reshard(resharders.raises, tiny(2), "megatron:2", "vllm:1", pool=pool,
                                 forward=False)
     # with the user's frames of the traceback only, as check.user_code frames them
-    assert 'resharders.py", line 28, in raises' in err.value.user_traceback
+    line = inspect.getsourcelines(resharders.raises)[1] + 1  # its `raise`
+    assert f'resharders.py", line {line}, in raises' in err.value.user_traceback
     assert "weight_sync_bench" not in err.value.user_traceback
     assert "Traceback (most recent call last)" not in str(err.value)
 
