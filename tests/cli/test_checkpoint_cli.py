@@ -84,6 +84,25 @@ def test_emit_then_verify_round_trips_in_every_convention(tmp_path, capsys):
         assert "shards equal the declared layout byte for byte" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("where", "config"), [("hf", "toy"), ("meta:2", "toy"),
+                                               ("vllm:2", "toy_kv4"), ("megatron:2", "toy_moe")])
+def test_verify_takes_the_geometry_from_the_directory(tmp_path, capsys, where, config):
+    """No --config: the geometry config.json (or params.json) states, and it says which."""
+    directory = tmp_path / "out"
+    assert main(["emit", "--convention", where, "--config", config, "-q", str(directory)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--convention", where, str(directory)]) == 0
+    out = capsys.readouterr().out
+    stated = "params.json" if where.startswith("meta") else "config.json"
+    assert out.startswith(f"geometry: {config} (") and f"as {directory / stated} states it" in out
+    # a flag overrides it, and a disagreement names both sides (here: the file and toy_kv4)
+    other = "toy" if config != "toy" else "toy_kv4"
+    assert main(["verify", "--convention", where, "--config", other, str(directory)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"wsb verify: {directory / stated}: ") and \
+        f", the config checked ({other}) has " in err, err
+
+
 def test_a_converter_tool_s_files_pass_verify(converted, capsys):
     assert verify(converted / "vllm2") == 0
     out = capsys.readouterr().out
@@ -220,6 +239,11 @@ def test_a_real_geometry_is_emitted_and_verified_reduced(tmp_path, capsys, toler
     assert len(list((tolerance / "geometry").glob("*.json"))) == 1
     assert main(["verify", "--convention", "hf", *model, str(tmp_path / "out")]) == 0  # cached
     assert "PASS qwen hf:1 -> hf:1" in capsys.readouterr().out
+    # without the flags: config.json states the geometry, named as emitted (its cached floor)
+    assert written["_name_or_path"] == "qwen"
+    assert main(["verify", "--convention", "hf", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("geometry: qwen (d_model 64, 1 layers)") and "PASS qwen hf:1" in out
     # the twin: the same files checked as another geometry name the config.json field
     other = [*model[:-1], "512"]
     assert main(["verify", "--convention", "hf", *other, str(tmp_path / "out")]) == 2

@@ -3,7 +3,7 @@ tools; and the model options every command that takes a geometry shares.
 
     wsb emit --convention hf|meta:T|megatron:T|vllm:T (--config NAME | --hf-config PATH
              --layers N [--vocab V]) [--seed S] [--max-shard-size BYTES] DIR
-    wsb verify --convention vllm:2 (--config NAME | --hf-config PATH --layers N [--vocab V])
+    wsb verify --convention vllm:2 [--config NAME | --hf-config PATH --layers N [--vocab V]]
                [--from hf] [--seed S] [--backend inprocess|gloo] [--json] DIR
 
 ``emit`` writes the synthetic model of seed S as that framework stores it
@@ -33,7 +33,13 @@ from weight_sync_bench.cli.output import (
 )
 from weight_sync_bench.cli.records import verdict_record
 from weight_sync_bench.conventions import CONVENTIONS, endpoint, shards_for
-from weight_sync_bench.conventions.checkpoint import write_checkpoint
+from weight_sync_bench.conventions.checkpoint import (
+    HF_CONFIG,
+    META_PARAMS,
+    checkpoint_geometry,
+    layout_of,
+    write_checkpoint,
+)
 from weight_sync_bench.errors import FloorNotMeasured, WsbError
 from weight_sync_bench.model.config import (
     CONFIGS,
@@ -55,13 +61,14 @@ MODEL_HELP = ("--hf-config PATH reads a Hugging Face config.json (or names a shi
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, default: str | None = "toy",
-                      allow_all: bool = False) -> None:
+                      allow_all: bool = False, default_help: str | None = None) -> None:
     """``--config NAME`` or ``--hf-config PATH`` with ``--layers N`` and ``--vocab V``.
-    ``--config`` defaults to ``default`` (``all`` allowed where ``allow_all``)."""
+    ``--config`` defaults to ``default`` (``all`` allowed where ``allow_all``; None: the
+    command finds the geometry itself, as ``default_help`` says)."""
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--config", default=None,
                        choices=[*CONFIGS, *MOE_CONFIGS, *(["all"] if allow_all else [])],
-                       help=f"a committed geometry (default {default})")
+                       help=f"a committed geometry (default {default_help or default})")
     which.add_argument("--hf-config", metavar="PATH", default=None,
                        help="a Hugging Face config.json, or the name of a shipped one ("
                             + ", ".join(SHIPPED_HF_CONFIGS) + "); needs --layers")
@@ -155,9 +162,18 @@ def cmd_emit(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     out = Output(args)
     apply_deadline(args.deadline, args.backend == "gloo")
-    config = model_of(args)
-    guard(args, config)
     where = endpoint(args.convention)
+    if args.config is None and args.hf_config is None and args.layers is None \
+            and args.vocab is None:  # the geometry the directory states
+        config = checkpoint_geometry(args.directory, where, roots=args.allow_root)
+        stated = META_PARAMS if layout_of(where) == "meta" else HF_CONFIG
+        if not out.quiet:
+            out.text(f"geometry: {config.name} (d_model {config.d_model}, {config.n_layers} "
+                     f"layers), as {args.directory / stated} states it; --config or "
+                     "--hf-config checks the directory against another")
+    else:
+        config = model_of(args)
+    guard(args, config)
     source = endpoint(args.src) if args.src is not None else where
     try:
         verdict = verify_checkpoint(args.directory, config, str(where), src=str(source),
@@ -209,7 +225,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        "shards, then the destination's forward", epilog=MODEL_HELP)
     verify.add_argument("--convention", required=True, metavar="NAME[:T]",
                         help=f"what DIR holds ({known}), files as `wsb emit` writes them")
-    add_model_options(verify)
+    add_model_options(verify, default=None,
+                      default_help="the geometry DIR's config.json or params.json states")
     verify.add_argument("--from", dest="src", default=None, metavar="NAME[:T]",
                         help="the convention the converter read (names the route in the "
                              "verdict only)")

@@ -9,7 +9,7 @@
     wsb check ... [--dtype fp32|bf16|fp16] [--stream layer|parameter] [--measure-floor]
     wsb layout --config NAME [--convention NAME] [--degree T]
     wsb emit --convention hf|meta:T|megatron:T|vllm:T --config NAME DIR
-    wsb verify --convention vllm:2 --config NAME DIR
+    wsb verify --convention vllm:2 [--config NAME] DIR   (default: the geometry DIR states)
     wsb --version
 
 Every subcommand takes ``-q``; check, verify, fuzz, mutants, replay, train-check and sync take

@@ -186,7 +186,10 @@ def hf_config_json(config: ModelConfig, dtype: torch.dtype = torch.float32) -> d
         out = config.to_hf_config()
     except InvalidConfig as exc:  # what HF cannot state, named as the format's refusal
         raise UnsupportedConvention(f"hf: config.json cannot state it: {exc}") from None
-    return {**out, "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch.")}
+    # ``_name_or_path``: where transformers' ``PretrainedConfig`` keeps the name a model was
+    # loaded under; here the geometry's name, so ``checkpoint_geometry`` names it back
+    return {**out, "mlp_bias": False, "torch_dtype": str(dtype).removeprefix("torch."),
+            "_name_or_path": config.name}
 
 
 def meta_ffn(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
@@ -329,7 +332,10 @@ def read_checkpoint(directory: str | Path, where: Endpoint, config: ModelConfig,
         case "meta":
             _check_geometry(root / META_PARAMS, _read_meta_params(files_of), config)
             shards, files = _read_meta(files_of, where.world)
-        case _:
+        case _:  # a config.json beside the rank files (vLLM's save_sharded_state copies
+            # it there) must agree; a converter tool may write none
+            if (root / HF_CONFIG).exists() or (root / HF_CONFIG).is_symlink():
+                _check_geometry(root / HF_CONFIG, _read_hf_config(files_of, config), config)
             shards, files = _read_ranks(files_of, where.world)
     checkpoint = Checkpoint(root, shards, files)
     _check_names_and_shapes(checkpoint, where, config)
@@ -385,8 +391,44 @@ class _Files:
                                   f"corrupt ({exc})", path=str(path)) from None
 
 
-def _read_hf_config(files: _Files, config: ModelConfig) -> dict[str, Any]:
-    from weight_sync_bench.errors import InvalidConfig
+def checkpoint_geometry(directory: str | Path, where: Endpoint, *,
+                        roots: Sequence[str | Path] = ()) -> ModelConfig:
+    """The geometry a checkpoint directory states, for a check that was given none: its
+    ``config.json`` (hf and per-rank layouts) or ``params.json`` (meta), read as
+    ``read_checkpoint`` reads it (inside the directory, bounded). A built-in config whose
+    geometry it is (its name, its committed floors); else the geometry named by
+    ``config.json``'s ``_name_or_path`` (``wsb emit`` writes the config's name there), else
+    by the directory. ``CheckpointError`` where the file is missing or states no geometry."""
+    from weight_sync_bench.model.config import CONFIGS, MOE_CONFIGS, ModelConfig
+
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint directory", path=str(root))
+    files = _Files(root, tuple(roots))
+    named = root.resolve().name or "checkpoint"
+    if layout_of(where) == "meta":
+        stated = _read_meta_params(files)
+        found = None
+    else:
+        found = _hf_geometry(files, None)
+        named = found.name
+        stated = {f: getattr(found, f) for f in GEOMETRY}
+    for builtin in (*CONFIGS.values(), *MOE_CONFIGS.values()):
+        if all(getattr(builtin, f) == v for f, v in stated.items()):
+            return builtin
+    if found is not None:
+        return found
+    try:
+        return ModelConfig(name=named, **stated)
+    except InvalidConfig as exc:
+        path = root / META_PARAMS
+        raise CheckpointError(f"{path}: states no geometry the harness can check ({exc})",
+                              path=str(path)) from None
+
+
+def _hf_geometry(files: _Files, name: str | None) -> ModelConfig:
+    """The geometry of the directory's ``config.json``, named ``name`` (None: its
+    ``_name_or_path``, else the directory's name)."""
     from weight_sync_bench.model.config import ModelConfig
 
     path = files.root / HF_CONFIG
@@ -394,10 +436,18 @@ def _read_hf_config(files: _Files, config: ModelConfig) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: an HF config is a JSON object, got "
                               f"{type(data).__name__}", path=str(path))
+    if name is None:
+        given = data.get("_name_or_path")
+        name = given if isinstance(given, str) and given.strip() else (
+            files.root.resolve().name or "checkpoint")
     try:
-        found = ModelConfig.from_hf_config(data, name=config.name)
+        return ModelConfig.from_hf_config(data, name=name)
     except InvalidConfig as exc:
         raise CheckpointError(f"{path}: {exc}", path=str(path)) from None
+
+
+def _read_hf_config(files: _Files, config: ModelConfig) -> dict[str, Any]:
+    found = _hf_geometry(files, config.name)
     return {f: getattr(found, f) for f in GEOMETRY}
 
 
