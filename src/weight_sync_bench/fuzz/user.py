@@ -521,8 +521,10 @@ def user_property(function: UserFunction, *, domain: FuzzDomain = DOMAIN,
         inner = property_test(function.prop, None, tally, phase=phase, forward=forward,
                               threshold_rule=fuzz_threshold_rule(phase), examples=examples,
                               strategy=strategy, case_runner=case_runner(function, stats))
-        if settings is not None:
-            inner = settings(inner)
+        # the user's settings as given; else the profile loaded now, without its deadline:
+        # one example checks a whole model (a reference forward, the function, a sharded
+        # forward), hundreds of milliseconds, which Hypothesis's 200 ms default would fail
+        inner = (settings if settings is not None else Settings(deadline=None))(inner)
         try:
             inner()
         except HarnessAbort as abort:
