@@ -40,10 +40,12 @@ def pytest_configure(config):
         os.environ["WSB_CORPUS_DIR"] = _SET["WSB_CORPUS_DIR"] = str(copy)
     if "WSB_FUZZ_DIR" not in os.environ:
         os.environ["WSB_FUZZ_DIR"] = _SET["WSB_FUZZ_DIR"] = str(scratch / "fuzz")
+    if "WSB_FLOOR_CACHE" not in os.environ:  # a floor a test measures: never ~/.cache
+        os.environ["WSB_FLOOR_CACHE"] = _SET["WSB_FLOOR_CACHE"] = str(scratch / "floors")
 
 
 def pytest_unconfigure(config):
-    for name in ("WSB_CORPUS_DIR", "WSB_FUZZ_DIR"):
+    for name in ("WSB_CORPUS_DIR", "WSB_FUZZ_DIR", "WSB_FLOOR_CACHE"):
         value = _SET.pop(name, None)
         if value is not None and os.environ.get(name) == value:
             del os.environ[name]
@@ -54,12 +56,13 @@ def pytest_unconfigure(config):
 
 @pytest.fixture
 def tolerance(tmp_path, monkeypatch):
-    """The committed floors, copied under ``tmp_path`` without the per-geometry cache, and
-    ``WSB_TOLERANCE_DIR`` pointing there: a floor a test measures is cached in the copy,
-    never in the checkout."""
+    """The committed floors, copied under ``tmp_path`` without the per-geometry ones, with
+    ``WSB_TOLERANCE_DIR`` and the user's floor cache (``WSB_FLOOR_CACHE``) both pointing
+    there: a floor a test measures lands in ``copy / "geometry"``, never in the checkout."""
     copy = tmp_path / "tolerance"
     shutil.copytree(CHECKOUT_TOLERANCE, copy, ignore=shutil.ignore_patterns("geometry"))
     monkeypatch.setenv("WSB_TOLERANCE_DIR", str(copy))
+    monkeypatch.setenv("WSB_FLOOR_CACHE", str(copy))
     return copy
 
 

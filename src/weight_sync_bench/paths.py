@@ -10,7 +10,10 @@ pointing into site-packages where nothing was ever measured.
 - ``WSB_FUZZ_DIR``: the fuzz runner's example database and campaign outputs (else
   ``.hypothesis/`` in the current directory);
 - a user's own function's counterexamples: ``WSB_CORPUS_DIR``, else ``wsb-corpus/`` in the
-  current directory (``user_corpus_dir``).
+  current directory (``user_corpus_dir``);
+- floors a user measures (``--measure-floor``, ``wsb floor geometry``): ``WSB_FLOOR_CACHE``,
+  else ``$XDG_CACHE_HOME/weight-sync-bench``, else ``~/.cache/weight-sync-bench``
+  (``floor_cache_dir``): never the checkout's tracked ``tolerance/``.
 """
 
 from __future__ import annotations
@@ -68,3 +71,17 @@ def user_corpus_dir() -> Path:
 
 
 USER_CORPUS = "wsb-corpus"
+
+
+FLOOR_CACHE = "weight-sync-bench"
+
+
+def floor_cache_dir() -> Path:
+    """$WSB_FLOOR_CACHE, else ``weight-sync-bench/`` under ``$XDG_CACHE_HOME`` (else
+    ``~/.cache``, the XDG base directory default): where a floor a user measures is kept,
+    read after the committed ones (``tolerance.rules.floor_for``)."""
+    env = os.environ.get("WSB_FLOOR_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / FLOOR_CACHE

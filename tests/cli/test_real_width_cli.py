@@ -193,3 +193,27 @@ def test_the_stage_progress_shows_on_a_terminal_only_and_streams_over_gloo_too(
                  "--to", "vllm:2", "--converter", f"{MODULE}:split"]) == 2
     assert "a streamed --converter check over --backend gloo is not built" in \
         capsys.readouterr().err
+
+
+def test_a_users_measured_floor_goes_to_their_cache_never_the_checkout(model, tmp_path,
+                                                                       monkeypatch, capsys):
+    """No WSB_TOLERANCE_DIR, no WSB_FLOOR_CACHE: the committed floors are the checkout's, and
+    a floor the user measures lands under $XDG_CACHE_HOME/weight-sync-bench/geometry/, read
+    from there by the next check; the checkout's tolerance/ is left as it was."""
+    from weight_sync_bench.paths import checkout
+
+    monkeypatch.delenv("WSB_TOLERANCE_DIR", raising=False)
+    monkeypatch.delenv("WSB_FLOOR_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    committed = checkout() / "tolerance"
+    before = {p: p.stat().st_mtime_ns for p in committed.rglob("*")}
+    argv = ["check", *model, "--src", "1", "--dst", "2"]
+    assert main(argv) == 2  # unmeasured: refused, naming both places looked in
+    err = capsys.readouterr().err
+    assert str(committed / "geometry") in err and str(tmp_path / "xdg") in err
+    assert main([*argv, "--measure-floor"]) == 0
+    (cached,) = (tmp_path / "xdg" / "weight-sync-bench" / "geometry").glob("small-1a-*.json")
+    no_measuring(monkeypatch)
+    assert main([*argv, "--json"]) == 0  # the twin: read back from the user's cache
+    assert {p: p.stat().st_mtime_ns for p in committed.rglob("*")} == before
+    assert cached.is_file()

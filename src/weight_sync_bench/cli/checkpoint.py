@@ -236,7 +236,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="where the destination forward runs (gloo: one process per rank)")
     verify.add_argument("--measure-floor", action="store_true",
                         help="a geometry no floor covers (an --hf-config one): measure its floor "
-                             "now and cache it under tolerance/geometry/, then verify (as "
+                             "now and keep it in your floor cache (WSB_FLOOR_CACHE, else "
+                             "$XDG_CACHE_HOME/weight-sync-bench), then verify (as "
                              "`wsb check --measure-floor`); without, such a geometry is refused "
                              "naming the command")
     verify.add_argument("--allow-root", action="append", type=Path, default=[], metavar="ROOT",

@@ -70,7 +70,10 @@ def _where(parser: argparse.ArgumentParser, force: str) -> None:
     where.add_argument("--out", type=Path, default=None,
                        help="write the artifact here (a merge with what is there, as --write)")
     where.add_argument("--write", action="store_true",
-                       help="replace the committed artifact under tolerance/")
+                       help="replace the committed artifact under tolerance/ (geometry: "
+                            "into the checkout's tolerance/geometry/; without it a geometry's "
+                            "floor goes to your floor cache, WSB_FLOOR_CACHE, else "
+                            "$XDG_CACHE_HOME/weight-sync-bench)")
     parser.add_argument("--force", action="store_true", help=force)
     parser.add_argument("--kernel-sets", choices=("all", "current"), default="all",
                         help="all (default): measure once per CPU kernel set torch can use "

@@ -140,21 +140,24 @@ def measure_geometry(args: argparse.Namespace, line: ProgressLine) -> int:
     class or kernel set (merged in); ``--force`` measures it again anyway."""
     config = geometry_config(args)
     guard(args, config, unit="layer" if args.phase == "1a" else "model")  # 1a: streamed
-    if not args.force:
-        try:
-            floor = floor_for(config, args.phase, args.dtype)
-        except FloorNotMeasured:
-            pass
-        else:  # the per-geometry cache, or a committed floor that records this geometry
-            elsewhere = artifact_drift(floor.artifact)
-            if not elsewhere or floor.source != "geometry":
-                print(f"{config.name}: already measured ({floor.path}), threshold "
-                      f"{floor.threshold:g}; --force measures it again")
-                return EXIT_OK
-            # measured on another machine class or kernel set: measured here, merged in
-            print(f"{config.name}: measured elsewhere ({floor.path}: {'; '.join(elsewhere)}); "
-                  "measuring it here", flush=True)
-    path = args.out or cached_floor_path(config, args.phase, args.dtype)
+    # a user's floor cache by default; --write: the harness's committed tolerance/geometry/
+    path = args.out or cached_floor_path(config, args.phase, args.dtype, committed=args.write)
+    try:
+        floor = None if args.force else floor_for(config, args.phase, args.dtype)
+    except FloorNotMeasured:
+        floor = None
+    # the per-geometry floors, or a committed floor that records this geometry; with
+    # --write, one measured only into a user's cache is measured again for the checkout
+    if floor is not None and not (args.write and floor.source == "geometry"
+                                  and floor.path != path):
+        elsewhere = artifact_drift(floor.artifact)
+        if not elsewhere or floor.source != "geometry":
+            print(f"{config.name}: already measured ({floor.path}), threshold "
+                  f"{floor.threshold:g}; --force measures it again")
+            return EXIT_OK
+        # measured on another machine class or kernel set: measured here, merged in
+        print(f"{config.name}: measured elsewhere ({floor.path}: {'; '.join(elsewhere)}); "
+              "measuring it here", flush=True)
     old = read_json(path) if path.is_file() else None
     kept = kernels.kept_vendors(old, cpu_vendor(), force=args.force, where=str(path))
     # merged into another machine class's measurement: the same sample as it

@@ -472,8 +472,9 @@ def build_parser(prog: str = "wsb") -> argparse.ArgumentParser:
                             "with a dict of just those tensors; for real widths")
     check.add_argument("--measure-floor", action="store_true",
                        help="a geometry no measured floor covers (an --hf-config one): "
-                            "measure its floor now and cache it under tolerance/geometry/ "
-                            "(the next check reads it), rather than refuse")
+                            "measure its floor now and keep it in your floor cache "
+                            "(WSB_FLOOR_CACHE, else $XDG_CACHE_HOME/weight-sync-bench; the "
+                            "next check reads it), rather than refuse")
     add_limit_options(check)
     add_output_options(check)
     add_deadline_option(check)

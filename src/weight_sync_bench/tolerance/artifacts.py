@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from weight_sync_bench.errors import ToleranceMismatch
-from weight_sync_bench.paths import checkout, tolerance_dir
+from weight_sync_bench.paths import checkout, floor_cache_dir, tolerance_dir
 
 SCHEMA = 1
 
@@ -73,15 +73,19 @@ def mtime(path: Path) -> int | None:
         return None
 
 
-GEOMETRY_DIR = "geometry"  # per-geometry floors, measured on first use, under tolerance_dir()
+GEOMETRY_DIR = "geometry"  # per-geometry floors: committed under tolerance_dir(), a user's
+# under paths.floor_cache_dir()
 
 
-def geometry_path(name: str, key: str, phase: str, dtype: str) -> Path:
-    """Where the floor measured for one geometry is cached: ``geometry/<name>-<phase>-
-    <dtype>-<key>.json`` under ``paths.tolerance_dir()``, ``key`` a digest of everything
-    the floor depends on (``tolerance.rules.geometry_key``)."""
+def geometry_path(name: str, key: str, phase: str, dtype: str, *, committed: bool = True
+                  ) -> Path:
+    """Where the floor measured for one geometry is kept: ``geometry/<name>-<phase>-
+    <dtype>-<key>.json`` under ``paths.tolerance_dir()`` (``committed``: the harness's own,
+    tracked) or under ``paths.floor_cache_dir()`` (a user's, measured on first use), ``key``
+    a digest of everything the floor depends on (``tolerance.rules.geometry_key``)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "config"
-    return tolerance_dir() / GEOMETRY_DIR / f"{safe}-{phase}-{dtype}-{key}.json"
+    root = tolerance_dir() if committed else floor_cache_dir()
+    return root / GEOMETRY_DIR / f"{safe}-{phase}-{dtype}-{key}.json"
 
 
 # What a floor depends on besides the code: the fields a check compares with the running

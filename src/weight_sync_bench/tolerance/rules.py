@@ -271,8 +271,13 @@ def geometry_key(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") ->
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
-def cached_floor_path(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") -> Path:
-    return geometry_path(config.name, geometry_key(config, phase, dtype), phase, dtype)
+def cached_floor_path(config: ModelConfig, phase: str = "1a", dtype: str = "fp32", *,
+                      committed: bool = False) -> Path:
+    """Where ``config``'s per-geometry floor is kept: the user's floor cache
+    (``paths.floor_cache_dir``), where a measurement on first use goes; ``committed``: the
+    harness's tracked ``tolerance/geometry/``, which ``wsb floor geometry --commit`` writes."""
+    return geometry_path(config.name, geometry_key(config, phase, dtype), phase, dtype,
+                         committed=committed)
 
 
 def measure_command(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") -> str:
@@ -311,7 +316,7 @@ class Floor:
 def floor_for(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") -> Floor:
     """The floor that covers a check of ``config`` syncing ``dtype`` weights: the committed
     phase artifact of that dtype when it records this geometry, else the per-geometry floor
-    cached for it. ``FloorNotMeasured`` otherwise, naming why each does not cover it and the
+    committed for it or measured into the user's floor cache (``cached_floor_path``). ``FloorNotMeasured`` otherwise, naming why each does not cover it and the
     command that measures it: never a threshold measured on another geometry."""
     reasons = []
     committed = artifact_path(phase, dtype=dtype)
@@ -323,11 +328,16 @@ def floor_for(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") -> Fl
         reasons.append(f"{committed.name}: {why}")
     else:
         reasons.append(f"{committed.name}: not measured")
-    cached = cached_floor_path(config, phase, dtype)
-    if cached.is_file():
-        artifact = load_geometry_floor(cached, config, phase, dtype)
-        return Floor(threshold_from(artifact), artifact, cached, "geometry")
-    reasons.append(f"no per-geometry floor at {cached}")
+    # the committed per-geometry floor, then the user's cache: the first measured in this
+    # environment, else the first there is (check_environment then notes or refuses it)
+    places = list(dict.fromkeys([cached_floor_path(config, phase, dtype, committed=True),
+                                 cached_floor_path(config, phase, dtype)]))
+    found = [(path, load_geometry_floor(path, config, phase, dtype))
+             for path in places if path.is_file()]
+    if found:
+        path, artifact = next(((p, a) for p, a in found if not artifact_drift(a)), found[0])
+        return Floor(threshold_from(artifact), artifact, path, "geometry")
+    reasons.append("no per-geometry floor at " + " or ".join(str(p) for p in places))
     command = measure_command(config, phase, dtype)
     raise FloorNotMeasured(
         f"{config.name}: no measured floor covers this check (phase {phase}, {dtype} weights, "
