@@ -18,6 +18,10 @@ Followed (NVIDIA/Megatron-LM @ d98e8a64; research notes conventions.md section 1
   ``GatedMLPMapping.hf_to_megatron``;
 - vocabulary padded to a multiple of ``make_vocab_size_divisible_by * t`` (default 128),
   zero rows at the end: ``megatron/training/vocab_utils.py::calculate_padded_vocab_size``;
+  option ``vocab=unpadded``: the Hugging Face vocabulary as it is, as verl and mbridge build
+  the model (``GPTModel(vocab_size=hf_config.vocab_size)``, never through
+  ``calculate_padded_vocab_size``), where ``VocabParallelEmbedding`` needs ``vocab % t == 0``
+  (``tensor_parallel/utils.py::VocabUtility.vocab_range_from_global_vocab_size``: ``divide``);
 - tied: ``output_layer`` is built with ``skip_weight_param_allocation`` and reads
   ``embedding.word_embeddings.weight`` (``gpt_model.py``, ``language_module.py``): no
   ``output_layer.weight`` is stored.
@@ -127,12 +131,19 @@ NAMES = {
     "layers.{i}.shared.down.weight": "decoder.layers.{i}.mlp.shared_experts.linear_fc2.weight",
     "layers.{i}.shared_gate.weight": "decoder.layers.{i}.mlp.shared_experts.gate_weight",
 }
-OPTIONS = {"experts": ("grouped", "sequential")}  # TEGroupedMLP (the default), SequentialMLP
+# TEGroupedMLP (the default) or SequentialMLP; the vocabulary padded by Megatron's training
+# arguments (the default) or not at all (verl, mbridge)
+OPTIONS = {"experts": ("grouped", "sequential"), "vocab": ("padded", "unpadded")}
 
 
 def expert_tp(at: Endpoint) -> int:
     """The expert-TP degree: ``etp``, else TP (``expert_tensor_parallel_size`` unset)."""
     return at.etp or at.degree
+
+
+def vocab_multiple(at: Endpoint) -> int:
+    """What the vocab-parallel tables' rows are padded to a multiple of at ``at``."""
+    return MAKE_VOCAB_SIZE_DIVISIBLE_BY * at.degree if at.option("vocab") == "padded" else 1
 
 
 def _world(at: Endpoint) -> int:
@@ -147,7 +158,7 @@ def _reads(config: ModelConfig, at: Endpoint) -> ForwardLayout:
     # The forward de-interleaves linear_qkv on each rank (get_query_key_value_tensors) and
     # reads the vocab tables with their padding: the harness forward of the padded config.
     degree = at.degree
-    forward = config.replace(vocab_multiple=MAKE_VOCAB_SIZE_DIVISIBLE_BY * degree)
+    forward = config.replace(vocab_multiple=vocab_multiple(at))
     layout = layout_for(forward)
     if config.n_experts:
         layout = relaid(layout, {s.name: _experts(config, at, down=s.name.endswith("down.weight"))
@@ -161,6 +172,9 @@ def _build(config: ModelConfig, at: Endpoint) -> Pieces:
     t = at.degree
     qkv0 = "decoder.layers.0.self_attention.linear_qkv.weight"
     need_unpadded(NAME, "embedding.word_embeddings.weight", config, t)
+    need(at.option("vocab") == "padded" or config.vocab % t == 0, NAME,
+         "embedding.word_embeddings.weight", t, "vocab % t == 0 with vocab=unpadded "
+         "(VocabParallelEmbedding divides the vocabulary evenly over TP)", f"vocab={config.vocab}")
     need(config.n_heads % t == 0, NAME, qkv0, t, "n_heads % t == 0", f"n_heads={config.n_heads}")
     # The rule before commit f7dfb99795 (Dec 2025, "Support TP greater than num_kv_heads"):
     # num_query_groups % t == 0. Newer Megatron-Core also accepts t % n_kv_heads == 0 by
