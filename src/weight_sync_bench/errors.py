@@ -36,6 +36,17 @@ class InvalidShards(WsbError, ValueError):
     a missing or extra name, a wrong shape or dtype, or the wrong number of ranks."""
 
 
+class Uncovered(InvalidShards):
+    """Declared tensors the shards never write: a whole layer (two pipeline stages publishing
+    the same local indices, a stage's offset wrong), a stage's tensors, a bucket of experts.
+    A coverage failure, found before any byte is compared; ``missing`` maps each rank to the
+    stored names it lacks."""
+
+    def __init__(self, message: str, *, missing: dict[int, list[str]] | None = None) -> None:
+        super().__init__(message)
+        self.missing = missing or {}
+
+
 class ToleranceMismatch(WsbError, RuntimeError):
     """A tolerance artifact that does not describe the running check (geometry, token shape,
     phase), or that is missing or malformed."""

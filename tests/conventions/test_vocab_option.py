@@ -75,7 +75,7 @@ def test_unpadded_needs_a_vocabulary_tp_divides():
 
 def test_verls_megatron_to_hf_passes_with_the_unpadded_option(tolerance):
     verdict = check_convert(verl_megatron_to_hf, TOY_KV4, "megatron:tp=4,vocab=unpadded", "hf")
-    assert verdict.passed, verdict.format()
+    assert verdict.passed, verdict
 
 
 def test_the_same_converter_is_refused_where_the_convention_pads():

@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from weight_sync_bench.check.checker import Checker, Verdict, checker_for
-from weight_sync_bench.check.diagnosis import diagnose, mismatching, slice_index
+from weight_sync_bench.check.diagnosis import (
+    bit_equal,
+    diagnose,
+    held_layer,
+    mismatching,
+    slice_index,
+)
 from weight_sync_bench.check.floor import (
     REPLICATED_MAX_DEGREE,
     convention_logits,
@@ -36,7 +42,8 @@ from weight_sync_bench.check.naming import conversion_naming, name_shards
 from weight_sync_bench.check.shards import validate_convention_shards
 from weight_sync_bench.conventions import endpoint, materialize
 from weight_sync_bench.conventions.mutations import Conversion
-from weight_sync_bench.errors import FloorNotMeasured
+from weight_sync_bench.conventions.stages import describe_rank
+from weight_sync_bench.errors import FloorNotMeasured, Uncovered
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.phase import PLAIN_FORWARD, measured_degrees
 from weight_sync_bench.tolerance.rules import measure_command, weights_dtype
@@ -111,13 +118,18 @@ class ConversionChecker:
         they differ (with a diagnosis of the first parameter that does)."""
         source, target = endpoint(src), endpoint(dst)
         self.require(target)  # a destination forward its floor never measured: refused
-        validate_convention_shards(shards, target, self.config,
-                                   {n: x.dtype for n, x in self.checker.full.items()})
+        try:
+            validate_convention_shards(shards, target, self.config,
+                                       {n: x.dtype for n, x in self.checker.full.items()})
+        except Uncovered as e:  # say what the layers that were written hold instead
+            assert isinstance(shards, Sequence)
+            raise Uncovered(str(e) + self.misplaced(target, shards), missing=e.missing) from None
         assert isinstance(shards, Sequence)
         checked = [dict(params) for params in shards]
         declared = self.declared(target)
         pieces = target.pieces(self.config)
-        differ = mismatching(checked, declared, list(pieces[0]))
+        stored = target.convention.names(self.config, target)
+        differ = mismatching(checked, declared, stored)
         assert self.checker.threshold is not None
         common: dict[str, Any] = {
             "config": self.config.name, "src": source.degree, "dst": target.degree,
@@ -129,16 +141,45 @@ class ConversionChecker:
             return Verdict(max_abs_error=self.declared_error(target), first_mismatch=None,
                            **common)
         first = differ[0]
-        lines = diagnose(self.checker.full, self.config, first, [p[first] for p in pieces],
-                         [s[first] for s in checked], index=self.slice_index)
+        lines = diagnose(self.checker.full, self.config, first, [p.get(first) for p in pieces],
+                         [s.get(first) for s in checked], index=self.slice_index)
+        if target.staged:  # where each differing rank sits in the pipeline
+            lines += [describe_rank(self.config, target, r) for r, (s, d) in
+                      enumerate(zip(checked, declared)) if first in d
+                      and not bit_equal(s[first], d[first])]
         assert isinstance(self.checker.dtype, torch.dtype)
         naming = conversion_naming(Conversion(self.config, source, target), declared,
                                    self.checker.dtype,
                                    self.checker.layout if target.name == "plain" else None)
-        named = name_shards(naming, checked, declared, differ, list(pieces[0]))
+        named = name_shards(naming, checked, declared, differ, stored)
         return Verdict(max_abs_error=self.error(target, checked), first_mismatch=first,
                        mismatches=tuple(differ), own_forward=True, diagnosis=tuple(lines),
                        named_mutation=named.mutation, named_meaning=named.meaning, **common)
+
+
+    def misplaced(self, target: Endpoint, shards: Sequence[object]) -> str:
+        """``; written layers holding another layer's weights: rank 0 layer 0 holds layer
+        2's, ...``: for each rank and layer, its first stored tensor whose bytes are the same
+        parameter of another layer (``diagnosis.held_layer``); empty where none is."""
+        found = []
+        for rank, (held, pieces) in enumerate(zip(shards, target.pieces(self.config))):
+            if not isinstance(held, Mapping):
+                continue
+            seen: set[str] = set()
+            for name, piece in pieces.items():
+                parts = piece.source.split(".")
+                x = held.get(name)
+                if parts[0] != "layers" or parts[1] in seen or not isinstance(x, torch.Tensor):
+                    continue
+                seen.add(parts[1])
+                other = held_layer(self.checker.full, self.config, piece, x)
+                if other is not None:
+                    found.append(f"rank {rank} layer {parts[1]} holds layer {other}'s")
+        if not found:
+            return ""
+        return ("; written layers holding another layer's weights byte for byte: "
+                f"{', '.join(found)} (two stages publishing the same local indices, or a "
+                "stage's offset wrong)")
 
 
 def endpoint_name(where: Endpoint) -> str:
@@ -169,7 +210,8 @@ def require_cell(floor: Floor | None, config: ModelConfig, target: Endpoint) -> 
     the floor measured and the command that measures the missing cell."""
     if floor is None:
         return
-    degree = target.world
+    # a staged endpoint's forward is its unstaged one's (``Convention.forward_layout``)
+    degree = (target.unstaged() if target.staged else target).world
     forward = forward_of(target.convention, config, target)
     measured = measured_degrees(floor.artifact, config.name, forward)
     if degree in measured:

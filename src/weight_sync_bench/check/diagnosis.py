@@ -17,6 +17,8 @@ phase 2's element check after regenerating the one canonical parameter it needs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -47,9 +49,10 @@ PADDING, ZEROS = -1, -2
 
 def mismatching(shards: list[Params], declared: list[Params], names: Iterable[str]) -> list[str]:
     """Those of ``names`` (in their order: a layout's, or a convention's stored names) whose
-    bytes differ from the declared shards on any rank."""
+    bytes differ from the declared shards on any rank declared to hold them."""
     return [name for name in names
-            if any(not bit_equal(s[name], d[name]) for s, d in zip(shards, declared))]
+            if any(not bit_equal(s[name], d[name]) for s, d in zip(shards, declared)
+                   if name in d)]
 
 
 def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -86,20 +89,54 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 
 def diagnose(canonical: Mapping[str, torch.Tensor], config: ModelConfig, name: str,
-             declared: Sequence[Piece], shards: Sequence[torch.Tensor], *,
+             declared: Sequence[Piece | None], shards: Sequence[torch.Tensor | None], *,
              index: Callable[[str, int], dict[bytes, int]] | None = None) -> list[str]:
     """For each rank whose stored tensor ``name`` is not its declared piece (``declared[r]``,
-    cut from ``canonical[piece.source]``), a line saying which canonical indices it holds
-    against the declared ones (``diagnose_rank``). ``index(source, dim)``: a kept
-    ``slice_index`` of a canonical parameter, when the caller keeps one."""
+    cut from ``canonical[piece.source]``; None where rank r is not declared to store it, as
+    on another pipeline stage), a line saying which canonical indices it holds against the
+    declared ones (``diagnose_rank``). ``index(source, dim)``: a kept ``slice_index`` of a
+    canonical parameter, when the caller keeps one."""
     lines = []
     for rank, (piece, shard) in enumerate(zip(declared, shards)):
+        if piece is None or shard is None:
+            continue
+        layer = held_layer(canonical, config, piece, shard)
+        if layer is not None:
+            lines.append(f"rank {rank} {name} holds layer {layer}'s {describe_whole(piece)} "
+                         f"byte for byte; declared layer {piece.source.split('.')[1]}'s: a "
+                         "layer stored under another layer's index (a stage's local index "
+                         "read as global, or its offset wrong)")
+            continue
         full = canonical[piece.source]
         line = diagnose_rank(full, config, name, rank, piece, shard,
                              index(piece.source, piece.dim) if index is not None else None)
         if line is not None:
             lines.append(line)
     return lines
+
+
+def held_layer(canonical: Mapping[str, torch.Tensor], config: ModelConfig, piece: Piece,
+               shard: torch.Tensor) -> int | None:
+    """The other layer whose same parameter, cut as ``piece`` cuts its own, is ``shard``
+    byte for byte (None: not a layer's parameter, or no other layer's)."""
+    parts = piece.source.split(".")
+    if parts[0] != "layers" or len(parts) < 3:
+        return None
+    own = int(parts[1])
+    for k in range(config.n_layers):
+        source = ".".join(["layers", str(k), *parts[2:]])
+        if k == own or source not in canonical:
+            continue
+        other = canonical[source]
+        if other.shape == canonical[piece.source].shape and bit_equal(
+                shard, dataclasses.replace(piece, source=source).take(other)):
+            return k
+    return None
+
+
+def describe_whole(piece: Piece) -> str:
+    """A layer parameter's kind as its canonical name says it (``qkv.weight``)."""
+    return ".".join(piece.source.split(".")[2:]) + " (its declared cut)"
 
 
 def diagnose_plain(full: torch.Tensor, config: ModelConfig, spec: ShardSpec,

@@ -109,6 +109,7 @@ def forward_of(convention: Convention | str, config: ModelConfig,
     conv = CONVENTIONS[convention] if isinstance(convention, str) else convention
     at = conv.at(degree)
     forward = conv.forward_layout(config, at)
+    at = at.unstaged() if at.staged else at  # pipeline stages run their unstaged forward
     if any(isinstance(spec.placement, HeadReplicated) for spec in forward.layout):
         if conv.name != "vllm":  # only vLLM's forward was measured replicated
             return f"{conv.name}-replicated-kv"

@@ -136,8 +136,9 @@ def name_shards(naming: Naming, observed: Sequence[Mapping[str, torch.Tensor]],
     for name in [*differ, *(n for n in names if n not in differing)]:
         if naming.done:
             break
-        naming.observe(name, [d[name] for d in declared], [o[name] for o in observed],
-                       differs=name in differing)
+        held = [r for r, d in enumerate(declared) if name in d]  # a stage's ranks only
+        naming.observe(name, [declared[r][name] for r in held],
+                       [observed[r][name] for r in held], differs=name in differing)
     return naming.named()
 
 
@@ -187,7 +188,7 @@ def _conversion_candidate(m: ConversionMutation, conversion: Conversion,
     def mutated(name: str, declared: Tensors) -> Tensors:
         if not made:
             made.append(m.apply(list(whole), conversion))  # type: ignore[arg-type]
-        return [rank[name] for rank in made[0]]
+        return [rank[name] for rank in made[0] if name in rank]  # a stage's ranks only
     return Candidate(m.name, f"{m.description}; modelled on {m.models}", mutated,
                      lambda name: re.fullmatch(m.changes, source_of[name]) is not None)
 

@@ -3,7 +3,8 @@
 ``validate_convention_shards``: a list of ``degree`` dicts holding exactly the convention's
 stored names, each a CPU tensor of its declared shape and its canonical parameter's dtype;
 ``InvalidShards`` (``WrongShardShape`` for a shape or dtype) otherwise, naming the endpoint,
-the rank, the stored name, the expected and the actual value.
+the rank, the stored name, the expected and the actual value; ``Uncovered`` where declared
+tensors are never written, told by the layers they belong to (``coverage``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weight_sync_bench.errors import InvalidShards, WrongShardShape
+from weight_sync_bench.conventions.stages import describe_rank
+from weight_sync_bench.errors import InvalidShards, Uncovered, WrongShardShape
 
 if TYPE_CHECKING:
     from weight_sync_bench.conventions import Endpoint
-    from weight_sync_bench.conventions.maps import Pieces
+    from weight_sync_bench.conventions.maps import Piece, Pieces
     from weight_sync_bench.model.config import ModelConfig
 
 
@@ -50,8 +52,14 @@ def validate_convention_shards(shards: object, where: Endpoint, config: ModelCon
             parts = ([f"missing {', '.join(missing)}"] if missing else []) + (
                 [f"unexpected {', '.join(extra)}"] if extra else [])
             tied = (" (tied embeddings: the output layer reads the embedding table, not a "
-                    "stored copy)" if config.tie_embeddings and extra else "")
-            raise InvalidShards(f"{where} rank {rank}: {'; '.join(parts)}{tied}")
+                    "stored copy)" if config.tie_embeddings and extra and not where.staged
+                    else "")
+            message = f"{where} rank {rank}: {'; '.join(parts)}{tied}"
+            if missing:
+                told = coverage(where, config, rank, expected, missing)
+                raise Uncovered(f"{message}. {told}" if told else message,
+                                missing={rank: missing})
+            raise InvalidShards(message)
         for name, piece in expected.items():
             x = params[name]
             if not isinstance(x, torch.Tensor):
@@ -69,3 +77,22 @@ def validate_convention_shards(shards: object, where: Endpoint, config: ModelCon
                 raise WrongShardShape(f"{where} rank {rank} {name}: dtype {x.dtype}, declared "
                                       f"{dtypes[piece.source]}", rank=rank, name=name,
                                       expected_dtype=dtypes[piece.source], actual_dtype=x.dtype)
+
+
+def coverage(where: Endpoint, config: ModelConfig, rank: int, expected: Mapping[str, Piece],
+             missing: list[str]) -> str:
+    """``coverage: never written on rank 2: layers 1, 3 (18 tensors) ...``: the declared
+    tensors a rank lacks, told by the canonical layers they belong to, and where the rank
+    sits in the pipeline; empty where the names alone say it all (no layer, no stages)."""
+    layers = sorted({int(expected[n].source.split(".")[1]) for n in missing
+                     if expected[n].source.startswith("layers.")})
+    if not layers and not where.staged:
+        return ""
+    rest = [n for n in missing if not expected[n].source.startswith("layers.")]
+    told = ([f"layer{'s' if len(layers) > 1 else ''} {', '.join(map(str, layers))}"]
+            if layers else []) + rest
+    out = (f"coverage: never written on rank {rank}: {', '.join(told)} ({len(missing)} "
+           f"declared tensor{'s' if len(missing) > 1 else ''})")
+    if where.staged:
+        out += f"; {describe_rank(config, where, rank)}"
+    return out

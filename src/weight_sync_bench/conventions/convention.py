@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from weight_sync_bench.conventions.maps import Pieces, Shape
+    from weight_sync_bench.conventions.stages import Pipeline
     from weight_sync_bench.layout.placements import Placement
     from weight_sync_bench.layout.table import LayoutTable
     from weight_sync_bench.model.config import ModelConfig
@@ -90,6 +91,7 @@ class Convention:
                                                    compare=False)
     world: Callable[[Endpoint], int] = field(default=tp_world, hash=False,
                                              compare=False)
+    stages: bool = False  # whether it stores pipeline stages (``pp``, ``vpp``, ...)
 
     def at(self, where: int | Endpoint) -> Endpoint:
         """This convention at a TP degree, or ``where`` itself (an endpoint of it)."""
@@ -103,12 +105,18 @@ class Convention:
         return _pieces(self, config, self.at(degree))
 
     def forward_layout(self, config: ModelConfig, degree: int | Endpoint) -> ForwardLayout:
+        """How the forward reads the tensors at ``degree``. Pipeline stages pass activations
+        from stage to stage by copies: the forward of a staged endpoint is its unstaged
+        one's (``Endpoint.unstaged``), over ``world / pp`` ranks, each reading the tensors of
+        its coordinate on every stage (``reading.forward_inputs``)."""
         self.pieces(config, degree)  # the rules first: errors name the stored parameter
-        return _forward_layout(self, config, self.at(degree))
+        at = self.at(degree)
+        return _forward_layout(self, config, at.unstaged() if at.staged else at)
 
     def names(self, config: ModelConfig, degree: int | Endpoint) -> list[str]:
-        """The stored names, in forward order (every rank stores the same names)."""
-        return list(self.pieces(config, degree)[0])
+        """The stored names, in forward order: every rank's (each rank of a pipeline stage
+        stores its stage's only), each once."""
+        return list(dict.fromkeys(n for rank in self.pieces(config, degree) for n in rank))
 
     def local_shapes(self, config: ModelConfig, degree: int | Endpoint
                      ) -> list[dict[str, Shape]]:
@@ -140,10 +148,18 @@ def _pieces(convention: Convention, config: ModelConfig, at: Endpoint) -> Pieces
     if not isinstance(at.etp, int) or isinstance(at.etp, bool) or at.etp < 0:
         raise UnsupportedConvention(f"{convention.name}: etp must be a positive int, "
                                     f"got etp={at.etp!r}")
+    for key, least in (("pp", 1), ("vpp", 1), ("pp_first", 0), ("pp_last", 0)):
+        value = getattr(at, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise UnsupportedConvention(f"{convention.name}: {key} must be an int >= {least}, "
+                                        f"got {key}={value!r}")
     if not config.n_experts:
         need(at.ep == 1 and at.etp == 0, convention.name, "the experts", at.degree,
              "an MoE config for ep or etp (a dense model has no experts)",
              f"ep={at.ep}, etp={at.etp}")
+    need(convention.stages or not at.staged, convention.name, "the layers", at.degree,
+         "pp=1 (the harness models the pipeline stages of megatron only)",
+         f"pp={at.pp}, vpp={at.vpp}, pp_first={at.pp_first}, pp_last={at.pp_last}")
     pieces = convention.build(config, at)
     assert len(pieces) == at.world, (convention.name, at, len(pieces))
     return pieces
@@ -160,16 +176,43 @@ def _forward_layout(convention: Convention, config: ModelConfig, at: Endpoint) -
 class Endpoint:
     """One side of a conversion: a convention at its parallel degrees and options, written
     ``"vllm:2"`` (TP 2; ``"hf"`` alone means 1) or ``"megatron:tp=2,ep=4,etp=1"``,
-    ``"vllm:tp=4,ep=4"``, ``"hf:experts=fused"`` (``parse_endpoint``). ``degree`` is the TP
-    degree, ``ep`` and ``etp`` the expert-parallel and expert-TP degrees of an MoE model's
-    experts (``etp`` 0: the convention's default), ``options`` the convention's own choices
-    (``Convention.options``), as sorted ``(key, value)`` pairs; ``world`` the number of ranks."""
+    ``"vllm:tp=4,ep=4"``, ``"hf:experts=fused"``, ``"megatron:tp=2,pp=2,vpp=2"``
+    (``parse_endpoint``). ``degree`` is the TP degree, ``ep`` and ``etp`` the expert-parallel
+    and expert-TP degrees of an MoE model's experts (``etp`` 0: the convention's default),
+    ``options`` the convention's own choices (``Convention.options``), as sorted
+    ``(key, value)`` pairs; ``pp``, ``vpp``, ``pp_first``, ``pp_last`` its pipeline split
+    (``stages.Pipeline``: pipeline ranks, virtual stages, an uneven first / last stage's
+    layers, 0 unset); ``world`` the number of ranks."""
 
     convention: Convention
     degree: int
     ep: int = 1
     etp: int = 0
     options: tuple[tuple[str, str], ...] = ()
+    pp: int = 1
+    vpp: int = 1
+    pp_first: int = 0
+    pp_last: int = 0
+
+    @property
+    def staged(self) -> bool:
+        """Whether it names pipeline stages (``pp``, ``vpp``, ``pp_first``, ``pp_last``)."""
+        return (self.pp, self.vpp, self.pp_first, self.pp_last) != (1, 1, 0, 0) or any(
+            k in STAGE_OPTIONS for k, _ in self.options)
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """Its pipeline split (``pp_account``: the embedding and/or loss counted as layers)."""
+        from weight_sync_bench.conventions.stages import Pipeline
+
+        account = dict(self.options).get("pp_account", "none")
+        return Pipeline(self.pp, self.vpp, self.pp_first, self.pp_last,
+                        account in ("embedding", "both"), account in ("loss", "both"))
+
+    def unstaged(self) -> Endpoint:
+        """The same endpoint on one pipeline stage: what each stage's ranks are a slice of."""
+        return Endpoint(self.convention, self.degree, self.ep, self.etp,
+                        tuple((k, v) for k, v in self.options if k not in STAGE_OPTIONS))
 
     @property
     def name(self) -> str:
@@ -192,9 +235,12 @@ class Endpoint:
         return self.convention.pieces(config, self)
 
     def __str__(self) -> str:
-        if self.ep == 1 and not self.etp and not self.options:
+        if self.ep == 1 and not self.etp and not self.options and not self.staged:
             return f"{self.convention.name}:{self.degree}"
-        parts = ([f"tp={self.degree}"] if self.degree != 1 or self.ep != 1 or self.etp else []) + (
+        stages = [f"{k}={getattr(self, k)}" for k, unset in (
+            ("pp", 1), ("vpp", 1), ("pp_first", 0), ("pp_last", 0)) if getattr(self, k) != unset]
+        parts = ([f"tp={self.degree}"] if self.degree != 1 or self.ep != 1 or self.etp
+                 or stages else []) + stages + (
             [f"ep={self.ep}"] if self.ep != 1 else []) + (
             [f"etp={self.etp}"] if self.etp else []) + [f"{k}={v}" for k, v in self.options]
         return f"{self.convention.name}:{','.join(parts)}"
@@ -280,14 +326,16 @@ def replicated(layout: LayoutTable, tp: int) -> LayoutTable:
         for s in layout))
 
 
-PARALLEL_KEYS = ("tp", "ep", "etp")
+PARALLEL_KEYS = ("tp", "ep", "etp", "pp", "vpp", "pp_first", "pp_last")
+STAGE_OPTIONS = ("pp_account",)  # the options that say how stages split the layers
 
 
 def parse_endpoint(text: str | Endpoint, known: dict[str, Convention]) -> Endpoint:
     """An endpoint from its text: ``"megatron:4"`` (TP 4), ``"hf"`` (TP 1),
-    ``"megatron:tp=2,ep=4,etp=1,experts=sequential"``, ``"vllm:tp=4,ep=4"``: after the
-    convention's name, a TP degree alone or ``key=value`` items, the keys ``tp``, ``ep``,
-    ``etp`` (positive integers) and the convention's options (``Convention.options``)."""
+    ``"megatron:tp=2,ep=4,etp=1,experts=sequential"``, ``"vllm:tp=4,ep=4"``,
+    ``"megatron:tp=2,pp=2,vpp=2"``: after the convention's name, a TP degree alone or
+    ``key=value`` items, the keys ``tp``, ``ep``, ``etp``, ``pp``, ``vpp``, ``pp_first``,
+    ``pp_last`` (positive integers) and the convention's options (``Convention.options``)."""
     if isinstance(text, Endpoint):
         return text
     if not isinstance(text, str):
@@ -312,8 +360,9 @@ def parse_endpoint(text: str | Endpoint, known: dict[str, Convention]) -> Endpoi
                                     f"(e.g. {name}:tp=4,ep=2), got {item!r}")
         if key in values:
             raise UnknownConvention(f"{text!r}: {key} given twice")
-        if key not in PARALLEL_KEYS and key not in convention.options:
-            allowed = [*PARALLEL_KEYS, *convention.options]
+        keys = PARALLEL_KEYS if convention.stages else PARALLEL_KEYS[:3]
+        if key not in keys and key not in convention.options:
+            allowed = [*keys, *convention.options]
             raise UnknownConvention(f"{text!r}: {name} has no option {key!r}; known: "
                                     f"{', '.join(allowed)}")
         if key in convention.options and value not in convention.options[key]:
@@ -328,4 +377,5 @@ def parse_endpoint(text: str | Endpoint, known: dict[str, Convention]) -> Endpoi
                                         f"{values[key]!r}")
             degrees[key] = int(values.pop(key))
     return Endpoint(convention, degrees.get("tp", 1), degrees.get("ep", 1), degrees.get("etp", 0),
-                    tuple(sorted(values.items())))
+                    tuple(sorted(values.items())), degrees.get("pp", 1), degrees.get("vpp", 1),
+                    degrees.get("pp_first", 0), degrees.get("pp_last", 0))

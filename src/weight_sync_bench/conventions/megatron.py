@@ -1,4 +1,5 @@
-"""``megatron``: Megatron-Core's GPT model with the Transformer Engine layer spec (PP=1).
+"""``megatron``: Megatron-Core's GPT model with the Transformer Engine layer spec; its pipeline
+stages (``megatron:tp=2,pp=2,vpp=2``) are ``stages``'s.
 
 Followed (NVIDIA/Megatron-LM @ d98e8a64; research notes conventions.md section 1):
 
@@ -79,6 +80,7 @@ from weight_sync_bench.conventions.convention import (
     replicated,
 )
 from weight_sync_bench.conventions.maps import Pieces, chunk, expert_cols, expert_rows, rows
+from weight_sync_bench.conventions.stages import staged
 from weight_sync_bench.layout.placements import Experts
 from weight_sync_bench.model.plan import experts_placement, layout_for
 
@@ -133,7 +135,9 @@ NAMES = {
 }
 # TEGroupedMLP (the default) or SequentialMLP; the vocabulary padded by Megatron's training
 # arguments (the default) or not at all (verl, mbridge)
-OPTIONS = {"experts": ("grouped", "sequential"), "vocab": ("padded", "unpadded")}
+# the embedding and/or the loss counted as a layer of the pipeline split (stages.Pipeline)
+OPTIONS = {"experts": ("grouped", "sequential"), "vocab": ("padded", "unpadded"),
+           "pp_account": ("none", "embedding", "loss", "both")}
 
 
 def expert_tp(at: Endpoint) -> int:
@@ -147,7 +151,10 @@ def vocab_multiple(at: Endpoint) -> int:
 
 
 def _world(at: Endpoint) -> int:
-    return math.lcm(at.degree, at.ep * expert_tp(at)) if at.ep > 1 or at.etp else at.degree
+    """``lcm(tp, ep * etp)`` ranks per pipeline stage (``parallel_state``'s order puts the
+    pipeline rank slowest), times ``pp``."""
+    stage = math.lcm(at.degree, at.ep * expert_tp(at)) if at.ep > 1 or at.etp else at.degree
+    return stage * at.pp
 
 
 def _experts(config: ModelConfig, at: Endpoint, *, down: bool = False) -> Experts:
@@ -169,6 +176,8 @@ def _reads(config: ModelConfig, at: Endpoint) -> ForwardLayout:
 
 
 def _build(config: ModelConfig, at: Endpoint) -> Pieces:
+    if at.staged:  # each stage's ranks hold their layers of the unstaged endpoint's tensors
+        return staged(config, at).pieces
     t = at.degree
     qkv0 = "decoder.layers.0.self_attention.linear_qkv.weight"
     need_unpadded(NAME, "embedding.word_embeddings.weight", config, t)
@@ -247,4 +256,5 @@ def _expert_cuts(config: ModelConfig, at: Endpoint) -> dict:
 
 MEGATRON = Convention(NAME, "Megatron-Core GPT, TE spec: linear_qkv interleaved per KV group, "
                       "linear_fc1 [gate_r | up_r], vocab padded to 128 t; experts TEGroupedMLP "
-                      "weight{j} with local j", _build, _reads, OPTIONS, _world)
+                      "weight{j} with local j; pipeline stages with local layer indices",
+                      _build, _reads, OPTIONS, _world, stages=True)

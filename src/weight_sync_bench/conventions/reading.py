@@ -23,6 +23,7 @@ import torch
 
 from weight_sync_bench.collectives.inprocess import InProcessCollective, InProcessGroups
 from weight_sync_bench.conventions.maps import Piece, rows
+from weight_sync_bench.conventions.stages import unstage
 from weight_sync_bench.model.sharded import ShardedModel
 
 if TYPE_CHECKING:
@@ -104,8 +105,13 @@ def _select(pieces: list[tuple[str, Piece]], needed: torch.Tensor, dim: int, whe
 def reading_plan(convention: Convention, config: ModelConfig, degree: int | Endpoint
                  ) -> ReadingPlan:
     """The per-rank permutation from ``convention``'s stored tensors (at a TP degree, or an
-    endpoint) to the forward inputs."""
-    return _reading_plan(convention, config, convention.at(degree))
+    endpoint) to the forward inputs; a staged endpoint's is its unstaged one's, over the
+    tensors ``stages.unstage`` gathers from every stage."""
+    at = convention.at(degree)
+    if at.staged:
+        convention.pieces(config, at)  # its rules first
+        at = at.unstaged()
+    return _reading_plan(convention, config, at)
 
 
 @functools.lru_cache(maxsize=256)
@@ -135,6 +141,9 @@ def forward_inputs(shards: Sequence[Mapping[str, torch.Tensor]], convention: Con
     """Each rank's forward inputs (canonical names, the forward layout's local shapes) read
     from that rank's stored tensors, as the framework's forward reads them."""
     plan = reading_plan(convention, config, degree)
+    at = convention.at(degree)
+    if at.staged:
+        shards = unstage(shards, config, at)
     return [{name: selection.apply(stored) for name, selection in rank.items()}
             for stored, rank in zip(shards, plan.ranks)]
 

@@ -26,19 +26,56 @@ Followed (NVIDIA/Megatron-LM @ d98e8a64, core 0.20):
   pipeline ranks); ``--pipeline-model-parallel-layout`` (an explicit list of layers per
   stage) is not modelled.
 
-A model chunk's layers are stored under LOCAL indices (``decoder.layers.{j}``, j from 0 in
-each chunk: ``TransformerBlock`` builds ``self.layers`` with ``layer_number`` offset only
-for its own numbering); a converter must add the chunk's offset.
+What each rank stores (``staged``): the tensors of its coordinate in the unstaged endpoint
+(``Endpoint.unstaged``; ranks in ``parallel_state``'s "tp-cp-ep-dp-pp" order, pipeline
+rank slowest: rank ``g`` is stage ``g // (world / pp)``), only those of its stage:
+
+- a model chunk's layers under LOCAL indices (``decoder.layers.{j}``, j from 0 in each chunk:
+  ``TransformerBlock`` builds ``self.layers`` as a list, ``layer_number`` offset only for its
+  own numbering); a converter must add the chunk's offset;
+- with virtual stages, each chunk's names prefixed ``model{v}.``, as Megatron's checkpoint
+  keeps one state dict per chunk (``megatron/training/checkpointing.py::generate_state_dict``:
+  ``'model%d' % i`` where there are several);
+- the embedding on the first chunk of the first stage (``pre_process``), the final norm and
+  the output layer on the last chunk of the last stage (``post_process``); with tied
+  embeddings and pp > 1 the last stage stores its own copy, ``output_layer.weight``
+  (``language_module.py::setup_embeddings_and_output_layer``: allocated where not
+  ``pre_process``, filled from the first stage's embedding by an all-reduce over the
+  embedding group), which must hold the embedding's rows byte for byte.
+
+The forward of a staged endpoint is its unstaged one's: pipeline stages pass activations
+by copies, so each rank of the unstaged world reads the tensors of its coordinate on every
+stage (``unstage``, by the declared names only, never the data). The tied copy on the last
+stage is compared byte for byte, not read by that forward: the harness's tied forward reads
+one table.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from weight_sync_bench.conventions.convention import need
+from weight_sync_bench.errors import UnsupportedConvention
+
+if TYPE_CHECKING:
+    import torch
+
+    from weight_sync_bench.conventions.convention import Endpoint
+    from weight_sync_bench.conventions.maps import Pieces
+    from weight_sync_bench.model.config import ModelConfig
 
 NAME = "megatron"
 LAYERS = "decoder.layers"
+EMBEDDING = "embedding.word_embeddings.weight"
+TIED_COPY = "output_layer.weight"
+
+
+def need(ok: bool, rule: str, values: str) -> None:
+    """``UnsupportedConvention``: ``megatron: decoder.layers needs {rule} ({values})``."""
+    if not ok:
+        raise UnsupportedConvention(f"{NAME}: {LAYERS} needs {rule} ({values})")
 
 
 @dataclass(frozen=True)
@@ -64,8 +101,8 @@ class Pipeline:
         held = sorted(layer for stage in out for chunk in stage for layer in chunk)
         # Megatron's two formulas (how many, where from) agree wherever its rules hold; a
         # split they would not tile is refused, never stored with a layer lost or doubled.
-        need(held == list(range(n_layers)), NAME, LAYERS, 0,
-             "every layer on exactly one stage", f"{self}: stages hold {held}")
+        need(held == list(range(n_layers)), "every layer on exactly one stage",
+             f"{self}: stages hold {held}")
         return out
 
     def where(self, n_layers: int, layer: int) -> tuple[int, int, int]:
@@ -81,54 +118,46 @@ class Pipeline:
         values = f"{self}, num_layers={n_layers}"
         for key in ("pp", "vpp"):
             value = getattr(self, key)
-            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1, NAME,
-                 LAYERS, 0, f"{key} a positive int", values)
-        need(self.vpp == 1 or self.pp > 1, NAME, LAYERS, 0,
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"{key} a positive int", values)
+        need(self.vpp == 1 or self.pp > 1,
              "pp > 1 for virtual stages (they interleave pipeline ranks)", values)
         uneven = bool(self.first or self.last)
-        need(not uneven or self.pp > 1, NAME, LAYERS, 0,
-             "pp > 1 for an uneven first or last stage", values)
-        need(not (uneven and (self.embedding or self.loss)), NAME, LAYERS, 0,
-             "uneven first/last stages or the embedding/loss counted as a layer, not both "
-             "(TransformerConfig)", values)
-        need(self.first >= 0 and self.last >= 0, NAME, LAYERS, 0,
+        need(not uneven or self.pp > 1, "pp > 1 for an uneven first or last stage", values)
+        need(not (uneven and (self.embedding or self.loss)), "uneven first/last stages or the "
+             "embedding/loss counted as a layer, not both (TransformerConfig)", values)
+        need(self.first >= 0 and self.last >= 0,
              "num_layers_in_first/last_pipeline_stage larger than 0", values)
         if uneven:
             for key in ("first", "last"):
-                size = getattr(self, key)
-                need(size % self.vpp == 0, NAME, LAYERS, 0,
+                need(getattr(self, key) % self.vpp == 0,
                      f"num_layers_in_{key}_pipeline_stage divisible by vpp", values)
             middle, ranks = self._middle(n_layers)
-            need(middle >= 0, NAME, LAYERS, 0, "the first and last stages hold at most "
-                 "num_layers", values)
-            need(bool(middle) == bool(ranks), NAME, LAYERS, 0,
-                 "middle layers exactly where there are middle stages",
-                 f"{values}: {middle} middle layers, {ranks} middle stages")
+            need(middle >= 0, "the first and last stages to hold at most num_layers", values)
+            need(bool(middle) == bool(ranks), "middle layers exactly where there are middle "
+                 "stages", f"{values}: {middle} middle layers, {ranks} middle stages")
             if ranks:
-                need(middle % ranks == 0, NAME, LAYERS, 0,
-                     "the middle layers divisible by the middle stages",
+                need(middle % ranks == 0, "the middle layers divisible by the middle stages",
                      f"{values}: {middle} layers over {ranks} stages")
-                need(middle // ranks % self.vpp == 0, NAME, LAYERS, 0,
-                     "each middle stage's layers divisible by vpp",
-                     f"{values}: {middle // ranks} per stage")
+                need(middle // ranks % self.vpp == 0, "each middle stage's layers divisible "
+                     "by vpp", f"{values}: {middle // ranks} per stage")
             # get_transformer_layer_offset's virtual-stage branch divides by the number of
             # middle stages for every rank but the first: ZeroDivisionError when there are none
-            need(ranks or self.vpp == 1 or not (self.first and self.last), NAME, LAYERS, 0,
-                 "a middle stage when both first and last stages are set with vpp > 1 "
+            need(ranks or self.vpp == 1 or not (self.first and self.last), "a middle stage when "
+                 "both first and last stages are set with vpp > 1 "
                  "(get_transformer_layer_offset divides by the middle stages)", values)
             return
         total = n_layers + self.embedding + self.loss
         counted = " (embedding and loss counted)" if self.embedding or self.loss else ""
-        need(total % self.pp == 0, NAME, LAYERS, 0,
-             f"num_layers{counted} divisible by pp (Megatron-Core asserts it; older versions "
-             f"built {total // self.pp} per stage, {total // self.pp * self.pp} in all, losing "
-             f"{total % self.pp}: Megatron-LM #1304)", f"{values}: {total} % {self.pp} = "
-             f"{total % self.pp}")
-        need(total // self.pp % self.vpp == 0, NAME, LAYERS, 0,
-             "each stage's layers divisible by vpp", f"{values}: {total // self.pp} per stage")
+        need(total % self.pp == 0, f"num_layers{counted} divisible by pp (Megatron-Core "
+             f"asserts it; older versions built {total // self.pp} per stage, "
+             f"{total // self.pp * self.pp} in all, losing {total % self.pp}: Megatron-LM "
+             f"#1304)", f"{values}: {total} % {self.pp} = {total % self.pp}")
+        need(total // self.pp % self.vpp == 0, "each stage's layers divisible by vpp",
+             f"{values}: {total // self.pp} per stage")
         chunk = total // (self.pp * self.vpp)
         need(chunk - self.embedding >= 0 and chunk - self.loss >= 0 and (
-            self.pp * self.vpp > 1 or chunk - self.embedding - self.loss >= 0), NAME, LAYERS, 0,
+            self.pp * self.vpp > 1 or chunk - self.embedding - self.loss >= 0),
             "a layer for the embedding/loss to stand in for", values)
 
     def _middle(self, n_layers: int) -> tuple[int, int]:
@@ -182,3 +211,81 @@ class Pipeline:
             ["embedding counted"] if self.embedding else []) + (
             ["loss counted"] if self.loss else [])
         return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A staged endpoint's stored pieces over ``pp * inner`` ranks and, per rank,
+    ``{stored name: the unstaged endpoint's name}`` (the tied copy has none), ``inner`` the
+    unstaged world."""
+
+    pieces: Pieces
+    names: tuple[dict[str, str], ...]
+    inner: int
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.inner
+
+
+@functools.lru_cache(maxsize=256)
+def staged(config: ModelConfig, at: Endpoint) -> Staged:
+    """What each rank of a staged Megatron endpoint stores (see the module docstring)."""
+    chunks = at.pipeline.chunks(config.n_layers)
+    flat = at.unstaged().pieces(config)
+    inner, pp, vpp = len(flat), at.pp, at.vpp
+    where = {layer: (p, v, chunk.start) for p, stage in enumerate(chunks)
+             for v, chunk in enumerate(stage) for layer in chunk}
+    prefix = [f"model{v}." if vpp > 1 else "" for v in range(vpp)]
+    pieces, names = [], []
+    for g in range(inner * pp):
+        p, mine = g // inner, flat[g % inner]
+        stored, renamed = {}, {}
+        for name, piece in mine.items():
+            parts = piece.source.split(".")
+            if parts[0] == "layers":
+                layer = int(parts[1])
+                stage, v, start = where[layer]
+                if stage != p:
+                    continue
+                key = f"{LAYERS}.{layer}."
+                assert name.startswith(key), (name, key)
+                new = prefix[v] + f"{LAYERS}.{layer - start}." + name[len(key):]
+            elif piece.source == "tok_embeddings.weight":
+                if p != 0:
+                    continue
+                new = prefix[0] + name
+            else:  # the final norm and the output layer
+                if p != pp - 1:
+                    continue
+                new = prefix[vpp - 1] + name
+            stored[new], renamed[new] = piece, name
+        if config.tie_embeddings and pp > 1 and p == pp - 1:
+            stored[prefix[vpp - 1] + TIED_COPY] = mine[EMBEDDING]
+        pieces.append(stored)
+        names.append(renamed)
+    return Staged(pieces, tuple(names), inner)
+
+
+def describe_rank(config: ModelConfig, at: Endpoint, rank: int) -> str:
+    """``rank 2 is pipeline stage 1 of 2: chunk 0 (model0.) global layer 1 as local 0; ...``."""
+    layout = staged(config, at)
+    p = layout.stage_of(rank)
+    chunks = at.pipeline.chunks(config.n_layers)[p]
+    held = "; ".join(
+        (f"chunk {v} (model{v}.) " if at.vpp > 1 else "") + (
+            (f"global layer {c.start} as local 0" if len(c) == 1 else
+             f"global layers {c.start}-{c.stop - 1} as local 0-{len(c) - 1}") if len(c) else
+            "no layers") for v, c in enumerate(chunks))
+    return f"rank {rank} is pipeline stage {p} of {at.pp}: {held}"
+
+
+def unstage(shards: Sequence[Mapping[str, torch.Tensor]], config: ModelConfig, at: Endpoint
+            ) -> list[dict[str, torch.Tensor]]:
+    """A staged endpoint's shards as its unstaged endpoint's (``world / pp`` rank dicts):
+    rank i's tensors gathered from rank i of every stage under their unstaged names."""
+    layout = staged(config, at)
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.inner)]
+    for g, (held, names) in enumerate(zip(shards, layout.names)):
+        for name, flat in names.items():
+            out[g % layout.inner][flat] = held[name]
+    return out

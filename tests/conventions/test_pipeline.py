@@ -1,0 +1,147 @@
+"""Megatron endpoints with pipeline stages: what each rank stores (local layer indices, the
+embedding first, the output layer last, ``model{v}.`` chunks), exact conversions to and from
+them, ``check_convert`` over them, and the stage bugs of the field found and named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weight_sync_bench.check.convert import check_convert
+from weight_sync_bench.conventions import convert, endpoint, shards_for
+from weight_sync_bench.errors import UnknownConvention, Uncovered, UnsupportedConvention
+from weight_sync_bench.model.config import TOY, TOY_MOE, init_params
+
+STAGED = ["megatron:tp=2,pp=2", "megatron:tp=2,pp=2,vpp=2", "megatron:pp=4",
+          "megatron:tp=1,pp=2,pp_account=both", "megatron:tp=2,pp=3,pp_first=1,pp_last=1"]
+
+
+def test_the_endpoint_grammar():
+    at = endpoint("megatron:tp=2,pp=2,vpp=2")
+    assert (at.degree, at.pp, at.vpp, at.world) == (2, 2, 2, 4)
+    assert str(at) == "megatron:tp=2,pp=2,vpp=2"
+    assert str(endpoint("megatron:pp=2")) == "megatron:tp=1,pp=2"
+    assert str(endpoint("megatron:4")) == "megatron:4" and not endpoint("megatron:4").staged
+    assert endpoint("megatron:tp=2,pp=2,ep=2").unstaged() == endpoint("megatron:tp=2,ep=2")
+    with pytest.raises(UnknownConvention, match="pp must be a positive integer"):
+        endpoint("megatron:tp=2,pp=0")
+    with pytest.raises(UnknownConvention, match=r"vllm has no option 'pp'; known: tp, ep, etp,"):
+        shards_for(TOY, "vllm:tp=2,pp=2")
+    vllm = endpoint("vllm:2")  # built in Python: refused by the rules, before any tensor
+    with pytest.raises(UnsupportedConvention, match=r"vllm: the layers needs pp=1"):
+        shards_for(TOY, type(vllm)(vllm.convention, 2, pp=2))
+    with pytest.raises(UnsupportedConvention, match="#1304"):
+        shards_for(TOY, "megatron:tp=2,pp=3")
+
+
+def test_each_stage_stores_its_layers_under_local_indices():
+    shards = shards_for(TOY, "megatron:tp=2,pp=2,vpp=2")  # 4 layers: one per chunk
+    full = init_params(TOY, 0)
+    first, last = set(shards[0]), set(shards[2])
+    assert "model0.embedding.word_embeddings.weight" in first
+    assert not any("embedding" in n for n in last)
+    assert {"model1.decoder.final_layernorm.weight", "model1.output_layer.weight"} <= last
+    assert not any("output_layer" in n or "final_layernorm" in n for n in first)
+    assert {n.split(".layers.")[1].split(".")[0] for n in first | last if ".layers." in n} == {"0"}
+    # stage 1's chunk 1 holds global layer 3 (8 layers would interleave [0] [2] / [1] [3])
+    norm = shards[2]["model1.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"]
+    assert torch.equal(norm, full["layers.3.attn_norm.weight"])
+    assert shards[0].keys() == shards[1].keys() and shards[2].keys() == shards[3].keys()
+
+
+def test_tied_embeddings_leave_a_copy_on_the_last_stage():
+    tied = TOY.replace(tie_embeddings=True)
+    shards = shards_for(tied, "megatron:tp=2,pp=2")
+    for r in (0, 1):
+        assert torch.equal(shards[r + 2]["output_layer.weight"],
+                           shards[r]["embedding.word_embeddings.weight"])
+    assert "output_layer.weight" not in shards_for(tied, "megatron:2")[0]
+
+
+@pytest.mark.parametrize("text", STAGED)
+def test_conversions_to_and_from_stages_are_exact(text):
+    staged = shards_for(TOY, text)
+    assert len(staged) == endpoint(text).world
+    hf = convert(staged, text, "hf", TOY)[0]
+    assert all(torch.equal(hf[n], x) for n, x in shards_for(TOY, "hf")[0].items())
+    back = convert(shards_for(TOY, "vllm:4"), "vllm:4", text, TOY)
+    assert all(back[r].keys() == staged[r].keys() for r in range(len(staged)))
+    assert all(torch.equal(back[r][n], staged[r][n]) for r in range(len(staged)) for n in staged[r])
+
+
+def test_experts_and_stages_together():
+    text = "megatron:tp=2,pp=2,ep=2"
+    staged = shards_for(TOY_MOE, text)
+    assert endpoint(text).world == 8
+    names = [n for n in staged[4] if "experts.linear_fc1" in n]
+    assert names and all(n.startswith("decoder.layers.") for n in names)
+    hf = convert(staged, text, "hf", TOY_MOE)[0]
+    assert all(torch.equal(hf[n], x) for n, x in shards_for(TOY_MOE, "hf")[0].items())
+
+
+@pytest.mark.parametrize(("src", "dst"), [("megatron:tp=2,pp=2", "vllm:4"),
+                                          ("vllm:2", "megatron:tp=2,pp=2,vpp=2")])
+def test_check_convert_over_stages_passes_a_correct_converter(src, dst, tolerance):
+    verdict = check_convert(lambda shards, degree: convert(shards, src, dst, TOY), TOY, src, dst)
+    assert verdict.passed, verdict
+
+
+def local_as_global(shards, degree):
+    """Megatron TP1 PP2 -> HF naming each stage's layers by their local index, stage 1
+    written last: both stages publish layers 0-1 (NVIDIA-NeMo/RL PR #3259)."""
+    out = {}
+    full = convert(shards, "megatron:tp=1,pp=2", "hf", TOY)[0]
+    for name, x in full.items():
+        if ".layers." in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            local = name.replace(f".layers.{layer}.", f".layers.{layer % 2}.")
+            if layer >= 2 or local not in out:
+                out[local] = x
+        else:
+            out[name] = x
+    return [out]
+
+
+def test_two_stages_publishing_local_indices_is_a_coverage_failure(tolerance):
+    with pytest.raises(Uncovered, match=r"coverage: never written on rank 0: layers 2, 3 "
+                                        r"\(18 declared tensors\).*rank 0 layer 0 holds layer "
+                                        r"2's, rank 0 layer 1 holds layer 3's") as caught:
+        check_convert(local_as_global, TOY, "megatron:tp=1,pp=2", "hf")
+    assert caught.value.missing[0][0] == "model.layers.2.input_layernorm.weight"
+
+
+def contiguous_chunks(shards, degree):
+    """HF -> Megatron TP1 PP2 VPP2 placing each rank's chunks as if contiguous (rank 0:
+    layers 0-1, rank 1: 2-3) instead of interleaved (Megatron-LM #1584)."""
+    out = convert(shards, "hf", "megatron:tp=1,pp=2,vpp=2", TOY)
+    flat = convert(shards, "hf", "megatron:1", TOY)[0]
+    for p in range(2):
+        for v in range(2):
+            layer = 2 * p + v
+            for name in [n for n in out[p] if n.startswith(f"model{v}.decoder.layers.0.")]:
+                tail = name[len(f"model{v}.decoder.layers.0."):]
+                out[p][name] = flat[f"decoder.layers.{layer}.{tail}"].clone()
+    return out
+
+
+def test_a_stage_offset_computed_as_if_contiguous_is_named(tolerance):
+    verdict = check_convert(contiguous_chunks, TOY, "hf", "megatron:tp=1,pp=2,vpp=2")
+    assert not verdict.passed
+    text = "\n".join(verdict.diagnosis)
+    # rank 1's chunk 0 is global layer 1 (interleaved); the bug put layer 2 there
+    assert verdict.first_mismatch.startswith("model0.decoder.layers.0."), verdict
+    assert "rank 1 model0.decoder.layers.0." in text and "holds layer 2's" in text
+    assert "declared layer 1's" in text
+    assert "rank 1 is pipeline stage 1 of 2: chunk 0 (model0.) global layer 1 as local 0; " \
+           "chunk 1 (model1.) global layer 3 as local 0" in text
+
+
+def test_the_unstaged_forward_reads_every_stage(tolerance):
+    # a wrong value on the last stage's output layer moves the logits: the forward reads it
+    def wrong_head(shards, degree):
+        out = convert(shards, "vllm:4", "megatron:tp=2,pp=2", TOY)
+        out[3]["output_layer.weight"] = out[3]["output_layer.weight"] * 2
+        return out
+
+    verdict = check_convert(wrong_head, TOY, "vllm:4", "megatron:tp=2,pp=2")
+    assert not verdict.passed and verdict.max_abs_error > 100 * verdict.threshold
