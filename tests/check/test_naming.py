@@ -23,7 +23,11 @@ from weight_sync_bench.check.convert import check_convert, conversion_checker
 from weight_sync_bench.check.mutations import DTYPE_MUTATIONS, MUTATIONS
 from weight_sync_bench.check.stream import stage_split
 from weight_sync_bench.conventions import CONVENTIONS, convert, endpoint
-from weight_sync_bench.conventions.mutations import CONVERSION_MUTATIONS, Conversion
+from weight_sync_bench.conventions.mutations import (
+    CONVERSION_MUTATIONS,
+    PIPELINE_MUTATIONS,
+    Conversion,
+)
 from weight_sync_bench.fuzz.domain import DOMAIN, fuzz_params
 from weight_sync_bench.layout.table import LayoutTable
 
@@ -204,6 +208,8 @@ def test_the_verdict_says_what_the_named_mutation_means():
 # ---- conversions
 
 def _endpoints(config, max_degree=8):
+    if config is STAGED:  # pipeline stages: even, interleaved, an uneven last stage
+        return [endpoint(e) for e in STAGED_ENDPOINTS]
     if config.n_experts:  # the MoE endpoints: expert parallelism, its options
         return [endpoint(e) for e in MOE_ENDPOINTS if _stores(config, e)]
     return [endpoint(f"{n}:{t}") for n, c in CONVENTIONS.items()
@@ -233,6 +239,11 @@ MOE_BIAS = ModelConfig(name="moe_bias", vocab=64, d_model=32, n_layers=2, n_head
                        shared_gate=True)
 
 
+STAGED = SMALL.replace(name="small_staged", n_layers=4, vocab=100)
+STAGED_ENDPOINTS = ("hf", "vllm:2", "megatron:2", "megatron:tp=2,pp=2",
+                    "megatron:tp=1,pp=2,vpp=2", "megatron:tp=2,pp=2,pp_last=3")
+
+
 def _round_trip(shards, via):
     return [{n: x.to(via).to(x.dtype) for n, x in r.items()} for r in shards]
 
@@ -256,7 +267,7 @@ def _conversion_oracle(checker, conversion, shards) -> set[str]:
 @pytest.fixture(scope="module")
 def checkers_by_name():
     return {c.name: conversion_checker(c, threshold=1.0)
-            for c in (SMALL, SMALL_BIAS, MOE_SQUARE, MOE_BIAS)}
+            for c in (SMALL, SMALL_BIAS, MOE_SQUARE, MOE_BIAS, STAGED)}
 
 
 @pytest.fixture(scope="module")
@@ -264,10 +275,10 @@ def small(checkers_by_name):
     return checkers_by_name["small"]
 
 
-def _live(config):
+def _live(config, mutations=CONVERSION_MUTATIONS):
     """One conversion per distinct mutated shard set where the mutation changes bytes."""
     cells = {}
-    for m in CONVERSION_MUTATIONS:
+    for m in mutations:
         for src in _endpoints(config):
             for dst in _endpoints(config):
                 conversion = Conversion(config, src, dst)
@@ -276,7 +287,8 @@ def _live(config):
     return list(cells.values())
 
 
-CONVERSION_CELLS = _live(SMALL) + _live(SMALL_BIAS) + _live(MOE_SQUARE) + _live(MOE_BIAS)
+CONVERSION_CELLS = (_live(SMALL) + _live(SMALL_BIAS) + _live(MOE_SQUARE) + _live(MOE_BIAS)
+                    + _live(STAGED, PIPELINE_MUTATIONS))
 
 
 @pytest.mark.parametrize("mutation", CONVERSION_MUTATIONS, ids=lambda m: m.name)

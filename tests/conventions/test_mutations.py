@@ -25,6 +25,7 @@ from weight_sync_bench.conventions.mutations import (
     DENSE_MUTATIONS,
     MOE_MUTATIONS,
     MUTATIONS,
+    PIPELINE_MUTATIONS,
     Conversion,
     mutation_by_name,
 )
@@ -247,6 +248,7 @@ def test_the_k_permute_with_n_heads_is_exempt_where_the_wrong_view_raises():
 
 def test_every_mutation_names_the_public_bug_it_models_and_unknown_names_are_rejected():
     assert all(m.models and m.description for m in MUTATIONS.values())
-    assert len(MUTATIONS) == len(DENSE_MUTATIONS) + len(MOE_MUTATIONS) == 12 + 11
+    assert len(MUTATIONS) == len(DENSE_MUTATIONS) + len(MOE_MUTATIONS) + len(
+        PIPELINE_MUTATIONS) == 12 + 11 + 5
     with pytest.raises(UnknownMutation, match="unknown conversion mutation 'nope'; known: "):
         mutation_by_name("nope")

@@ -42,7 +42,7 @@ from weight_sync_bench.check.naming import conversion_naming, name_shards
 from weight_sync_bench.check.shards import validate_convention_shards
 from weight_sync_bench.conventions import endpoint, materialize
 from weight_sync_bench.conventions.mutations import Conversion
-from weight_sync_bench.conventions.stages import describe_rank
+from weight_sync_bench.conventions.staging import describe_rank
 from weight_sync_bench.errors import FloorNotMeasured, Uncovered
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.phase import PLAIN_FORWARD, measured_degrees

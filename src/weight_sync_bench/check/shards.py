@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weight_sync_bench.conventions.stages import describe_rank
+from weight_sync_bench.conventions.staging import describe_rank
 from weight_sync_bench.errors import InvalidShards, Uncovered, WrongShardShape
 
 if TYPE_CHECKING:

@@ -107,7 +107,10 @@ FORWARD_LEGEND = ("forward: declared = the shards equal the declared split byte 
 CONVENTION_LEGEND = ("cells: [local shape] the placement the framework's forward reads the "
                      "source parameter with; -: the convention cannot store the config at that "
                      "degree (`wsb layout --convention NAME --degree T` names the rule)")
-RANKS_LEGEND = ("ranks: tp / dp the attention TP rank and data-parallel replica; ep / etp / edp "
+RANKS_LEGEND = ("ranks: pp the pipeline stage and layers the global layers of each of its chunks "
+                "(stored under local indices from 0; model{v}. per chunk where vpp > 1), where "
+                "the endpoint has stages; tp / dp the attention TP rank and data-parallel "
+                "replica; ep / etp / edp "
                 "the experts' expert-parallel, expert-TP and expert-data-parallel ranks; experts "
                 "the global ids held, in local order; rows: the expert-TP chunk of each "
                 "expert's gate and up rows (its down columns alike)")

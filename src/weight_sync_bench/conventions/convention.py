@@ -31,11 +31,11 @@ if TYPE_CHECKING:
     import torch
 
     from weight_sync_bench.conventions.maps import Pieces, Shape
-    from weight_sync_bench.conventions.stages import Pipeline
     from weight_sync_bench.layout.placements import Placement
     from weight_sync_bench.layout.table import LayoutTable
     from weight_sync_bench.model.config import ModelConfig
 
+from weight_sync_bench.conventions.stages import Pipeline
 from weight_sync_bench.layout.placements import DataParallel, Experts
 
 
@@ -203,8 +203,6 @@ class Endpoint:
     @property
     def pipeline(self) -> Pipeline:
         """Its pipeline split (``pp_account``: the embedding and/or loss counted as layers)."""
-        from weight_sync_bench.conventions.stages import Pipeline
-
         account = dict(self.options).get("pp_account", "none")
         return Pipeline(self.pp, self.vpp, self.pp_first, self.pp_last,
                         account in ("embedding", "both"), account in ("loss", "both"))

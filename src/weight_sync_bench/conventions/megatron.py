@@ -80,7 +80,7 @@ from weight_sync_bench.conventions.convention import (
     replicated,
 )
 from weight_sync_bench.conventions.maps import Pieces, chunk, expert_cols, expert_rows, rows
-from weight_sync_bench.conventions.stages import staged
+from weight_sync_bench.conventions.staging import staged
 from weight_sync_bench.layout.placements import Experts
 from weight_sync_bench.model.plan import experts_placement, layout_for
 

@@ -678,6 +678,173 @@ def _no_dense_mlp(conversion: Conversion) -> str | None:
     return None if conversion.config.has_dense_mlp else "every layer is MoE: no dense fc1"
 
 
+# ---------------------------------------------------------------- pipeline stages
+
+def _staged(conversion: Conversion) -> str | None:
+    return (None if conversion.dst.staged and conversion.dst.pp > 1
+            else "the destination has no pipeline stages (pp=1)")
+
+
+def _interleaved(conversion: Conversion) -> str | None:
+    return _staged(conversion) or (None if conversion.dst.vpp > 1 else
+                                   "vpp=1: one chunk per stage, nothing interleaves")
+
+
+def _chunks(conversion: Conversion) -> tuple[tuple[range, ...], ...]:
+    return conversion.dst.pipeline.chunks(conversion.config.n_layers)
+
+
+def _layer_remap(shards: list[Params], conversion: Conversion,
+                 layer_for: Callable[[int], int]) -> list[Params]:
+    """Every stored layer tensor cut from layer ``layer_for(l)`` instead of its own layer l
+    (where the two layers' parameters have the same shape: a dense prefix stays put)."""
+    shapes = conversion.config.param_shapes()
+
+    def remap(rank: int, name: str, piece: Piece) -> Piece | None:
+        parts = piece.source.split(".")
+        if parts[0] != "layers":
+            return None
+        other = ".".join(["layers", str(layer_for(int(parts[1]))), *parts[2:]])
+        if other == piece.source or shapes.get(other) != shapes[piece.source]:
+            return None
+        return Piece(other, piece.dim, piece.idx, piece.stack)
+    return _remap(shards, conversion, remap)
+
+
+def _local_as_global(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """Each chunk's local layer j filled from global layer j (the stage offset never added)."""
+    start = {layer: layers.start for stage in _chunks(conversion) for layers in stage
+             for layer in layers}
+    return _layer_remap(shards, conversion, lambda layer: layer - start[layer])
+
+
+def _offsets_zero(conversion: Conversion) -> str | None:
+    return ("every chunk that holds layers starts at global layer 0" if all(
+        layers.start == 0 for stage in _chunks(conversion) for layers in stage if len(layers))
+        else None)
+
+
+def _contiguous(conversion: Conversion) -> dict[int, int]:
+    """Global layer -> the layer a rank's chunks would hold if its layers were contiguous
+    (rank p's block after the ranks before it, its chunks in order within the block)."""
+    out, at = {}, 0
+    for stage in _chunks(conversion):
+        for layers in stage:
+            for layer in layers:
+                out[layer] = at
+                at += 1
+    return out
+
+
+def _chunks_contiguous(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """Virtual stages read as if each rank's chunks were contiguous, not interleaved."""
+    contiguous = _contiguous(conversion)
+    return _layer_remap(shards, conversion, lambda layer: contiguous[layer])
+
+
+def _contiguous_same(conversion: Conversion) -> str | None:
+    return ("the interleaved and contiguous assignments coincide" if all(
+        k == v for k, v in _contiguous(conversion).items()) else None)
+
+
+def _even_count(conversion: Conversion) -> int:
+    return conversion.config.n_layers // conversion.dst.pp
+
+
+def _last_stage_extra(conversion: Conversion) -> list[int]:
+    held = [layer for layers in _chunks(conversion)[-1] for layer in layers]
+    return held[_even_count(conversion):]
+
+
+def _last_stage_dropped(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """The last stage's layers past ``num_layers // pp`` never written: a stale copy."""
+    lost = {f"layers.{layer}." for layer in _last_stage_extra(conversion)}
+    for rank, pieces in enumerate(conversion.dst.pieces(conversion.config)):
+        for name, piece in pieces.items():
+            if any(piece.source.startswith(prefix) for prefix in lost):
+                x = shards[rank][name]
+                shards[rank][name] = _stale(tuple(x.shape), f"pp.{name}.{rank}").to(x.dtype)
+    return shards
+
+
+def _last_stage_even(conversion: Conversion) -> str | None:
+    return (f"the last stage holds at most num_layers // pp = {_even_count(conversion)} "
+            "layers: none past it" if not _last_stage_extra(conversion) else None)
+
+
+def _ends_swapped(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """The first stage's embedding and the last stage's output layer exchanged."""
+    swap = {"tok_embeddings.weight": "lm_head.weight", "lm_head.weight": "tok_embeddings.weight"}
+
+    def remap(rank: int, name: str, piece: Piece) -> Piece | None:
+        other = swap.get(piece.source)
+        return Piece(other, piece.dim, piece.idx, piece.stack) if other else None
+    return _remap(shards, conversion, remap)
+
+
+def _padding_per_rank(shards: list[Params], conversion: Conversion) -> list[Params]:
+    """Megatron's padded vocab-parallel tables cut from the unpadded vocabulary: rank r's
+    rows ``[r * ceil(V / t), ...)`` of the real vocabulary, zeros after them, where the
+    padding belongs after the whole vocabulary."""
+    config, t = conversion.config, conversion.dst.degree
+    share = -(-config.vocab // t)
+
+    def remap(rank: int, name: str, piece: Piece) -> Piece | None:
+        if piece.source not in ("tok_embeddings.weight", "lm_head.weight"):
+            return None
+        r = rank % t  # the TP rank: fastest in Megatron's rank order
+        real = rows(min(r * share, config.vocab), min((r + 1) * share, config.vocab))
+        pad = torch.full((piece.idx.numel() - real.numel(),), -1, dtype=torch.int64)
+        return Piece(piece.source, piece.dim, torch.cat([real, pad]), piece.stack)
+    return _remap(shards, conversion, remap)
+
+
+def _megatron_padded(conversion: Conversion) -> str | None:
+    dst = conversion.dst
+    if dst.name != "megatron" or dst.option("vocab") != "padded":
+        return "the destination is not Megatron with its vocabulary padded"
+    return None
+
+
+def _padding_moves_nothing(conversion: Conversion) -> str | None:
+    dst, config = conversion.dst, conversion.config
+    if dst.degree == 1:
+        return "t=1: one rank holds the whole table, its padding after the vocabulary"
+    share = -(-config.vocab // dst.degree)
+    padded = config.replace(vocab_multiple=128 * dst.degree).padded_vocab // dst.degree
+    return ("every rank's share of the vocabulary is its padded share: nothing moves"
+            if share == padded else None)
+
+
+PIPELINE_MUTATIONS: tuple[ConversionMutation, ...] = (
+    ConversionMutation(
+        "pp_local_layer_as_global", "each stage's local layer j filled from global layer j",
+        "huggingface/transformers PR #24381: HF -> Megatron with PP used the local layer index, "
+        "so stage 2 received layers 0 and 1 again (NVIDIA-NeMo/RL PR #3259 the other way)",
+        _local_as_global, _staged, _offsets_zero, r"layers\.\d+\..*"),
+    ConversionMutation(
+        "pp_chunks_contiguous", "a rank's virtual-stage chunks filled as if contiguous, not "
+        "interleaved", "NVIDIA/Megatron-LM #1584 / PR #1583: a wrong offset with virtual "
+        "stages", _chunks_contiguous, _interleaved, _contiguous_same, r"layers\.\d+\..*"),
+    ConversionMutation(
+        "pp_last_stage_layers_dropped", "the last stage's layers past num_layers // pp never "
+        "written: a stale copy", "NVIDIA/Megatron-LM #1304: 30 layers on PP4 silently became "
+        "28 (a floor division of the layers per stage)", _last_stage_dropped, _staged,
+        _last_stage_even, r"layers\.\d+\..*"),
+    ConversionMutation(
+        "pp_embedding_output_swapped", "the first stage's embedding and the last stage's "
+        "output layer exchanged", "pre_process / post_process read the wrong way round "
+        "(issue 25: a stage's embedding/output assignment)", _ends_swapped,
+        _both(_staged, _untied), _never, r"(tok_embeddings|lm_head)\.weight"),
+    ConversionMutation(
+        "vocab_padding_per_rank", "Megatron's padded tables cut from the unpadded vocabulary, "
+        "each rank's padding after its own share", "padding on one side only: verl and mbridge "
+        "build Megatron unpadded where Megatron's training arguments pad to 128 x TP (issue 25)",
+        _padding_per_rank, _megatron_padded, _padding_moves_nothing,
+        r"(tok_embeddings|lm_head)\.weight"),
+)
+
+
 _GATE_UP = r"layers\.\d+\.experts\.gate_up\.weight"
 _DOWN = r"layers\.\d+\.experts\.down\.weight"
 _EXPERTS = r"layers\.\d+\.experts\.(gate_up|down)\.weight"
@@ -805,12 +972,14 @@ CONVERSION_MUTATIONS: tuple[ConversionMutation, ...] = (
         "tied/untied output handling: slime #345, NeMo-RL #227", _stale_output, _untied, _never,
         r"lm_head\.weight"),
     *MOE_MUTATIONS,
+    *PIPELINE_MUTATIONS,
 )
 
 MUTATIONS: dict[str, ConversionMutation] = {m.name: m for m in CONVERSION_MUTATIONS}
-# The dense models' bugs (every MoE one needs experts: it applies to no dense conversion).
-DENSE_MUTATIONS: tuple[ConversionMutation, ...] = tuple(m for m in CONVERSION_MUTATIONS
-                                                        if m not in MOE_MUTATIONS)
+# The dense models' bugs between unstaged endpoints (every MoE one needs experts: it applies
+# to no dense conversion; every pipeline one needs stages).
+DENSE_MUTATIONS: tuple[ConversionMutation, ...] = tuple(
+    m for m in CONVERSION_MUTATIONS if m not in MOE_MUTATIONS and m not in PIPELINE_MUTATIONS)
 
 
 def mutation_by_name(name: str) -> ConversionMutation:

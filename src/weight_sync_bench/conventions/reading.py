@@ -23,7 +23,7 @@ import torch
 
 from weight_sync_bench.collectives.inprocess import InProcessCollective, InProcessGroups
 from weight_sync_bench.conventions.maps import Piece, rows
-from weight_sync_bench.conventions.stages import unstage
+from weight_sync_bench.conventions.staging import unstage
 from weight_sync_bench.model.sharded import ShardedModel
 
 if TYPE_CHECKING:

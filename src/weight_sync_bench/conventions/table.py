@@ -27,7 +27,10 @@ def render(config: ModelConfig, convention: Convention,
     if not supported:
         raise UnsupportedLayout(f"{convention.name}: {config.name} is stored at none of the "
                                 f"degrees {[str(t) for t in degrees]}")
-    names = convention.pieces(config, supported[0])[0]
+    names = {}  # every rank's names (a pipeline stage's ranks hold their stage's only)
+    for rank in convention.pieces(config, supported[0]):
+        for name, piece in rank.items():
+            names.setdefault(name, piece)
     rows = [["stored name", "source", *[f"t={t}" if isinstance(t, int) else str(t)
                                         for t in degrees]]]
     legend: dict[str, str] = {}
@@ -37,7 +40,8 @@ def render(config: ModelConfig, convention: Convention,
             if t not in supported:
                 cells.append("-")
                 continue
-            shape = convention.local_shapes(config, t)[0][name]
+            shape = next(rank[name] for rank in convention.local_shapes(config, t)
+                         if name in rank)
             placement = convention.forward_layout(config, t).layout[piece.source].placement
             if isinstance(placement, HeadReplicated):
                 legend[str(placement)] = (f"{placement}: Q heads split; rank r holds replicated "
@@ -50,21 +54,28 @@ def render(config: ModelConfig, convention: Convention,
 
 
 def render_ranks(config: ModelConfig, at: Endpoint) -> str:
-    """Per rank of an endpoint: its coordinates (attention TP rank and data-parallel
-    replica; the experts' EP, expert-TP and expert-DP ranks), the experts it holds (global
-    ids, in its local order) and which rows of each expert's ``[gate | up]`` (columns of its
+    """Per rank of an endpoint: its coordinates (its pipeline stage and the global layers of
+    each of its chunks, where staged; attention TP rank and data-parallel replica; the
+    experts' EP, expert-TP and expert-DP ranks), the experts it holds (global ids, in its
+    local order) and which rows of each expert's ``[gate | up]`` (columns of its
     down) it holds, e.g. for ``megatron:tp=2,ep=4`` of 8 experts of 128:
     ``2  0  1  1  0  0  2-3  gate 0-63, up 0-63``."""
     from weight_sync_bench.layout.placements import format_ranges
 
-    world = at.world
+    staged = at.staged
+    world = (at.unstaged() if staged else at).world  # the ranks of one pipeline stage
     forward = at.convention.forward_layout(config, at)
     tp = forward.tp or world
     placement = forward.experts
-    rows = [["rank", "tp", "dp", "ep", "etp", "edp", "experts", "rows of each expert"]]
+    rows = [["rank", *(["pp", "layers (per chunk)"] if staged else []), "tp", "dp", "ep", "etp",
+             "edp", "experts", "rows of each expert"]]
+    chunks = at.pipeline.chunks(config.n_layers) if staged else ()
     f = config.expert_ffn
-    for rank in range(world):
-        cells = [str(rank), str(rank % tp), str(rank // tp)]
+    for g in range(at.world):
+        rank = g % world
+        stage = [str(g // world), " | ".join(format_ranges([(c.start, c.stop)]) or "none"
+                                             for c in chunks[g // world])] if staged else []
+        cells = [str(g), *stage, str(rank % tp), str(rank // tp)]
         if placement is None:
             cells += ["-", "-", "-", "-", "-"]
         else:
