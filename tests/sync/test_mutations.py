@@ -17,9 +17,11 @@ FORWARD_CASES = [
     (TOY_KV4, "megatron:4", "vllm:2", ["qk_swapped", "gate_up_swapped", "dst_ranks_swapped",
                                        "box_overlap", "dropped_transfer"]),
     (TOY, "megatron:2", "vllm:4", ["kv_replica_off_by_one"]),  # 2 KV heads on 4 ranks
+    (TOY, "megatron:tp=2,pp=2", "vllm:4", ["stages_publish_local_indices"]),
 ]
 ELEMENT_CASES = [(tiny(4), "megatron:4", "vllm:2"), (tiny(4), "plain:1", "meta:2"),
-                 (tiny(2), "megatron:2", "vllm:4"), (tiny(4), "fsdp:4", "plain:2")]
+                 (tiny(2), "megatron:2", "vllm:4"), (tiny(4), "fsdp:4", "plain:2"),
+                 (tiny(2, n_layers=2), "megatron:tp=2,pp=2", "vllm:2")]
 
 
 def _applicable(plan):

@@ -98,6 +98,20 @@ def staged(config: ModelConfig, at: Endpoint) -> Staged:
     return Staged(pieces, tuple(names), inner)
 
 
+def stage_holds(config: ModelConfig, at: Endpoint, source: str, stage: int) -> bool:
+    """Whether pipeline ``stage`` of ``at`` stores canonical ``source``, from the stage
+    arithmetic alone (``stages.Pipeline``), never from the stored maps: a layer's on its
+    stage, the embedding on the first (and, tied with pp > 1, its copy on the last), the
+    final norm and output layer on the last."""
+    parts = source.split(".")
+    last = at.pp - 1
+    if parts[0] == "layers":
+        return any(int(parts[1]) in chunk for chunk in at.pipeline.chunks(config.n_layers)[stage])
+    if source == "tok_embeddings.weight":
+        return stage == 0 or (config.tie_embeddings and stage == last)
+    return stage == last
+
+
 def describe_rank(config: ModelConfig, at: Endpoint, rank: int) -> str:
     """``rank 2 is pipeline stage 1 of 2: chunk 0 (model0.) global layer 1 as local 0; ...``."""
     layout = staged(config, at)

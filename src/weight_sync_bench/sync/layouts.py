@@ -19,14 +19,15 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weight_sync_bench.conventions import convention_by_name
+from weight_sync_bench.conventions import convention_by_name, endpoint
 from weight_sync_bench.conventions.maps import placed
+from weight_sync_bench.conventions.staging import stage_holds
 from weight_sync_bench.errors import UnknownConvention, UnsupportedLayout
 from weight_sync_bench.layout.placements import Shard
 from weight_sync_bench.layout.table import LayoutTable
 
 if TYPE_CHECKING:
-    from weight_sync_bench.conventions import Convention
+    from weight_sync_bench.conventions import Convention, Endpoint
     from weight_sync_bench.conventions.maps import Pieces
     from weight_sync_bench.model.config import ModelConfig
 
@@ -49,10 +50,31 @@ class SyncLayout:
     pieces: tuple[dict, ...]
     statement: LayoutTable
     convention: Convention | None
+    endpoint: Endpoint | None = None  # a whole endpoint (``megatron:tp=2,pp=2,ep=2``)
 
     @property
     def world(self) -> int:
-        return self.degree * self.dp
+        return len(self.pieces)
+
+    @property
+    def replica(self) -> int:
+        """The ranks of one data-parallel replica: the endpoint's world (TP, EP and pipeline
+        stages), the degree for a ``name:degree`` layout."""
+        return len(self.pieces) // self.dp
+
+    @property
+    def at(self) -> Endpoint | None:
+        """The endpoint it is (a ``name:degree`` layout's at its degree; None for FSDP)."""
+        if self.endpoint is not None:
+            return self.endpoint
+        return self.convention.at(self.degree) if self.convention is not None else None
+
+    @property
+    def runs_forward(self) -> bool:
+        """Whether phase 2 runs its forward: a convention whose ranks are one TP group (its
+        staged or expert-parallel endpoints' are checked element by element only)."""
+        at = self.at
+        return at is not None and not at.staged and at.world == at.degree
 
     @property
     def key(self) -> tuple[str, ModelConfig]:
@@ -65,7 +87,14 @@ class SyncLayout:
         """``(dim, [(start, stop)])`` of canonical ``name`` that ``rank`` is stated to hold,
         clipped to the canonical shape (a convention's forward may pad the vocabulary)."""
         spec = self.statement[name]
-        dim, ranges = spec.ranges(self.degree, self.tp_rank(rank))
+        if self.endpoint is None:
+            dim, ranges = spec.ranges(self.degree, self.tp_rank(rank))
+        else:  # the forward layout's placements over one stage's ranks, on their stage only
+            at, r = self.endpoint, rank % self.replica
+            inner = at.unstaged().world if at.staged else at.world
+            dim, ranges = spec.ranges(inner, r % inner)
+            if at.staged and not stage_holds(self.config, at, name, r // inner):
+                ranges = []
         size = self.config.param_shapes()[name][dim]
         return dim, [(a, min(b, size)) for a, b in ranges if a < size]
 
@@ -74,7 +103,8 @@ class SyncLayout:
 
 
 def sync_layout(config: ModelConfig, text: str, *, dp: int = 1) -> SyncLayout:
-    """``"megatron:4"``, ``"vllm:2"``, ``"hf"`` (degree 1), ``"plain:2"`` or ``"fsdp:4"``, over
+    """``"megatron:4"``, ``"vllm:2"``, ``"hf"`` (degree 1), ``"plain:2"``, ``"fsdp:4"`` or a whole
+    endpoint (``"megatron:tp=2,pp=2,ep=2"``, ``"vllm:tp=4,ep=4"``), over
     ``dp`` data-parallel replicas (``dp`` > 1 labels it ``"megatron:4 x dp2"``). Cached: the
     same arguments give the same object, so plans cache on it. Raises ``UnsupportedLayout``
     (``UnsupportedConvention``) naming the rule where the layout cannot hold ``config``."""
@@ -86,6 +116,14 @@ def _sync_layout(config: ModelConfig, text: str, dp: int) -> SyncLayout:
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise UnsupportedLayout(f"{text}: dp must be a positive int, got dp={dp!r}")
     name, sep, degree_text = text.partition(":")
+    if "=" in degree_text:  # a whole endpoint: TP, EP, pipeline stages, options
+        at = endpoint(text)
+        label = str(at) + (f" x dp{dp}" if dp > 1 else "")
+        pieces = at.pieces(config)
+        _unstacked(label, config, pieces)
+        statement = at.convention.forward_layout(config, at).layout
+        return SyncLayout(label, config, at.degree, dp, tuple(pieces) * dp, statement,
+                          at.convention, at)
     if sep and (not degree_text.isdigit() or int(degree_text) < 1):
         raise UnknownConvention(f"{text!r}: the degree after ':' must be a positive integer")
     degree = int(degree_text) if sep else 1
@@ -104,8 +142,25 @@ def _sync_layout(config: ModelConfig, text: str, dp: int) -> SyncLayout:
         raise UnknownConvention(f"unknown layout {name!r} in {text!r}; known: fsdp and the "
                                 "conventions (plain, megatron, vllm, hf, meta)") from None
     pieces = convention.pieces(config, degree)
+    _unstacked(label, config, pieces)
     statement = convention.forward_layout(config, degree).layout
     return SyncLayout(label, config, degree, dp, tuple(pieces) * dp, statement, convention)
+
+
+def _unstacked(label: str, config: ModelConfig, pieces: Pieces) -> None:
+    """Phase 2 moves stored tensors that are one index selection of a canonical parameter
+    along one dim; a tensor stacking several (vLLM's fused-MoE ``w13_weight``, experts
+    ``[E_local, 2F/t, d]``) is refused naming it, before anything is planned."""
+    shapes = config.param_shapes()
+    for rank, stored in enumerate(pieces):
+        for name, piece in stored.items():
+            if piece.stack > 1:
+                raise UnsupportedLayout(
+                    f"{label}: rank {rank} {name} stacks {piece.stack} selections of "
+                    f"{piece.source} into {list(piece.local_shape(shapes[piece.source]))}; "
+                    "phase 2 moves tensors that are one selection each (vLLM's fused-MoE "
+                    "expert tensors are not supported by the sync yet: check the conversion "
+                    "with check_convert / wsb check --converter)")
 
 
 def fsdp_table(config: ModelConfig) -> LayoutTable:

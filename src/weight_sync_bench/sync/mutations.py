@@ -14,7 +14,13 @@ the forward (``tests/sync/test_mutations.py``, against the twin: the unmutated p
   reverse (the ranks of one TP group in the wrong order);
 - ``box_overlap``: one transfer one index longer than its box, so it also writes the first
   index of a neighbouring box (one a local copy wrote before it);
-- ``dropped_transfer``: the largest transfer between ranks left out.
+- ``dropped_transfer``: the largest transfer between ranks left out;
+- ``stages_publish_local_indices``: a pipeline source's later stages write their layers into
+  the destination layers of their local indices (two stages claiming one layer, the layers
+  past the first stage never written).
+
+Besides the element check and the forward, ``Plan.writes`` names where a plan writes a
+destination element twice or never, from its transfers alone.
 """
 
 from __future__ import annotations
@@ -220,6 +226,35 @@ def dropped_transfer(plan: Plan) -> Plan:
                                "dropped_transfer")
 
 
+def stages_publish_local_indices(plan: Plan) -> Plan:
+    """Every pipeline stage publishes its layers under their local indices: what a later
+    stage sends for its global layer l lands in the destination's layer ``l - offset``,
+    which the first stage writes too, and layer l is never written (NVIDIA-NeMo/RL PR
+    #3259: 51% of the weights synced, digests agreeing)."""
+    at = plan.src.at
+    if at is None or not at.staged or at.pp == 1:
+        raise NotApplicable(f"{plan.src} has no pipeline stages")
+    config = plan.src.config
+    start = {layer: chunk.start for stage in at.pipeline.chunks(config.n_layers)
+             for chunk in stage for layer in chunk}
+    out, moved = [], 0
+    for t in plan.transfers:
+        parts = t.param.split(".")
+        local = int(parts[1]) - start[int(parts[1])] if parts[0] == "layers" else None
+        if local is None or local == int(parts[1]):
+            out.append(t)
+            continue
+        name = t.dst_name.replace(f"layers.{parts[1]}.", f"layers.{local}.", 1)
+        if name not in plan.dst.pieces[t.dst_rank]:
+            raise NotApplicable(f"{plan.dst} rank {t.dst_rank} {t.dst_name}: no layer index "
+                                "in its name to misread")
+        out.append(replace(t, dst_name=name))
+        moved += 1
+    if not moved:
+        raise NotApplicable(f"{plan.src}: every stage's layers start at global layer 0")
+    return plan.with_transfers(out, "stages_publish_local_indices")
+
+
 PLAN_MUTATIONS: dict[str, PlanMutation] = {m.name: m for m in (
     PlanMutation("qk_swapped", qk_swapped),
     PlanMutation("gate_up_swapped", gate_up_swapped),
@@ -227,6 +262,7 @@ PLAN_MUTATIONS: dict[str, PlanMutation] = {m.name: m for m in (
     PlanMutation("dst_ranks_swapped", dst_ranks_swapped),
     PlanMutation("box_overlap", box_overlap),
     PlanMutation("dropped_transfer", dropped_transfer),
+    PlanMutation("stages_publish_local_indices", stages_publish_local_indices),
 )}
 
 __all__ = ["PLAN_MUTATIONS", "NotApplicable", "PlanMutation", "swap_positions"]

@@ -182,6 +182,12 @@ class Message:
         return sum(s.numel for s in self.segments)
 
 
+def _overlap(a: Transfer, b: Transfer) -> bool:
+    """Whether two transfers into one destination tensor write a common element."""
+    return all(x < y + (d - c) and y < x + (bb - aa)
+               for x, y, (aa, bb), (c, d) in zip(a.dst_at, b.dst_at, a.region, b.region))
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """Every transfer from ``src`` to ``dst`` over ``world = max(src.world, dst.world)``
@@ -258,6 +264,42 @@ class Plan:
         if bucket_bytes not in self._messages:
             self._messages[bucket_bytes] = _pack(self, bucket_bytes)
         return self._messages[bucket_bytes]
+
+    def writes(self, limit: int = 8) -> tuple[str, ...]:
+        """Where the plan does not write every element of every destination tensor exactly
+        once (padding excepted): ``rank 1 model.layers.2.mlp.down_proj.weight: 45056 of 45056
+        elements never written`` or ``... written twice: <transfer> and <transfer>``, naming
+        the writers; at most ``limit`` lines, then a count. Empty for a correct plan. From the
+        transfers alone, before anything moves: a destination written twice by a second
+        writer holding the same bytes still counts."""
+        by: dict[tuple[int, str], list[Transfer]] = defaultdict(list)
+        for t in self.transfers:
+            by[t.dst_rank, t.dst_name].append(t)
+        twice_lines: list[str] = []
+        never_lines: list[str] = []
+        for rank, stored in enumerate(cover_of(self.dst, validate=False).ranks):
+            for name, s in stored.items():
+                across = s.numel // s.shape[s.dim] if s.shape[s.dim] else 0
+                want = sum(b.length for b in s.boxes if b.source is not None) * across
+                mine = by.get((rank, name), [])
+                twice = next(((a, b) for i, a in enumerate(mine) for b in mine[i + 1:]
+                              if _overlap(a, b)), None)
+                got = sum(t.numel for t in mine)
+                if twice is not None:
+                    twice_lines.append(f"rank {rank} {name}: written twice: {twice[0]} and "
+                                       f"{twice[1]}")
+                elif got < want:
+                    never_lines.append(f"rank {rank} {name}: {want - got} of {want} elements "
+                                       "never written"
+                                       + ("" if mine else " (no transfer writes it)"))
+        if not twice_lines and not never_lines:
+            return ()
+        head = (f"{len(twice_lines)} destination tensors written twice, {len(never_lines)} "
+                "with elements never written")
+        half = max(1, limit // 2)
+        shown = twice_lines[:half] + never_lines[:limit - min(half, len(twice_lines))]
+        rest = len(twice_lines) + len(never_lines) - len(shown)
+        return (head, *shown, *([f"... and {rest} more"] if rest else []))
 
     def with_transfers(self, transfers: list[Transfer], mutation: str) -> Plan:
         """A copy with other transfers (the planner's mutations), messages recomputed."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
@@ -112,6 +112,7 @@ class SyncResult:
     verdict: Verdict | None = None
     notes: tuple[str, ...] = field(default=())
     into: str = "fresh"  # the destination storage: INTO
+    writes: tuple[str, ...] = ()  # the harness executor's plan: Plan.writes (empty: once each)
 
     @property
     def bytes_moved(self) -> int:
@@ -158,7 +159,7 @@ class SyncResult:
         """The element check (where it ran) and the forward (where it ran) passed, and at
         least one of them ran."""
         checked = self.elements_passed if self.elements else self.verdict is not None
-        return checked and (self.verdict is None or self.verdict.passed)
+        return checked and not self.writes and (self.verdict is None or self.verdict.passed)
 
     def summary(self) -> str:
         p = self.plan
@@ -194,6 +195,9 @@ class SyncResult:
         else:
             lines.append("  element check: not run (the forward alone)")
         lines += [f"    {line}" for line in first_difference(p.dst, self.elements)[1]]
+        if self.writes:
+            lines.append(f"  coverage: the plan writes {self.writes[0]}")
+            lines += [f"    {line}" for line in self.writes[1:]]
         if self.verdict is not None:
             lines += ["  " + line for line in str(self.verdict).splitlines()]
         shown = self.verdict.notes if self.verdict is not None else ()
@@ -216,10 +220,12 @@ class SyncSession:
         self.dst = dst if isinstance(dst, SyncLayout) else sync_layout(config, dst)
         self.plan = plan_for(self.src, self.dst)  # validates both covers before anything moves
         self.world = self.plan.world
-        self.forward = forward and self.dst.convention is not None
+        self.forward = forward and self.dst.runs_forward
         self.notes: tuple[str, ...] = ()
         if forward and not self.forward:
-            self.notes = (f"no forward: {self.dst} is not a TP inference layout",)
+            self.notes = (f"no forward: {self.dst} is not a TP inference layout (FSDP, pipeline "
+                          "stages or experts over more ranks than TP): its elements are "
+                          "checked",)
         self.threshold = threshold
         self.reference: torch.Tensor | None = None
         self.tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
@@ -291,6 +297,7 @@ class SyncSession:
         run_forward = self.forward if forward is None else (forward and self.forward)
         name = f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
         plan.prepare(bucket_bytes)  # the plan's cut and runs, cached on it: the ranks get them
+        writes = plan.writes() if fn is execute_plan else ()  # the plan the executor runs
         if into == "existing":
             self.pool.run(existing_task, self.world, kwargs={"key": self.key, "plan": plan,
                                                              "seed": self.seed})
@@ -307,7 +314,8 @@ class SyncSession:
                 "key": self.key, "plan": plan, "tokens": self.tokens})[0]
             assert self.reference is not None and self.threshold is not None
             verdict = judge(plan, logits, self.reference, self.threshold, records, self.notes)
-        return collect(plan, name, records, verdict, self.notes, into=into)
+        return replace(collect(plan, name, records, verdict, self.notes, into=into),
+                       writes=writes)
 
     def calibrate_pattern(self, plan: Plan | None = None, *, bucket_bytes: int = DEFAULT_BUCKET,
                           repeats: int = 3) -> PatternBandwidth:

@@ -242,7 +242,7 @@ def forward(rank: int, ctx: RankContext, *, key: str, plan: Plan, tokens: torch.
     dst = plan.dst
     assert dst.convention is not None
     out = _HELD[key].pop("out")
-    reading = reading_plan(dst.convention, dst.config, dst.degree)
+    reading = reading_plan(dst.convention, dst.config, dst.at or dst.degree)
     inputs = {name: sel.apply(out) for name, sel in reading.ranks[rank].items()}
     model = ShardedModel(reading.forward.config, [inputs], GlooCollective(ctx),
                          embedding=reading.forward.embedding)

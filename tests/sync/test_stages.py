@@ -1,0 +1,105 @@
+"""Phase 2 between layouts with pipeline stages (and experts): a Megatron ``tp x pp`` source
+(with virtual stages, data-parallel replicas, expert parallelism) to vLLM and back, planned
+and executed with no full tensor anywhere, bytes counted at the transport equal to B_min,
+every destination element checked; a plan whose stages claim one layer is named a coverage
+failure (``Plan.writes``: the tensors written twice, with their writers, and those never
+written), and fails the element check too."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sync.conftest import tiny
+from weight_sync_bench.errors import UnsupportedLayout
+from weight_sync_bench.model.config import TOY
+from weight_sync_bench.sync import SyncSession, minimum_bytes, plan_for, sync_layout
+from weight_sync_bench.sync.mutations import PLAN_MUTATIONS, NotApplicable
+
+DEEP = tiny(2, n_layers=4).replace(name="tiny_deep")
+DEEP_MOE = tiny(4, n_layers=4, n_experts=4, top_k=2, expert_ffn=16).replace(name="tiny_deep_moe")
+
+
+def test_megatron_tp2_pp2_to_vllm_tp4_moves_b_min_and_checks_every_element(pool):
+    with SyncSession(TOY, "megatron:tp=2,pp=2", "vllm:4", pool=pool) as session:
+        result = session.run()
+    assert result.passed, result.summary()
+    assert result.bytes_moved == result.b_min == minimum_bytes(session.src, session.dst)
+    assert result.coverage == 1.0 and result.elements_passed and not result.writes
+    assert result.verdict is not None and result.verdict.passed  # vLLM's forward ran
+
+
+@pytest.mark.parametrize(("config", "src", "dst", "dp"), [
+    (TOY, "vllm:4", "megatron:tp=2,pp=2,vpp=2", 1),
+    (DEEP, "megatron:tp=1,pp=2,vpp=2", "vllm:2", 2),
+    (DEEP, "megatron:tp=2,pp=2,pp_last=3", "megatron:tp=1,pp=4", 1),
+    (DEEP_MOE, "megatron:tp=1,pp=2,ep=2", "hf", 1),
+    (DEEP_MOE, "megatron:tp=2,ep=2", "megatron:tp=1,pp=2,ep=2,experts=sequential", 1),
+], ids=lambda v: str(v))
+def test_between_staged_layouts_every_element_arrives_once(config, src, dst, dp, pool):
+    with SyncSession(config, src, dst, dp=dp, pool=pool, forward=False) as session:
+        result = session.run(bucket_bytes=4096)
+        stale = session.run(into="existing")
+    assert result.passed and stale.passed, result.summary()
+    assert result.bytes_moved == result.b_min and result.coverage == 1.0
+    assert not session.plan.writes()
+
+
+def test_two_stages_claiming_one_layer_is_a_coverage_failure(pool):
+    with SyncSession(DEEP, "megatron:tp=2,pp=2", "vllm:2", pool=pool, forward=False) as session:
+        assert session.run().passed  # the twin: the harness's plan
+        plan = PLAN_MUTATIONS["stages_publish_local_indices"](session.plan)
+        result = session.run(plan=plan)
+        stale = session.run(plan=plan, into="existing")
+    assert not result.passed and not stale.passed and not stale.elements_passed
+    head, *lines = result.writes
+    # layers 2-3 on stage 1 (6 tensors each, both destination ranks) land in layers 0-1
+    assert head == "24 destination tensors written twice, 24 with elements never written"
+    text = "\n".join(lines)
+    assert ("rank 0 model.layers.0.self_attn.qkv_proj.weight: written twice: local: "
+            "layers.0.qkv.weight") in text
+    assert "rank 2 -> rank 0: layers.2.qkv.weight" in text  # the second writer, named
+    assert "model.layers.2.input_layernorm.weight: 32 of 32 elements never written" in text
+    summary = result.summary()
+    assert "coverage: the plan writes 24 destination tensors written twice" in summary
+
+
+def test_plan_writes_names_what_the_planner_mutations_break():
+    plan = plan_for(sync_layout(tiny(4), "megatron:4"), sync_layout(tiny(4), "vllm:2"))
+    assert plan.writes() == ()
+    dropped = PLAN_MUTATIONS["dropped_transfer"](plan).writes()
+    assert dropped[0] == "0 destination tensors written twice, 1 with elements never written"
+    overlap = PLAN_MUTATIONS["box_overlap"](plan).writes()
+    assert overlap[0].startswith("1 destination tensors written twice") and \
+        "written twice: rank" in overlap[1]
+    # the bugs that move bytes to the wrong place keep one write per element: the element
+    # check and the forward find those
+    assert PLAN_MUTATIONS["qk_swapped"](plan).writes() == ()
+    with pytest.raises(NotApplicable, match="megatron:4 has no pipeline stages"):
+        PLAN_MUTATIONS["stages_publish_local_indices"](plan)
+
+
+def test_vllms_stacked_expert_tensors_are_refused_naming_the_tensor():
+    with pytest.raises(UnsupportedLayout, match=r"vllm:tp=2,ep=2: rank 0 model.layers.0.mlp.experts."
+                                                r"routed_experts.w13_weight stacks 2 selections"):
+        sync_layout(DEEP_MOE, "vllm:tp=2,ep=2")
+
+
+def test_a_staged_destination_states_what_each_stage_holds():
+    layout = sync_layout(DEEP, "megatron:tp=2,pp=2")
+    assert layout.world == 4 and layout.replica == 4 and not layout.runs_forward
+    assert layout.stated_ranges("layers.3.qkv.weight", 0)[1] == []
+    assert layout.stated_ranges("layers.3.qkv.weight", 3)[1] != []
+    assert layout.stated_ranges("tok_embeddings.weight", 2)[1] == []
+    assert layout.stated_ranges("lm_head.weight", 2)[1] != []
+    tied = sync_layout(DEEP.replace(tie_embeddings=True), "megatron:tp=2,pp=2")
+    assert tied.stated_ranges("tok_embeddings.weight", 2)[1] != []  # the last stage's copy
+
+
+def test_a_destination_written_twice_with_the_same_bytes_still_fails(pool):
+    # every element arrives right, so only the write count shows it: a duplicated transfer
+    with SyncSession(DEEP, "megatron:tp=2,pp=2", "vllm:2", pool=pool, forward=False) as session:
+        first = next(t for t in session.plan.transfers if not t.local)
+        twice = session.plan.with_transfers([*session.plan.transfers, first], "duplicated")
+        result = session.run(plan=twice)
+    assert result.elements_passed and not result.passed
+    assert result.writes[0] == "1 destination tensors written twice, 0 with elements never written"
