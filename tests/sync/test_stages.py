@@ -103,3 +103,11 @@ def test_a_destination_written_twice_with_the_same_bytes_still_fails(pool):
         result = session.run(plan=twice)
     assert result.elements_passed and not result.passed
     assert result.writes[0] == "1 destination tensors written twice, 0 with elements never written"
+
+
+def test_the_element_check_says_which_layer_a_tensor_holds(pool):
+    with SyncSession(DEEP, "megatron:tp=2,pp=2", "vllm:2", pool=pool, forward=False) as session:
+        plan = PLAN_MUTATIONS["stages_publish_local_indices"](session.plan)
+        result = session.run(plan=plan)
+    assert any("holds layer 2's attn_norm.weight (its declared cut) byte for byte; declared "
+               "layer 0's" in line for e in result.elements for line in e.lines), result.summary()

@@ -100,12 +100,9 @@ def diagnose(canonical: Mapping[str, torch.Tensor], config: ModelConfig, name: s
     for rank, (piece, shard) in enumerate(zip(declared, shards)):
         if piece is None or shard is None:
             continue
-        layer = held_layer(canonical, config, piece, shard)
-        if layer is not None:
-            lines.append(f"rank {rank} {name} holds layer {layer}'s {describe_whole(piece)} "
-                         f"byte for byte; declared layer {piece.source.split('.')[1]}'s: a "
-                         "layer stored under another layer's index (a stage's local index "
-                         "read as global, or its offset wrong)")
+        moved = diagnose_layer(canonical, config, name, rank, piece, shard)
+        if moved is not None:
+            lines.append(moved)
             continue
         full = canonical[piece.source]
         line = diagnose_rank(full, config, name, rank, piece, shard,
@@ -113,6 +110,18 @@ def diagnose(canonical: Mapping[str, torch.Tensor], config: ModelConfig, name: s
         if line is not None:
             lines.append(line)
     return lines
+
+
+def diagnose_layer(canonical: Mapping[str, torch.Tensor], config: ModelConfig, name: str,
+                   rank: int, piece: Piece, shard: torch.Tensor) -> str | None:
+    """``rank {rank} {name} holds layer k's ...`` where ``shard`` is another layer's same
+    parameter, cut as declared (``held_layer``), else None."""
+    layer = held_layer(canonical, config, piece, shard)
+    if layer is None:
+        return None
+    return (f"rank {rank} {name} holds layer {layer}'s {describe_whole(piece)} byte for byte; "
+            f"declared layer {piece.source.split('.')[1]}'s: a layer stored under another "
+            "layer's index (a stage's local index read as global, or its offset wrong)")
 
 
 def held_layer(canonical: Mapping[str, torch.Tensor], config: ModelConfig, piece: Piece,

@@ -127,8 +127,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                               "memory per rank, element check and forward")
     add_model_options(p, default="toy_kv4")
     p.add_argument("--from", dest="src", default="megatron:4",
-                   help="source layout: CONVENTION:DEGREE (plain, megatron, vllm, hf, meta) or "
-                        "fsdp:D (default megatron:4)")
+                   help="source layout: CONVENTION:DEGREE (plain, megatron, vllm, hf, meta), "
+                        "a whole endpoint (megatron:tp=2,pp=2,vpp=2,ep=2) or fsdp:D (default "
+                        "megatron:4)")
     p.add_argument("--to", dest="dst", default="vllm:2", help="destination layout (default vllm:2)")
     p.add_argument("--dp", type=count, default=1,
                    help="data-parallel replicas of the source (global rank dp_rank * degree + "

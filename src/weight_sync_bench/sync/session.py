@@ -467,7 +467,12 @@ def judge(plan: Plan, logits: torch.Tensor, reference: torch.Tensor, threshold: 
                    first_mismatch=differ[0] if differ else None, mismatches=differ,
                    diagnosis=diagnosis,
                    phase=PHASE, mutation=plan.mutation, own_forward=True,
-                   conventions=(src.label.split(":")[0], dst.label.split(":")[0]), notes=notes)
+                   conventions=(_named(src), _named(dst)), notes=notes)
+
+
+def _named(side: SyncLayout) -> str:
+    """How a verdict names a side: its whole endpoint, else its convention's name."""
+    return str(side.endpoint) if side.endpoint is not None else side.label.split(":")[0]
 
 
 def raise_user_errors(records: Sequence[dict[str, Any]], name: str, plan: Plan) -> None:

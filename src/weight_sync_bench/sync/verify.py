@@ -21,14 +21,14 @@ degree (the pool's prefix group). The functions run under ``torchrun`` as well
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from weight_sync_bench.check.diagnosis import bit_equal, diagnose_rank
+from weight_sync_bench.check.diagnosis import bit_equal, diagnose_layer, diagnose_rank
 from weight_sync_bench.check.user_code import user_frames
 from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.conventions import reading_plan
@@ -115,10 +115,29 @@ def check_elements(plan: Plan, rank: int, out: Mapping[str, torch.Tensor], seed:
         piece = layout.pieces[rank][differ[0]]
         shape = shapes[piece.source]
         canonical = region_values(seed, piece.source, shape, tuple((0, n) for n in shape))
-        line = diagnose_rank(canonical, layout.config, differ[0], rank, piece,
-                             out[differ[0]].cpu())
+        line = diagnose_layer(Regenerated(seed, shapes), layout.config, differ[0], rank,
+                              piece, out[differ[0]].cpu()) or diagnose_rank(
+            canonical, layout.config, differ[0], rank, piece, out[differ[0]].cpu())
         lines = (line,) if line is not None else ()
     return ElementCheck(rank, checked, total, tuple(differ), lines)
+
+
+class Regenerated(Mapping[str, torch.Tensor]):
+    """The canonical parameters, each regenerated from the generator when read (a
+    diagnosis's: after the timed region, one at a time)."""
+
+    def __init__(self, seed: int, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.seed, self.shapes = seed, shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]
+        return region_values(self.seed, name, shape, tuple((0, n) for n in shape))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def first_difference(layout: SyncLayout, checks: Sequence[ElementCheck]
