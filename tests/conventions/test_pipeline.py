@@ -145,3 +145,26 @@ def test_the_unstaged_forward_reads_every_stage(tolerance):
 
     verdict = check_convert(wrong_head, TOY, "vllm:4", "megatron:tp=2,pp=2")
     assert not verdict.passed and verdict.max_abs_error > 100 * verdict.threshold
+
+
+def test_a_staged_checkpoint_is_written_and_verified(tmp_path, tolerance):
+    from weight_sync_bench.check.checkpoint import verify_checkpoint
+    from weight_sync_bench.conventions.checkpoint import write_checkpoint
+    from weight_sync_bench.errors import CheckpointError
+
+    text = "megatron:tp=2,pp=2,vpp=2"
+    shards = shards_for(TOY, text)
+    write_checkpoint(tmp_path / "ok", shards, endpoint(text), TOY)
+    assert verify_checkpoint(tmp_path / "ok", TOY, text).passed
+    # the twin: stage 1 written with its chunks exchanged (model0 <-> model1): same names,
+    # another layer's weights in each
+    wrong = [dict(r) for r in shards]
+    for r in (2, 3):
+        for name in [n for n in wrong[r] if n.startswith("model0.decoder.layers.")]:
+            other = "model1." + name[len("model0."):]
+            wrong[r][name], wrong[r][other] = shards[r][other], shards[r][name]
+    write_checkpoint(tmp_path / "bad", wrong, endpoint(text), TOY)
+    verdict = verify_checkpoint(tmp_path / "bad", TOY, text)
+    assert not verdict.passed and "holds layer 3's" in "\n".join(verdict.diagnosis)
+    with pytest.raises(CheckpointError, match="megatron:tp=2,pp=2 rank 0 is missing"):
+        verify_checkpoint(tmp_path / "ok", TOY, "megatron:tp=2,pp=2")
