@@ -5,7 +5,8 @@ memory per rank.
 One row per layout pair (TOY-sized geometries, world sizes up to 8): TP a -> b for a, b in
 1, 2, 4, 8 (8 on 8 KV heads), vLLM's KV
 replication over 1, 2 and 8 KV heads, FSDP ``Shard(0)`` -> TP, DP x TP -> TP, fused
-tensors, Megatron -> vLLM and -> Meta. Each row: ``reps`` interleaved rounds of the
+tensors, Megatron -> vLLM and -> Meta, and Megatron's pipeline stages and experts (TP x PP,
+virtual stages, x EP) -> vLLM, HF and Megatron. Each row: ``reps`` interleaved rounds of the
 harness's executor into fresh destination storage, the same into existing storage
 (``into="existing"``: the tensors an engine already holds, allocated and filled before the
 timed region) and the naive ``gather_scatter`` (every run checked element by element), the
@@ -34,7 +35,7 @@ import time
 import torch
 
 from weight_sync_bench.collectives.gloo.pool import RankPool
-from weight_sync_bench.model.config import TOY, TOY_KV4
+from weight_sync_bench.model.config import TOY, TOY_KV4, TOY_MOE
 from weight_sync_bench.sync import SyncSession, execute_plan, gather_scatter
 
 KV1, KV8 = TOY.replace(name="toy_kv1", n_kv_heads=1), TOY.replace(name="toy_kv8", n_kv_heads=8)
@@ -47,6 +48,10 @@ ROWS = (
     + [(TOY_KV4, "fsdp:4", "vllm:2", 1), (TOY_KV4, "fsdp:8", "megatron:4", 1)]
     + [(TOY_KV4, "megatron:2", "vllm:4", 2), (TOY_KV4, "megatron:4", "vllm:2", 2)]
     + [(TOY_KV4, "megatron:4", "vllm:2", 1), (TOY_KV4, "megatron:2", "meta:2", 1)]
+    # pipeline stages and experts (issue 25): Megatron TP x PP (x EP) -> vLLM / HF / Megatron
+    + [(TOY, "megatron:tp=2,pp=2", "vllm:4", 1), (TOY, "vllm:4", "megatron:tp=2,pp=2,vpp=2", 1),
+       (TOY, "megatron:tp=1,pp=2", "vllm:2", 2), (TOY_MOE, "megatron:tp=2,pp=2,ep=2", "hf", 1),
+       (TOY_MOE, "megatron:tp=2,ep=4", "megatron:tp=1,pp=4,ep=2", 1)]
 )
 FORWARD = (TOY, TOY_KV4)  # the geometries with a measured phase 1b floor
 
