@@ -134,6 +134,7 @@ def test_a_stage_offset_computed_as_if_contiguous_is_named(tolerance):
     assert "declared layer 1's" in text
     assert "rank 1 is pipeline stage 1 of 2: chunk 0 (model0.) global layer 1 as local 0; " \
            "chunk 1 (model1.) global layer 3 as local 0" in text
+    assert verdict.named_mutation == "pp_chunks_contiguous"  # the catalogue knows the bug
 
 
 def test_the_unstaged_forward_reads_every_stage(tolerance):
