@@ -107,6 +107,12 @@ class RankCrash(RankFailure):
         self.signal_name, self.exit_code = signal_name, exit_code
 
 
+class UnguardedMain(RankCrash):
+    """The rank processes re-imported the user's script (``__main__``, as multiprocessing does
+    in every process it starts) and that script started the harness's ranks again at import
+    time: its checks are not under ``if __name__ == "__main__":``."""
+
+
 class LauncherCrash(RankCrash):
     """The process that starts the ranks died, and the ranks exited because their parent went
     away: no rank crashed on its own. ``launcher`` names that process (the rank pool's

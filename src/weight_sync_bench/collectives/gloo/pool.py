@@ -48,6 +48,7 @@ import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -69,6 +70,7 @@ from weight_sync_bench.errors import (
     RankStopped,
     RankTimeout,
     TooManyRanks,
+    UnguardedMain,
     WsbError,
 )
 
@@ -81,6 +83,13 @@ _FORKSERVER = multiprocessing.get_context("forkserver")
 # caller's multiprocessing. The "__main__" entry is multiprocessing's own default: a script
 # using the pool needs the usual `if __name__ == "__main__":` guard.
 _PRELOAD = ["__main__", "weight_sync_bench.check.forwards"]
+# A rank's exit status when it re-imported a script that starts ranks at import time
+MAIN_REIMPORTED = 86
+
+
+def _main_path() -> str:
+    """The script the parent runs as ``__main__`` (what each rank re-imports)."""
+    return getattr(sys.modules.get("__main__"), "__file__", None) or "__main__"
 
 
 # The most rank processes a pool starts (``max_ranks``): every degree and world the harness
@@ -214,6 +223,11 @@ class RankPool:
         its subgroups. A no-op when running. ``fault`` is a test hook (rendezvous faults)."""
         if self._ranks:
             return
+        if getattr(multiprocessing.current_process(), "_inheriting", False):
+            # this process is a rank (or the forkserver) importing the user's script as
+            # __mp_main__ to start, and the script is starting ranks of its own: leave with
+            # the code the parent reads as UnguardedMain, before anything is forked
+            os._exit(MAIN_REIMPORTED)
         _FORKSERVER.set_forkserver_preload(_PRELOAD)
         _start_forkserver()
         self._dir = Path(tempfile.mkdtemp(prefix="wsb-ranks-"))
@@ -399,6 +413,15 @@ class RankPool:
     def _crash_error(self, reply: _Reply, where: str, ranks: Sequence[_Rank]) -> RankCrash:
         assert self._board is not None
         r = next(r for r in self._ranks if r.rank == reply.rank)
+        if reply.value == MAIN_REIMPORTED:
+            return UnguardedMain(
+                f"rank {r.rank} (pid {r.proc.pid}) exited during {where}: it re-imported your "
+                f"script ({_main_path()}) to start, as multiprocessing does in every process "
+                "it starts, and the script started the harness's rank processes again at "
+                "import time. Put the code that runs checks under `if __name__ == "
+                "\"__main__\":` (the Python docs: multiprocessing, \"Safe importing of main "
+                "module\")", rank=r.rank, exit_code=MAIN_REIMPORTED, pids=self.pids,
+                breadcrumb=str(self._board.read(r.rank)))
         launcher_end = None if self._forkserver is None else child_end(self._forkserver)
         if launcher_end is not None:
             return self._launcher_error(r, launcher_end, where, ranks)
