@@ -111,7 +111,11 @@ def forward_of(convention: Convention | str, config: ModelConfig,
     forward = conv.forward_layout(config, at)
     at = at.unstaged() if at.staged else at  # pipeline stages run their unstaged forward
     if any(isinstance(spec.placement, HeadReplicated) for spec in forward.layout):
-        if conv.name != "vllm":  # only vLLM's forward was measured replicated
+        # vLLM's forward was measured replicated; Megatron's at t > n_kv_heads is the same
+        # forward: once its gathered qkv is read, rank r computes Q heads r*np/t.. with KV
+        # head r*ng/t (the group rank // (t/ng)) and o_proj sums the same t partials, in
+        # the same ShardedModel over the same placement
+        if conv.name not in ("vllm", "megatron"):
             return f"{conv.name}-replicated-kv"
         return REPLICATED_KV
     experts, world = forward.experts, at.world

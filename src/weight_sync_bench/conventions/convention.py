@@ -45,11 +45,15 @@ class ForwardLayout:
     (the canonical one, its vocabulary padded as the convention pads it), the placement of
     every canonical parameter it consumes over the endpoint's ``world`` ranks, and its TP
     degree ``tp`` (0: the world; less where the ranks hold ``world / tp`` data-parallel
-    replicas of the dense layers, Megatron's experts spread over them)."""
+    replicas of the dense layers, Megatron's experts spread over them); ``gathered`` the
+    parameters each rank's forward reads from its whole TP group's stored tensors."""
 
     config: ModelConfig
     layout: LayoutTable
     tp: int = 0
+    # canonical parameters whose stored tensors the forward gathers over its TP group before
+    # reading them (Megatron's linear_qkv at t > n_kv_heads: the mixed_qkv all-gather)
+    gathered: frozenset[str] = frozenset()
 
     @property
     def embedding(self) -> Placement:

@@ -10,6 +10,8 @@ Followed (NVIDIA/Megatron-LM @ d98e8a64; research notes conventions.md section 1
   ``megatron/core/transformer/attention.py::SelfAttention.get_query_key_value_tensors`` (the
   view ``(sq, b, ng, (np/ng + 2) * hn)`` then split ``[np/ng * hn, hn, hn]``), and Bridge
   ``param_mapping.py::merge_qkv_weights`` / ``merge_qkv_biases``;
+- TP greater than the KV heads (``t % n_kv_heads == 0``, Megatron-LM PR #2565): raw row
+  chunks of the grouped ``linear_qkv``, the forward gathering ``mixed_qkv`` (see ``_build``);
 - TP: ``tensor_parallel/layers.py::ColumnParallelLinear`` keeps contiguous row chunk r
   (``linear_qkv``, ``linear_fc1``, ``output_layer``), ``RowParallelLinear`` column chunk r
   (``linear_proj``, ``linear_fc2``), ``VocabParallelEmbedding`` vocab rows
@@ -81,7 +83,7 @@ from weight_sync_bench.conventions.convention import (
 )
 from weight_sync_bench.conventions.maps import Pieces, chunk, expert_cols, expert_rows, rows
 from weight_sync_bench.conventions.staging import staged
-from weight_sync_bench.layout.placements import Experts
+from weight_sync_bench.layout.placements import Experts, HeadReplicated
 from weight_sync_bench.model.plan import experts_placement, layout_for
 
 if TYPE_CHECKING:
@@ -105,6 +107,21 @@ def grouped_qkv_order(n_heads: int, n_kv_heads: int, head_dim: int) -> torch.Ten
         parts.append(rows(q_rows + g * head_dim, q_rows + (g + 1) * head_dim))
         parts.append(rows(q_rows + kv_rows + g * head_dim, q_rows + kv_rows + (g + 1) * head_dim))
     return torch.cat(parts)
+
+
+def qkv_stored_rows(config: ModelConfig, t: int, tp_rank: int) -> list[tuple[int, int]]:
+    """The canonical ``[Q | K | V]`` rows TP rank ``tp_rank`` stores of ``linear_qkv`` at TP
+    ``t``, as sorted ``(start, stop)`` runs: contiguous chunk ``tp_rank`` of the grouped
+    order (whole groups at ``t <= n_kv_heads``, a raw slice beyond)."""
+    rows_held = sorted(chunk(grouped_qkv_order(config.n_heads, config.n_kv_heads,
+                                               config.head_dim), t, tp_rank).tolist())
+    runs: list[tuple[int, int]] = []
+    for row in rows_held:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
 
 
 def padded_vocab(vocab: int, degree: int) -> int:
@@ -170,9 +187,16 @@ def _reads(config: ModelConfig, at: Endpoint) -> ForwardLayout:
     if config.n_experts:
         layout = relaid(layout, {s.name: _experts(config, at, down=s.name.endswith("down.weight"))
                                  for s in layout if isinstance(s.placement, Experts)})
+    gathered: frozenset[str] = frozenset()
+    if degree > config.n_kv_heads:  # mixed_qkv all-gathered, then each rank's heads read
+        qkv = [f"layers.{i}.qkv.{kind}" for i in range(config.n_layers)
+               for kind in ("weight", "bias")]
+        layout = relaid(layout, dict.fromkeys(qkv, HeadReplicated(
+            config.n_heads, config.n_kv_heads, config.head_dim)))
+        gathered = frozenset(qkv) & set(config.param_shapes())
     if _world(at) > degree:  # the dense layers on each data-parallel replica of the TP group
         layout = replicated(layout, degree)
-    return ForwardLayout(forward, layout, tp=degree)
+    return ForwardLayout(forward, layout, tp=degree, gathered=gathered)
 
 
 def _build(config: ModelConfig, at: Endpoint) -> Pieces:
@@ -185,14 +209,17 @@ def _build(config: ModelConfig, at: Endpoint) -> Pieces:
          "embedding.word_embeddings.weight", t, "vocab % t == 0 with vocab=unpadded "
          "(VocabParallelEmbedding divides the vocabulary evenly over TP)", f"vocab={config.vocab}")
     need(config.n_heads % t == 0, NAME, qkv0, t, "n_heads % t == 0", f"n_heads={config.n_heads}")
-    # The rule before commit f7dfb99795 (Dec 2025, "Support TP greater than num_kv_heads"):
-    # num_query_groups % t == 0. Newer Megatron-Core also accepts t % n_kv_heads == 0 by
-    # keeping raw 1/t row slices of the interleaved tensor and all-gathering qkv activations
-    # in the forward; a rank's raw slice then holds no whole head (e.g. [q3 k0 v0]), so its
-    # local tensor is not what any rank's attention reads. Rejected, naming the rule.
-    need(config.n_kv_heads % t == 0, NAME, qkv0, t,
-         "n_kv_heads % t == 0 (TP > num_query_groups is rejected, as by Megatron-Core before "
-         "f7dfb99795)", f"n_kv_heads={config.n_kv_heads}")
+    # num_query_groups % t == 0, or, since commit f7dfb99795 (Megatron-LM PR #2565, Dec 2025,
+    # "Support TP greater than num_kv_heads"), t % num_query_groups == 0: each rank keeps a raw
+    # 1/t row slice of the interleaved tensor (ColumnParallelLinear: the rows divide by t),
+    # which holds no whole group ([q3 k0 v0]...), and the forward all-gathers mixed_qkv over
+    # TP and takes group rank // (t / ng), then its own t-th of that group's Q heads
+    # (attention.py::get_query_key_value_tensors): vLLM's replicated-KV heads per rank.
+    need(config.n_kv_heads % t == 0 or t % config.n_kv_heads == 0, NAME, qkv0, t,
+         "n_kv_heads % t == 0, or t % n_kv_heads == 0 (TP > num_query_groups: Megatron-Core "
+         "since f7dfb99795)", f"n_kv_heads={config.n_kv_heads}")
+    need(config.qkv_rows % t == 0, NAME, qkv0, t, "the qkv rows divisible by t "
+         "(ColumnParallelLinear)", f"rows={config.qkv_rows}")
     need(not config.has_dense_mlp or config.ffn % t == 0, NAME,
          "decoder.layers.0.mlp.linear_fc1.weight", t, "ffn % t == 0", f"ffn={config.ffn}")
     need(not config.has_o_bias, NAME, "decoder.layers.0.self_attention.linear_proj.bias", t,

@@ -119,11 +119,18 @@ def _reading_plan(convention: Convention, config: ModelConfig, at: Endpoint) -> 
     forward = convention.forward_layout(config, at)
     canonical = config.param_shapes()
     world = at.world
+    tp = forward.tp or world
+    every = convention.pieces(config, at)
     ranks = []
-    for rank, stored in enumerate(convention.pieces(config, at)):
+    for rank, stored in enumerate(every):
         by_source: dict[str, list[tuple[str, Piece]]] = {}
         for name, piece in stored.items():
-            by_source.setdefault(piece.source, []).append((name, piece))
+            if piece.source not in forward.gathered:
+                by_source.setdefault(piece.source, []).append((name, piece))
+        for q in _tp_group(rank, tp):  # the gathered ones: every TP rank's, in rank order
+            for name, piece in every[q].items():
+                if piece.source in forward.gathered:
+                    by_source.setdefault(piece.source, []).append((f"{name}@{q}", piece))
         plan = {}
         for spec in forward.layout:
             dim, ranges = spec.ranges(world, rank)
@@ -136,6 +143,11 @@ def _reading_plan(convention: Convention, config: ModelConfig, at: Endpoint) -> 
     return ReadingPlan(forward, tuple(ranks))
 
 
+def _tp_group(rank: int, tp: int) -> range:
+    """The ranks of ``rank``'s TP group (TP rank fastest)."""
+    return range(rank // tp * tp, rank // tp * tp + tp)
+
+
 def forward_inputs(shards: Sequence[Mapping[str, torch.Tensor]], convention: Convention,
                    config: ModelConfig, degree: int | Endpoint) -> list[Params]:
     """Each rank's forward inputs (canonical names, the forward layout's local shapes) read
@@ -144,6 +156,11 @@ def forward_inputs(shards: Sequence[Mapping[str, torch.Tensor]], convention: Con
     at = convention.at(degree)
     if at.staged:
         shards = unstage(shards, config, at)
+    if plan.forward.gathered:  # what the forward's all-gather hands each rank: name@rank
+        tp = plan.forward.tp or len(shards)
+        shards = [{**mine, **{f"{n}@{q}": x for q in _tp_group(r, tp)
+                              for n, x in shards[q].items()}}
+                  for r, mine in enumerate(shards)]
     return [{name: selection.apply(stored) for name, selection in rank.items()}
             for stored, rank in zip(shards, plan.ranks)]
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from weight_sync_bench.conventions import convention_by_name, endpoint
 from weight_sync_bench.conventions.maps import placed
+from weight_sync_bench.conventions.megatron import qkv_stored_rows
 from weight_sync_bench.conventions.staging import stage_holds
 from weight_sync_bench.errors import UnknownConvention, UnsupportedLayout
 from weight_sync_bench.layout.placements import Shard
@@ -71,10 +72,12 @@ class SyncLayout:
 
     @property
     def runs_forward(self) -> bool:
-        """Whether phase 2 runs its forward: a convention whose ranks are one TP group (its
-        staged or expert-parallel endpoints' are checked element by element only)."""
+        """Whether phase 2 runs its forward: a convention whose ranks are one TP group, each
+        reading its own tensors (staged and expert-parallel endpoints, and Megatron's qkv
+        gathered at t > n_kv_heads, are checked element by element only)."""
         at = self.at
-        return at is not None and not at.staged and at.world == at.degree
+        return (at is not None and not at.staged and at.world == at.degree
+                and not at.convention.forward_layout(self.config, at).gathered)
 
     @property
     def key(self) -> tuple[str, ModelConfig]:
@@ -87,6 +90,14 @@ class SyncLayout:
         """``(dim, [(start, stop)])`` of canonical ``name`` that ``rank`` is stated to hold,
         clipped to the canonical shape (a convention's forward may pad the vocabulary)."""
         spec = self.statement[name]
+        at = self.at
+        if at is not None and name in at.convention.forward_layout(self.config, at).gathered:
+            # stored as raw row slices the forward gathers (Megatron's qkv at t > n_kv_heads):
+            # the statement is what each TP rank stores, once per replica and stage
+            r = rank % self.replica
+            inner = at.unstaged().world if at.staged else at.world
+            held = (not at.staged) or stage_holds(self.config, at, name, r // inner)
+            return 0, qkv_stored_rows(self.config, at.degree, r % inner % at.degree) if held else []
         if self.endpoint is None:
             dim, ranges = spec.ranges(self.degree, self.tp_rank(rank))
         else:  # the forward layout's placements over one stage's ranks, on their stage only
