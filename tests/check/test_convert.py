@@ -231,11 +231,10 @@ def test_a_tied_config_names_why_an_output_layer_is_unexpected():
     ("foo:2", "vllm:2", UnknownConvention,
      "unknown convention 'foo' in 'foo:2'; known: plain, megatron, vllm, hf, meta"),
     ("hf", "vllm:two", UnknownConvention, "'vllm:two': the degree after ':' must be a positive integer"),
-    # TOY has 2 KV heads: Megatron (before f7dfb99795) does not split them 4 ways
-    ("hf", "megatron:4", UnsupportedConvention,
-     ("megatron: decoder.layers.0.self_attention.linear_qkv.weight needs n_kv_heads % t == 0 "
-     "(TP > num_query_groups is rejected, as by Megatron-Core before f7dfb99795) "
-     "(n_kv_heads=2, t=4)")),
+    # TOY has 2 KV heads and 8 query heads: Megatron takes TP 4 and 8 now, not 3
+    ("hf", "megatron:3", UnsupportedConvention,
+     "megatron: decoder.layers.0.self_attention.linear_qkv.weight needs n_heads % t == 0 "
+     "(n_heads=8, t=3)"),
     ("hf:2", "vllm:2", UnsupportedConvention,
      "hf: model.embed_tokens.weight needs t == 1 (a Hugging Face checkpoint is unsharded) (t=2)"),
 ])

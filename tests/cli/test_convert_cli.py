@@ -24,6 +24,10 @@ def converters(tmp_path, monkeypatch):
             from weight_sync_bench import TOY_KV4
             return convert(shards, "megatron", f"vllm:{degree}", TOY_KV4)
 
+        def meta_to_vllm(shards, degree):
+            from weight_sync_bench import TOY_KV4
+            return convert(shards, "meta", f"vllm:{degree}", TOY_KV4)
+
         def swapped(shards, degree):  # the twin: ranks 0 and 1 exchange their qkv_proj
             out = megatron_to_vllm(shards, degree)
             name = "model.layers.0.self_attn.qkv_proj.weight"
@@ -71,17 +75,16 @@ def test_a_converter_that_raises_is_the_users_code_and_bad_endpoints_are_bad_inp
 
 def test_over_every_config_a_converter_is_checked_where_both_conventions_store_it(
         converters, capsys):
-    # TOY has 2 KV heads: Megatron at t=4 rejects it, naming the rule; TOY_KV4 is checked
-    assert main(["check", "--converter", f"{converters}:megatron_to_vllm", "--from",
-                 "megatron:4", "--to", "vllm:2"]) == 0
+    # TOY has 2 KV heads: Meta at t=4 rejects it (no KV replication), naming the rule;
+    # TOY_KV4 is checked
+    assert main(["check", "--converter", f"{converters}:meta_to_vllm", "--from",
+                 "meta:4", "--to", "vllm:2"]) == 0
     out = capsys.readouterr().out
     assert "1 passed, 0 failed" in out
-    assert ("skipped toy: megatron: decoder.layers.0.self_attention.linear_qkv.weight needs "
-            "n_kv_heads % t == 0") in out
-    assert main(["check", "--config", "toy", "--converter", f"{converters}:megatron_to_vllm",
-                 "--from", "megatron:4", "--to", "vllm:2"]) == 2
-    assert "megatron: decoder.layers.0.self_attention.linear_qkv.weight needs" in \
-        capsys.readouterr().err
+    assert "skipped toy: meta: layers.0.attention.wk.weight needs n_kv_heads % t == 0" in out
+    assert main(["check", "--config", "toy", "--converter", f"{converters}:meta_to_vllm",
+                 "--from", "meta:4", "--to", "vllm:2"]) == 2
+    assert "meta: layers.0.attention.wk.weight needs" in capsys.readouterr().err
 
 
 def small_hf_config(tmp_path, **changes):
@@ -157,9 +160,12 @@ def test_wsb_layout_of_vllm_states_the_replicated_kv_head_where_t_exceeds_the_kv
 
 
 def test_wsb_layout_of_a_degree_the_convention_rejects_names_the_rule(capsys):
-    assert main(["layout", "--config", "toy", "--convention", "megatron", "--degree", "4"]) == 2
-    assert ("megatron: decoder.layers.0.self_attention.linear_qkv.weight needs n_kv_heads % t "
-            "== 0") in capsys.readouterr().err
+    assert main(["layout", "--config", "toy", "--convention", "meta", "--degree", "4"]) == 2
+    assert "meta: layers.0.attention.wk.weight needs n_kv_heads % t == 0" in \
+        capsys.readouterr().err
+    # Megatron at TP 4 over 2 KV heads: raw slices, gathered by the forward (said so)
+    assert main(["layout", "--config", "toy", "--convention", "megatron", "--degree", "4"]) == 0
+    assert "gathered: the forward all-gathers" in capsys.readouterr().out
     assert main(["layout", "--config", "toy", "--convention", "trt"]) == 2
     assert "unknown convention 'trt'" in capsys.readouterr().err
     assert main(["layout", "--hf-config", "mistral_nemo", "--convention", "meta",

@@ -177,10 +177,10 @@ def test_biases_are_stored_where_each_framework_has_them():
 
 
 REJECTED = [
-    # Megatron before f7dfb99795 rejects TP > num_query_groups (a raw slice holds no head)
-    ("megatron", TOY, 4, ("megatron: decoder.layers.0.self_attention.linear_qkv.weight needs "
-     "n_kv_heads % t == 0 (TP > num_query_groups is rejected, as by Megatron-Core before "
-     "f7dfb99795) (n_kv_heads=2, t=4)")),
+    # Megatron since f7dfb99795 takes TP > num_query_groups only as a multiple of them
+    ("megatron", G2.replace(n_heads=6, d_model=24, ffn=6), 3, ("megatron: decoder.layers.0."
+     "self_attention.linear_qkv.weight needs n_kv_heads % t == 0, or t % n_kv_heads == 0 (TP > "
+     "num_query_groups: Megatron-Core since f7dfb99795) (n_kv_heads=2, t=3)")),
     # vLLM replicates KV heads only when t is a multiple of n_kv_heads
     ("vllm", G2.replace(n_heads=6, d_model=24, ffn=6), 3, ("vllm: model.layers.0.self_attn."
      "qkv_proj.weight needs t % n_kv_heads == 0 when t > n_kv_heads (n_kv_heads=2, t=3)")),
@@ -232,7 +232,8 @@ def test_plain_keeps_the_layouts_own_error():
 
 def test_supported_degrees_are_probed_from_the_rules():
     assert {n: c.supported_degrees(TOY, 8) for n, c in CONVENTIONS.items()} == {
-        "plain": [1, 2], "megatron": [1, 2], "vllm": [1, 2, 4, 8], "hf": [1], "meta": [1, 2]}
+        "plain": [1, 2], "megatron": [1, 2, 4, 8], "vllm": [1, 2, 4, 8], "hf": [1],
+        "meta": [1, 2]}
 
 
 @pytest.mark.parametrize("text, message", [

@@ -42,10 +42,15 @@ def render(config: ModelConfig, convention: Convention,
                 continue
             shape = next(rank[name] for rank in convention.local_shapes(config, t)
                          if name in rank)
-            placement = convention.forward_layout(config, t).layout[piece.source].placement
+            forward = convention.forward_layout(config, t)
+            placement = forward.layout[piece.source].placement
             if isinstance(placement, HeadReplicated):
                 legend[str(placement)] = (f"{placement}: Q heads split; rank r holds replicated "
                                           f"KV head r*{placement.n_kv_heads}/t")
+            if piece.source in forward.gathered:
+                legend["gathered"] = (
+                    "gathered: the forward all-gathers these stored rows (raw row slices of "
+                    "the grouped linear_qkv) over TP, then reads them as the placement says")
             cells.append(f"[{', '.join(str(s) for s in shape)}] {placement}")
         rows.append(cells)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
