@@ -7,7 +7,9 @@
   n_kv_heads``); the variants each framework stores differently (Qwen2's qkv bias, Llama's
   ``attention_bias``, tied embeddings) drawn too;
 - ``endpoints(config)``: every (convention, degree) that can store it (probed through the
-  conventions' own rules, degrees among the divisors of ``n_heads``);
+  conventions' own rules, degrees among the divisors of ``n_heads``), and Megatron's
+  unpadded vocabulary and pipeline stages (``staged_endpoints``: pp, vpp, uneven stages,
+  the embedding or loss counted, within Megatron's rules);
 - ``conversion_cases(mutation)``: a ``ConversionCase``: the two conventions (each equally
   likely), a geometry both store, each end's degree, a seed; with a conversion mutation, an
   endpoint pair where it applies and (when there is one) is not the identity.
@@ -35,8 +37,9 @@ from weight_sync_bench.fuzz.case import ConversionCase
 from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN, FuzzDomain, IntRange, MoeDomain
 from weight_sync_bench.model.config import ModelConfig
 
-__all__ = ["Needs", "conversion_cases", "conversion_geometries", "endpoints",
-           "moe_conversion_cases", "moe_endpoints", "moe_needs_for", "needs_for"]
+__all__ = ["Needs", "case_end", "conversion_cases", "conversion_geometries", "endpoints",
+           "moe_conversion_cases", "moe_endpoints", "moe_needs_for", "needs_for",
+           "staged_endpoints"]
 
 REPLICATION = (1, 2, 4)  # KV-head replication factors k: vLLM at t = k * n_kv_heads
 
@@ -53,7 +56,9 @@ class Needs:
       with ``n_heads`` is a silent bug only where that view of k is valid, and differs);
     - ``variants``: ``"any"``, ``"plain"`` (no bias, untied: Meta's checkpoints),
       ``"no_o_bias"`` (Megatron stores no linear_proj bias without fc1 biases),
-      ``"qkv_bias"`` (a fused qkv bias, no o_proj bias), ``"untied"``."""
+      ``"qkv_bias"`` (a fused qkv bias, no o_proj bias), ``"untied"``, ``"untied_no_o_bias"``
+      (both: Megatron's pipeline ends with their own output layer);
+    - ``min_layers``: the fewest layers (pipeline stages need two or three)."""
 
     min_kv_heads: int = 1
     min_replication: int = 1
@@ -61,6 +66,7 @@ class Needs:
     min_head_dim: int = 2
     k_view: bool = False
     variants: str = "any"
+    min_layers: int = 1  # pipeline stages: 2 layers to split, 3 for an uneven last stage
 
 
 _NEEDS = {
@@ -76,6 +82,12 @@ _NEEDS = {
     "embedding_split_on_vocab": Needs(min_kv_heads=2, variants="plain"),
     "embedding_joined_on_vocab": Needs(min_kv_heads=2, variants="plain"),
     "output_stale_copy": Needs(variants="untied"),
+    # pipeline stages (issue 25): layers to split, Megatron's variants
+    "pp_local_layer_as_global": Needs(min_layers=2, variants="no_o_bias"),
+    "pp_chunks_contiguous": Needs(min_layers=3, variants="no_o_bias"),
+    "pp_last_stage_layers_dropped": Needs(min_layers=3, variants="no_o_bias"),
+    "pp_embedding_output_swapped": Needs(min_layers=2, variants="untied_no_o_bias"),
+    "vocab_padding_per_rank": Needs(min_kv_heads=2, variants="no_o_bias"),
 }
 
 
@@ -94,12 +106,12 @@ def needs_for(mutation: str | None) -> Needs:
 def _variants(draw: st.DrawFn, kind: str) -> dict[str, bool]:
     if kind == "plain":
         return {}
-    tied = False if kind in ("untied", "qkv_bias") else draw(st.booleans())
+    tied = False if kind in ("untied", "qkv_bias", "untied_no_o_bias") else draw(st.booleans())
     if kind == "qkv_bias":  # Qwen2: q, k, v biases only
         return {"qkv_bias": True}
     # none, Qwen2 (qkv_bias) or Llama's attention_bias (q, k, v and o_proj biases)
-    bias = draw(st.sampled_from(["none", "qkv"] if kind == "no_o_bias" else
-                                ["none", "qkv", "attention"]))
+    bias = draw(st.sampled_from(["none", "qkv"] if kind in ("no_o_bias", "untied_no_o_bias")
+                                else ["none", "qkv", "attention"]))
     return {"tie_embeddings": tied, "qkv_bias": bias != "none", "o_bias": bias == "attention"}
 
 
@@ -123,9 +135,16 @@ def conversion_geometries(draw: st.DrawFn, domain: FuzzDomain = DOMAIN,
         n_kv_heads=n_kv_heads, group=group, ffn_per_kv_head=ffn_per_kv_head,
         vocab_per_kv_head=draw(in_range(domain.vocab_per_kv_head)),
         head_dim=draw(st.sampled_from(head_dims)), d_model=draw(in_range(domain.d_model)),
-        n_layers=draw(in_range(domain.n_layers)), batch=draw(in_range(domain.batch)),
+        n_layers=draw(in_range(_at_least(domain.n_layers, needs.min_layers))),
+        batch=draw(in_range(domain.batch)),
         seq_len=draw(in_range(domain.seq_len)), name="fuzz_convert")
     return dataclasses.replace(config, **draw(_variants(needs.variants)))
+
+
+def _at_least(r: IntRange, lo: int) -> IntRange:
+    """``r`` from its first member >= ``lo`` (``r`` itself when none is)."""
+    first = next((v for v in range(r.lo, r.top + 1, r.step) if v >= lo), r.lo)
+    return IntRange(first, r.hi, r.step)
 
 
 def _multiples(r: IntRange, k: int, at_least: int = 1) -> list[int]:
@@ -136,12 +155,47 @@ def _multiples(r: IntRange, k: int, at_least: int = 1) -> list[int]:
 def endpoints(config: ModelConfig, names: tuple[str, ...] | None = None) -> list[Endpoint]:
     """Every (convention, degree) that can store ``config`` (of the conventions ``names``,
     default all), smallest degree first, then in ``CONVENTIONS`` order; degrees among the
-    divisors of ``n_heads`` (every convention splits the query heads)."""
+    divisors of ``n_heads`` (every convention splits the query heads); then Megatron's
+    options that change a dense layout: the vocabulary unpadded, and its pipeline stages
+    (``staged_endpoints``)."""
     degrees = [t for t in range(1, config.n_heads + 1) if config.n_heads % t == 0]
     found = [endpoint(f"{name}:{t}") for t in degrees for name, conv in CONVENTIONS.items()
              if (names is None or name in names) and conv.supports(config, t)]
+    if names is None or "megatron" in names:
+        found += [e for t in degrees if (e := endpoint(f"megatron:tp={t},vocab=unpadded"))
+                  and e.convention.supports(config, e)]
+        found += staged_endpoints(config)
     assert found, f"{config}: none of {names or list(CONVENTIONS)} stores it"
     return found
+
+
+def staged_endpoints(config: ModelConfig, max_world: int = 8) -> list[Endpoint]:
+    """Megatron's pipeline splits of ``config`` within ``max_world`` ranks, drawn from
+    Megatron's own rules (``stages.Pipeline``: what it refuses is left out): pp 2 to 4 at
+    each TP degree, with virtual stages, an uneven first or last stage, or the embedding /
+    loss counted as a layer; smallest world first."""
+    degrees = [t for t in range(1, config.n_heads + 1) if config.n_heads % t == 0]
+    texts = []
+    for t in degrees:
+        for pp in (2, 3, 4):
+            base = f"megatron:tp={t},pp={pp}"
+            texts += [base, base + ",vpp=2", base + ",pp_last=2", base + ",pp_first=1",
+                      base + ",pp_account=embedding", base + ",pp_account=both",
+                      base + ",vpp=2,pp_account=embedding"]
+    found = []
+    for text in texts:
+        at = endpoint(text)
+        if at.world <= max_world and at.convention.supports(config, at):
+            found.append(at)
+    return sorted(found, key=lambda e: e.world)
+
+
+def case_end(at: Endpoint) -> tuple[str, int]:
+    """How a ``ConversionCase`` names an end: ``("vllm", 2)`` for a convention at a TP degree,
+    else the whole endpoint and its world (``("megatron:tp=2,pp=2", 4)``)."""
+    if str(at) == f"{at.name}:{at.degree}":
+        return at.name, at.degree
+    return str(at), at.world
 
 
 def _pairs(config: ModelConfig, mutation: str | None, eps: Sequence[Endpoint]
@@ -191,8 +245,9 @@ def conversion_cases(draw: st.DrawFn, mutation: str | None = None,
     else:
         config = draw(conversion_geometries(domain, needs_for(mutation)))
         src, dst = draw(st.sampled_from(_pairs(config, mutation, endpoints(config))))
-    return ConversionCase(config=config, src_convention=src.name, src=src.degree,
-                          dst_convention=dst.name, dst=dst.degree, seed=draw(seeds(domain)),
+    (src_name, src_world), (dst_name, dst_world) = case_end(src), case_end(dst)
+    return ConversionCase(config=config, src_convention=src_name, src=src_world,
+                          dst_convention=dst_name, dst=dst_world, seed=draw(seeds(domain)),
                           mutation=mutation)
 
 

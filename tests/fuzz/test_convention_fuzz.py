@@ -18,7 +18,7 @@ from weight_sync_bench.fuzz.strategies.conventions import (
 )
 
 from weight_sync_bench.conventions import CONVENTIONS, endpoint
-from weight_sync_bench.conventions.mutations import DENSE_MUTATIONS
+from weight_sync_bench.conventions.mutations import DENSE_MUTATIONS, PIPELINE_MUTATIONS
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.conventions.mutations import Conversion
 from weight_sync_bench.errors import CorruptCorpusEntry
@@ -39,7 +39,7 @@ def test_the_invariant_holds_through_the_harness_converter_for_every_drawn_pair(
     assert tally.failures == 0 and tally.max_ratio <= 1.0
 
 
-@pytest.mark.parametrize("mutation", [m.name for m in DENSE_MUTATIONS])
+@pytest.mark.parametrize("mutation", [m.name for m in (*DENSE_MUTATIONS, *PIPELINE_MUTATIONS)])
 def test_every_conversion_mutation_is_killed_by_ten_x_wherever_it_is_not_the_identity(mutation):
     tally = run_property("convert_kill", mutation, max_examples=KILL_EXAMPLES)
     live = tally.examples - tally.identity
@@ -62,6 +62,8 @@ def test_the_strategies_reach_vllm_past_n_kv_heads_and_every_convention_at_both_
             replicated.append(case)
 
     draw()
+    staged = {c for e, c, _ in seen if ":" in c and "pp=" in c}
+    assert staged, "no pipeline endpoint drawn"
     for name in CONVENTIONS:
         for end in ("src", "dst"):
             assert (end, name, False) in seen, (end, name)
@@ -71,7 +73,7 @@ def test_the_strategies_reach_vllm_past_n_kv_heads_and_every_convention_at_both_
 
 
 def test_a_mutation_draws_a_conversion_it_applies_to_and_is_live_in_where_one_exists():
-    for mutation in (m.name for m in DENSE_MUTATIONS):
+    for mutation in (m.name for m in (*DENSE_MUTATIONS, *PIPELINE_MUTATIONS)):
         case = find(conversion_cases(mutation), lambda c: True, settings=settings(
             database=None, max_examples=5))  # the shrunk (smallest) draw
         conversion = case.conversion()
@@ -121,7 +123,8 @@ def test_twin_the_kill_property_fails_when_the_threshold_leaves_no_margin(tmp_pa
 def test_the_runner_cycles_through_the_conversion_properties_in_process_only():
     work = targets()
     assert ("convert", None) in work
-    assert {m for p, m in work if p == "convert_kill"} == {m.name for m in DENSE_MUTATIONS}
+    assert {m for p, m in work if p == "convert_kill"} == {
+        m.name for m in (*DENSE_MUTATIONS, *PIPELINE_MUTATIONS)}
     assert targets(["kv_swapped"]) == [("invariant", None), ("kill", "kv_swapped")]
     assert targets(["output_stale_copy"], invariant=False) == [("convert_kill",
                                                                 "output_stale_copy")]

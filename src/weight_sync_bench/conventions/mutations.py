@@ -139,7 +139,8 @@ def _recut(shards: list[Params], conversion: Conversion, sources: list[str],
     canonical = gather_canonical(shards, pieces, config.param_shapes(), sources)
     changed = change(canonical)
     canonical.update(changed)
-    names = [n for n, p in pieces[0].items() if p.source in changed]
+    names = list(dict.fromkeys(n for rank in pieces for n, p in rank.items()
+                               if p.source in changed))  # every stage's
     for rank, new in enumerate(materialize(pieces, canonical, names)):
         shards[rank].update(new)
     return shards
@@ -195,11 +196,13 @@ _FUSED = re.compile(r"layers\.\d+\.(qkv\.weight|qkv\.bias|gate_up\.weight)")
 
 def _tp_rank_zero(shards: list[Params], conversion: Conversion) -> list[Params]:
     """Every rank's fused column-parallel tensors (qkv, gate_up, or Meta's wq/wk/wv/w1/w3)
-    are rank 0's."""
-    for name, piece in conversion.dst.pieces(conversion.config)[0].items():
-        if _FUSED.fullmatch(piece.source):
-            for params in shards:
-                params[name] = shards[0][name].clone()
+    are rank 0's (on a pipeline stage, its first rank's)."""
+    first: dict[str, int] = {}
+    for rank, pieces in enumerate(conversion.dst.pieces(conversion.config)):
+        for name, piece in pieces.items():
+            if _FUSED.fullmatch(piece.source):
+                first.setdefault(name, rank)
+                shards[rank][name] = shards[first[name]][name].clone()
     return shards
 
 
@@ -322,11 +325,13 @@ def _k_view_valid(conversion: Conversion) -> str | None:
 def _qkv_bias_chunked(shards: list[Params], conversion: Conversion) -> list[Params]:
     """Rank r's fused qkv bias is the r-th contiguous chunk of the full ``[Q | K | V]`` bias
     (a generic column-parallel narrow) instead of following its rows' heads."""
+    t = conversion.dst.degree
+
     def remap(rank: int, name: str, piece: Piece) -> Piece | None:
         if not piece.source.endswith("qkv.bias"):
             return None
-        width = piece.idx.numel()
-        return Piece(piece.source, 0, rows(rank * width, (rank + 1) * width))
+        width, tp_rank = piece.idx.numel(), rank % t  # TP fastest; stages and replicas
+        return Piece(piece.source, 0, rows(tp_rank * width, (tp_rank + 1) * width))
     return _remap(shards, conversion, remap)
 
 

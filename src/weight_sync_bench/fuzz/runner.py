@@ -51,7 +51,11 @@ from weight_sync_bench.errors import (
     RankFailure,
     WsbError,
 )
-from weight_sync_bench.conventions.mutations import DENSE_MUTATIONS, MOE_MUTATIONS
+from weight_sync_bench.conventions.mutations import (
+    DENSE_MUTATIONS,
+    MOE_MUTATIONS,
+    PIPELINE_MUTATIONS,
+)
 from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
 from weight_sync_bench.fuzz.case import (
     CLAIMS,
@@ -381,14 +385,15 @@ def targets(mutations: list[str] | None = None, invariant: bool = True,
     """The (property, mutation) pairs a fuzz run cycles through: the invariant, then (with
     ``conversions``) the invariant through the harness's converter between conventions
     (``convert``) and between an MoE geometry's MoE endpoints (``moe_convert``), then each
-    layout mutation's ``kill``, each dense conversion mutation's ``convert_kill`` and each MoE
+    layout mutation's ``kill``, each dense (and pipeline-stage) conversion mutation's
+    ``convert_kill`` and each MoE
     one's ``moe_convert_kill``. ``mutations`` None means all of them; a list names some (of
     any kind), and then ``convert`` (``moe_convert``) runs only if a dense (an MoE) conversion
     mutation is among them."""
     moe_names = {m.name for m in MOE_MUTATIONS}
     if mutations is None:
-        names = list(MUTATIONS) + ([m.name for m in (*DENSE_MUTATIONS, *MOE_MUTATIONS)]
-                                   if conversions else [])
+        names = list(MUTATIONS) + ([m.name for m in (*DENSE_MUTATIONS, *PIPELINE_MUTATIONS,
+                                                     *MOE_MUTATIONS)] if conversions else [])
     else:
         names = list(mutations)
     converted = [m for m in names if m in CONVERSION_MUTATIONS and m not in moe_names]
