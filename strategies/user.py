@@ -24,8 +24,8 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from weight_sync_bench.fuzz.strategies import geometries, seeds
 
-from weight_sync_bench.conventions import CONVENTIONS, convention_by_name
-from weight_sync_bench.errors import InvalidConfig
+from weight_sync_bench.conventions import CONVENTIONS, convention_by_name, endpoint
+from weight_sync_bench.errors import InvalidConfig, UnsupportedLayout
 from weight_sync_bench.fuzz.case import Case, ConversionCase
 from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain, IntRange
 from weight_sync_bench.model.config import ModelConfig
@@ -127,8 +127,40 @@ def _show(value: Range) -> str:
 
 def convention_degrees(name: str, config: ModelConfig, max_degree: int = MAX_DEGREE
                        ) -> list[int]:
-    """The degrees in 1..``max_degree`` convention ``name`` can store ``config`` at."""
+    """The degrees in 1..``max_degree`` convention ``name`` can store ``config`` at; for a
+    whole endpoint (``"megatron:tp=2,pp=2"``, fixed by the user) its world, where it stores
+    ``config``."""
+    if ":" in name:
+        at = endpoint(name)
+        return [at.world] if at.convention.supports(config, at) else []
     return convention_by_name(name).supported_degrees(config, max_degree)
+
+
+def _layers_for(domain: FuzzDomain, conventions: tuple[str, str] | None) -> FuzzDomain:
+    """``domain`` with its layer counts cut to those every staged end can split (Megatron's
+    rules, ``stages.Pipeline``): ``InvalidConfig`` naming the endpoint where none is left."""
+    staged = [endpoint(c) for c in conventions or () if ":" in c and endpoint(c).staged]
+    if not staged:
+        return domain
+    layers = [n for n in _members(domain.n_layers)
+              if all(_splits(at.pipeline, n) for at in staged)]
+    if not layers:
+        raise InvalidConfig(f"{', '.join(map(str, staged))}: no layer count of the domain "
+                            f"(n_layers {domain.n_layers}, never wider than the sampled "
+                            f"{DOMAIN.n_layers}) is split by its pipeline: fuzz a split those "
+                            "layers allow (pp=2 at 2 layers, pp=3 or pp=2,pp_last=2 at 3), or "
+                            "check this one with check_convert / wsb check --converter")
+    return dataclasses.replace(domain, n_layers=IntRange(layers[0], layers[-1]))
+
+
+def _splits(pipeline: object, n_layers: int) -> bool:
+    try:
+        pipeline.chunks(n_layers)  # type: ignore[attr-defined]
+    except InvalidConfig:
+        return False
+    except UnsupportedLayout:
+        return False
+    return True
 
 
 def _supported(role: str, config: ModelConfig, conventions: tuple[str, str] | None
@@ -176,9 +208,11 @@ def user_cases(role: str, *, domain: FuzzDomain = DOMAIN, src: int | None = None
     if role not in ROLES:
         raise InvalidConfig(f"unknown role {role!r}; known: {', '.join(ROLES)}")
     if role == "converter":
-        if conventions is None or any(c not in CONVENTIONS for c in conventions):
-            raise InvalidConfig(f"a converter needs two conventions of {', '.join(CONVENTIONS)}, "
-                                f"got {conventions!r}")
+        if conventions is None or any(c.partition(":")[0] not in CONVENTIONS
+                                      for c in conventions):
+            raise InvalidConfig(f"a converter needs two conventions of {', '.join(CONVENTIONS)} "
+                                f"(or whole endpoints of them), got {conventions!r}")
+        domain = _layers_for(domain, conventions)
     elif conventions is not None:
         raise InvalidConfig(f"a {role} has no conventions (they are a converter's)")
     if role == "splitter" and src not in (None, 1):
@@ -196,6 +230,7 @@ def _user_cases(draw: st.DrawFn, role: str, domain: FuzzDomain, src: int | None,
     srcs, dsts = _supported(role, config, conventions)
     if (src is not None and src not in srcs) or (dst is not None and dst not in dsts):
         assume(False)  # the fixed degree needs more than the head counts (rare; see kv_choices)
+    assume(srcs and dsts)  # a staged end whose pipeline does not split this layer count
     s = src if src is not None else draw(st.sampled_from(srcs))
     d = dst if dst is not None else draw(st.sampled_from(dsts))
     return make_case(config, s, d, draw(seeds(domain)), conventions, phase)

@@ -177,3 +177,21 @@ def test_phase_1b_fuzzes_a_users_resharder_over_gloo_and_finds_the_planted_bug(u
                       "--no-real-geometries", "--resharder", "my_functions:reshard_correct"]), \
         capsys.readouterr()
     assert code == 0 and "0 failures" in out.out
+
+
+def test_a_converter_from_pipeline_stages_is_fuzzed_with_each_ranks_coordinates(user_module,
+                                                                                capsys):
+    # the converter reads source= and conventions.rank_coordinates to turn local layer
+    # indices global: it passes; the twin publishing local indices is a coverage failure
+    code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_megatron_to_hf",
+                      "--from", "megatron:tp=2,pp=2", "--to", "hf")
+    assert code == 0, out.out
+    code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_local_as_global",
+                      "--from", "megatron:tp=2,pp=2", "--to", "hf")
+    assert code == 1
+    assert "degrees: megatron:tp=2,pp=2 -> hf:1" in out.out
+    assert "coverage: never written on rank 0: layer 1" in out.out
+    # a split the fuzz domain's layer counts cannot make is refused, saying what to do
+    code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_megatron_to_hf",
+                      "--from", "megatron:tp=2,pp=2,vpp=2", "--to", "hf")
+    assert code == 2 and "fuzz a split those layers allow" in out.err

@@ -169,3 +169,23 @@ def test_a_staged_checkpoint_is_written_and_verified(tmp_path, tolerance):
     assert not verdict.passed and "holds layer 3's" in "\n".join(verdict.diagnosis)
     with pytest.raises(CheckpointError, match="megatron:tp=2,pp=2 rank 0 is missing"):
         verify_checkpoint(tmp_path / "ok", TOY, "megatron:tp=2,pp=2")
+
+
+def test_a_converter_gets_both_endpoints_and_each_ranks_coordinates(tolerance):
+    from tests.fuzz.user_functions import convert_staged_megatron_to_hf
+    from weight_sync_bench.conventions import rank_coordinates
+
+    seen = {}
+
+    def fn(shards, degree, *, config, source, target):
+        seen["ends"] = (str(source), str(target))
+        return convert_staged_megatron_to_hf(shards, degree, config=config, source=source)
+
+    text = "megatron:tp=2,pp=2,vpp=2"
+    verdict = check_convert(fn, TOY, text, "hf")
+    assert verdict.passed, verdict
+    assert seen["ends"] == (text, "hf:1")
+    at = rank_coordinates(TOY, endpoint(text), 3)
+    assert (at.pp, at.tp, at.dp, at.layers) == (1, 1, 0, ((1,), (3,)))
+    with pytest.raises(ValueError, match="has ranks 0..3, not 4"):
+        rank_coordinates(TOY, endpoint(text), 4)

@@ -175,3 +175,59 @@ def convert_megatron_to_vllm_head_dim_from_hidden(shards, degree, *, config, hf_
                 if name.endswith("qkv_proj.weight"):
                     rank[name] = w.roll(head_dim, dims=0)
     return out
+
+
+# -- converters from Megatron's pipeline stages: fn(shards, degree, *, config, source)
+
+
+def _globalised(shards, config, source, *, offsets=True):
+    """Each TP rank's tensors from every stage under GLOBAL layer names, as a TP-only
+    Megatron rank: stage ranks' local ``[model{v}.]decoder.layers.{j}`` renamed to
+    ``decoder.layers.{layers[v][j]}`` (``rank_coordinates``); ``offsets=False`` keeps j."""
+    import re
+
+    from weight_sync_bench.conventions import rank_coordinates
+
+    flat = [{} for _ in range(source.degree)]
+    for rank, held in enumerate(shards):
+        at = rank_coordinates(config, source, rank)
+        for name, x in held.items():
+            chunk, _, rest = (name.partition(".") if name.startswith("model") and
+                              source.vpp > 1 else ("model0", ".", name))
+            v = int(chunk[len("model"):])
+            found = re.match(r"decoder\.layers\.(\d+)\.(.*)", rest)
+            if found:
+                j = int(found.group(1))
+                layer = at.layers[v][j] if offsets else j
+                rest = f"decoder.layers.{layer}.{found.group(2)}"
+            elif rest == "output_layer.weight" and config.tie_embeddings:
+                continue  # the last stage's tied copy: the embedding is the first stage's
+            flat[at.tp].setdefault(rest, x)  # the first stage to write a name wins
+    return flat
+
+
+def convert_staged_megatron_to_hf(shards, degree, *, config, source):
+    """Megatron TP x PP -> HF: every stage's layers renamed to their global indices with the
+    source's rank coordinates, then converted as TP-only Megatron shards."""
+    flat = _globalised(shards, config, source)
+    return convert(flat, f"megatron:{source.degree}", "hf", config)
+
+
+def convert_staged_local_as_global(shards, degree, *, config, source):
+    """The bug of NeMo-RL PR #3259: each stage publishes its layers under their LOCAL
+    indices, the first stage's copy of each name winning: the later layers are never sent."""
+    import re
+
+    from weight_sync_bench.conventions import rank_coordinates
+
+    full = convert_staged_megatron_to_hf(shards, degree, config=config, source=source)[0]
+    local = {layer: j for rank in range(len(shards))
+             for chunk in rank_coordinates(config, source, rank).layers
+             for j, layer in enumerate(chunk)}
+    out = {}
+    for name, x in full.items():  # global layers in order: the first stage's come first
+        found = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+        if found:
+            name = f"model.layers.{local[int(found.group(1))]}.{found.group(2)}"
+        out.setdefault(name, x)
+    return [out]

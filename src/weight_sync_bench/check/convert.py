@@ -118,7 +118,8 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
                                  dtype=dtype, measure_floor=measure_floor)
     checker.require(target)  # refused before the user's code runs
     out = call(fn, (checker.source(source), target.world), role="converter", config=config,
-               during=f"while converting {config.name} {source} -> {target}")
+               during=f"while converting {config.name} {source} -> {target}",
+               ends=(source, target))
     return checker.verdict(out, src=source, dst=target)
 
 

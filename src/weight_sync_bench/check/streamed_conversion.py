@@ -176,7 +176,7 @@ def stream_convert(fn: ConvertFn, config: ModelConfig, src: str | Endpoint,
             # fails in ``call`` (ModifiedInput), before anything is compared against them
             out = call(fn, (given, t), role="converter", config=config,
                        during=f"while converting {config.name} {source} -> {target} "
-                              f"({', '.join(group)})")
+                              f"({', '.join(group)})", ends=(source, target))
             validate_convention_shards(out, target, config,
                                        {n: weights for n in config.param_shapes()},
                                        pieces=want)

@@ -69,6 +69,7 @@ from weight_sync_bench.errors import (
 from weight_sync_bench.layout.reshard import validate_shards
 
 if TYPE_CHECKING:
+    from weight_sync_bench.conventions import Endpoint
     from weight_sync_bench.layout.table import LayoutTable
     from weight_sync_bench.model.config import ModelConfig
 
@@ -79,7 +80,7 @@ _PACKAGE = Path(__file__).resolve().parents[1]  # src/weight_sync_bench
 CALLS = {"splitter": "fn(full, degree)", "resharder": "fn(shards, dst)",
          "converter": "fn(shards, degree)"}
 GEOMETRY = {"splitter": ("config",), "resharder": ("config",),
-            "converter": ("config", "hf_config")}
+            "converter": ("config", "hf_config", "source", "target")}
 
 
 def describe(fn: object) -> str:
@@ -144,15 +145,20 @@ def geometry_keywords(fn: Callable[..., Any], role: str) -> tuple[str, ...]:
     return tuple(k for k in GEOMETRY[role] if accepts(fn, k))
 
 
-def geometry(fn: Callable[..., Any], role: str, config: ModelConfig | None
-             ) -> dict[str, Any]:
+def geometry(fn: Callable[..., Any], role: str, config: ModelConfig | None,
+             ends: tuple[Endpoint, Endpoint] | None = None) -> dict[str, Any]:
     """The keyword arguments the harness passes ``fn`` for ``config``: ``config=`` and, for a
-    converter, ``hf_config=`` (``config.to_hf_config()``), each where the signature accepts
+    converter, ``hf_config=`` (``config.to_hf_config()``) and ``source=`` / ``target=`` (the
+    two endpoints, ``ends``: their pipeline stages, experts and options, and each rank's
+    coordinates through ``conventions.rank_coordinates``), each where the signature accepts
     it; none without a config."""
     if config is None:
         return {}
-    values = {"config": lambda: config, "hf_config": config.to_hf_config}
-    return {k: values[k]() for k in geometry_keywords(fn, role)}
+    values = {"config": lambda: config, "hf_config": config.to_hf_config,
+              "source": lambda: ends[0] if ends else None,
+              "target": lambda: ends[1] if ends else None}
+    return {k: v for k in geometry_keywords(fn, role)
+            if (v := values[k]()) is not None}
 
 
 def require_callable(fn: object, role: str) -> None:
@@ -182,12 +188,13 @@ def check_signature(fn: Callable[..., Any], args: Sequence[object], *, role: str
 
 
 def call(fn: Callable[..., Any], args: Sequence[object], *, role: str, during: str,
-         config: ModelConfig | None = None, name: str | None = None) -> Any:
+         config: ModelConfig | None = None, name: str | None = None,
+         ends: tuple[Endpoint, Endpoint] | None = None) -> Any:
     """``fn(*args, **geometry(fn, role, config))``, its signature checked first, what it
     raises framed as the user's (``name``, default ``describe(fn)``, names it); its inputs
     checked unchanged after it returns (``ModifiedInput``), and bounded by the deadline where
     one is set (``UserCodeTimeout``)."""
-    kwargs = geometry(fn, role, config)
+    kwargs = geometry(fn, role, config, ends)
     check_signature(fn, args, role=role, keywords=tuple(kwargs))
     function = name or describe(fn)
     before = fingerprint(args)

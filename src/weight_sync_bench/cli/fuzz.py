@@ -203,10 +203,14 @@ def _domain_field(text: str) -> tuple[str, int | tuple[int, int]]:
 
 
 def _end(text: str) -> tuple[str, int | None]:
-    """``--from megatron:4`` -> ``("megatron", 4)``; ``--from megatron`` -> drawn."""
+    """``--from megatron:4`` -> ``("megatron", 4)``; ``--from megatron`` -> drawn; a whole
+    endpoint, ``--from megatron:tp=2,pp=2``, is fixed: ``("megatron:tp=2,pp=2", 4)`` (its
+    world)."""
     from weight_sync_bench.conventions import endpoint
 
     ep = endpoint(text)
+    if "=" in text:
+        return str(ep), ep.world
     return ep.name, (ep.degree if ":" in text else None)
 
 

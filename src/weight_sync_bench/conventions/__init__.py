@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from weight_sync_bench.conventions.coordinates import RankCoordinates, rank_coordinates
 from weight_sync_bench.conventions.convention import (
     Convention,
     Endpoint,
@@ -41,9 +42,9 @@ from weight_sync_bench.model.config import ModelConfig, init_params
 
 CONVENTIONS: dict[str, Convention] = {c.name: c for c in (PLAIN, MEGATRON, VLLM, HF, META)}
 
-__all__ = ["CONVENTIONS", "Convention", "Endpoint", "ForwardLayout", "Piece", "convention_by_name",
-           "convert", "endpoint", "forward_inputs", "forward_model", "gather_canonical",
-           "moe_endpoints", "materialize",
+__all__ = ["CONVENTIONS", "Convention", "Endpoint", "ForwardLayout", "Piece", "RankCoordinates",
+           "convention_by_name", "convert", "endpoint", "forward_inputs", "forward_model",
+           "gather_canonical", "moe_endpoints", "materialize", "rank_coordinates",
            "reading_plan", "render", "shards_for"]
 
 

@@ -65,31 +65,27 @@ def render_ranks(config: ModelConfig, at: Endpoint) -> str:
     local order) and which rows of each expert's ``[gate | up]`` (columns of its
     down) it holds, e.g. for ``megatron:tp=2,ep=4`` of 8 experts of 128:
     ``2  0  1  1  0  0  2-3  gate 0-63, up 0-63``."""
+    from weight_sync_bench.conventions.coordinates import rank_coordinates
     from weight_sync_bench.layout.placements import format_ranges
 
     staged = at.staged
     world = (at.unstaged() if staged else at).world  # the ranks of one pipeline stage
-    forward = at.convention.forward_layout(config, at)
-    tp = forward.tp or world
-    placement = forward.experts
+    placement = at.convention.forward_layout(config, at).experts
     rows = [["rank", *(["pp", "layers (per chunk)"] if staged else []), "tp", "dp", "ep", "etp",
              "edp", "experts", "rows of each expert"]]
-    chunks = at.pipeline.chunks(config.n_layers) if staged else ()
     f = config.expert_ffn
     for g in range(at.world):
-        rank = g % world
-        stage = [str(g // world), " | ".join(format_ranges([(c.start, c.stop)]) or "none"
-                                             for c in chunks[g // world])] if staged else []
-        cells = [str(g), *stage, str(rank % tp), str(rank // tp)]
+        c = rank_coordinates(config, at, g)  # the one place coordinates are computed
+        stage = [str(c.pp), " | ".join(format_ranges(_runs(list(layers))) or "none"
+                                       for layers in c.layers)] if staged else []
+        cells = [str(g), *stage, str(c.tp), str(c.dp)]
         if placement is None:
             cells += ["-", "-", "-", "-", "-"]
         else:
-            etp_rank, ep_rank, edp_rank = placement.coordinates(world, rank)
             etp = placement.expert_tp(world)
-            mine = placement.experts_of(ep_rank)
-            chunk = (etp_rank * f // etp, (etp_rank + 1) * f // etp)
-            cells += [str(ep_rank), str(etp_rank), str(edp_rank),
-                      format_ranges(_runs(mine)) or "none",
+            chunk = (c.etp * f // etp, (c.etp + 1) * f // etp)
+            cells += [str(c.ep), str(c.etp), str(c.edp),
+                      format_ranges(_runs(list(c.experts))) or "none",
                       f"gate {format_ranges([chunk])}, up {format_ranges([chunk])}"]
         rows.append(cells)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -35,7 +35,7 @@ import dataclasses
 import math
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weight_sync_bench.check.checker import Checker, Forward, ThresholdRule
 from weight_sync_bench.check.convert import ConversionChecker
@@ -52,6 +52,9 @@ from weight_sync_bench.fuzz.threshold import (
 )
 from weight_sync_bench.layout.reshard import reshard
 from weight_sync_bench.model.config import VARIANT_FIELDS, ModelConfig
+
+if TYPE_CHECKING:
+    from weight_sync_bench.conventions import Endpoint
 
 PROPERTIES = ("invariant", "kill", "convert", "convert_kill", "moe_convert", "moe_convert_kill")
 CONVERSION_PROPERTIES = ("convert", "convert_kill", "moe_convert", "moe_convert_kill")
@@ -230,6 +233,11 @@ class ConversionCase:
                 f"{extra}, {_end(self.src_convention, self.src)} -> "
                 f"{_end(self.dst_convention, self.dst)}"
                 f", seed {self.seed}{what} (phase {self.phase})")
+
+
+def end_of(convention: str, degree: int) -> Endpoint:
+    """A conversion case's end as an endpoint (``_end``)."""
+    return _end(convention, degree)
 
 
 def _end(convention: str, degree: int):  # -> conventions.Endpoint

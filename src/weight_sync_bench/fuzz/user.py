@@ -55,7 +55,7 @@ from weight_sync_bench.check.user_code import (
     geometry_keywords,
     require_callable,
 )
-from weight_sync_bench.conventions import CONVENTIONS, Endpoint
+from weight_sync_bench.conventions import CONVENTIONS, endpoint
 from weight_sync_bench.errors import (
     InvalidConfig,
     InvalidShards,
@@ -64,6 +64,7 @@ from weight_sync_bench.errors import (
     WsbError,
 )
 from weight_sync_bench.fuzz.case import Case, ConversionCase, Outcome, make_checker
+from weight_sync_bench.fuzz.case import end_of as case_end
 from weight_sync_bench.fuzz.corpus import (
     Entry,
     entry_paths,
@@ -116,8 +117,10 @@ class UserFunction:
                                 f"converter has them (role={self.role}, src={self.src}, "
                                 f"dst={self.dst})")
         for end in (self.src, self.dst):
-            if end is not None and end not in CONVENTIONS:
+            if end is not None and end.partition(":")[0] not in CONVENTIONS:
                 raise InvalidConfig(f"unknown convention {end!r}; known: {', '.join(CONVENTIONS)}")
+            if end is not None and ":" in end:  # a whole endpoint: it must parse
+                endpoint(end)
         if not self.name:
             object.__setattr__(self, "name", describe(self.fn))
 
@@ -206,7 +209,8 @@ def degrees_text(function: UserFunction | None, case: Case) -> str:
     if function is not None and function.role == "splitter":
         return f"split of the full model -> t={case.dst}"
     if function is not None and function.conventions:
-        return f"{function.src}:{case.src} -> {function.dst}:{case.dst}"
+        assert isinstance(case, ConversionCase)
+        return " -> ".join(_endpoints(function, case))
     return f"t={case.src} -> t={case.dst}"
 
 
@@ -248,7 +252,9 @@ def _is_real(config: ModelConfig) -> bool:
 
 def _endpoints(function: UserFunction, case: Case) -> tuple[str, ...]:
     if function.conventions:
-        return (f"{function.src}:{case.src}", f"{function.dst}:{case.dst}")
+        assert isinstance(case, ConversionCase)
+        return (str(case_end(case.src_convention, case.src)),
+                str(case_end(case.dst_convention, case.dst)))
     return (f"plain:{case.src}", f"plain:{case.dst}")
 
 
@@ -305,10 +311,12 @@ def run_user_case(function: UserFunction, case: Case, *, forward: Forward = inpr
         else:
             assert function.src is not None and function.dst is not None
             conv = ConversionChecker(checker)  # the fuzz weights, tokens and threshold
-            src = Endpoint(CONVENTIONS[function.src], case.src)
-            dst = Endpoint(CONVENTIONS[function.dst], case.dst)
+            assert isinstance(case, ConversionCase)
+            src = case_end(case.src_convention, case.src)
+            dst = case_end(case.dst_convention, case.dst)
             out = call(fn, (conv.source(src), case.dst), role=role, config=config, name=name,
-                       during=f"while converting {config.name} {src} -> {dst}")
+                       during=f"while converting {config.name} {src} -> {dst}",
+                       ends=(src, dst))
             verdict = conv.verdict(out, src=src, dst=dst)
     except UserCodeError as err:
         if isinstance(err.__cause__, Unsupported):
