@@ -83,7 +83,7 @@ from weight_sync_bench.conventions.convention import (
 )
 from weight_sync_bench.conventions.maps import Pieces, chunk, expert_cols, expert_rows, rows
 from weight_sync_bench.conventions.staging import staged
-from weight_sync_bench.layout.placements import Experts, HeadReplicated
+from weight_sync_bench.layout.placements import Experts, HeadReplicated, index_runs
 from weight_sync_bench.model.plan import experts_placement, layout_for
 
 if TYPE_CHECKING:
@@ -113,15 +113,8 @@ def qkv_stored_rows(config: ModelConfig, t: int, tp_rank: int) -> list[tuple[int
     """The canonical ``[Q | K | V]`` rows TP rank ``tp_rank`` stores of ``linear_qkv`` at TP
     ``t``, as sorted ``(start, stop)`` runs: contiguous chunk ``tp_rank`` of the grouped
     order (whole groups at ``t <= n_kv_heads``, a raw slice beyond)."""
-    rows_held = sorted(chunk(grouped_qkv_order(config.n_heads, config.n_kv_heads,
-                                               config.head_dim), t, tp_rank).tolist())
-    runs: list[tuple[int, int]] = []
-    for row in rows_held:
-        if runs and runs[-1][1] == row:
-            runs[-1] = (runs[-1][0], row + 1)
-        else:
-            runs.append((row, row + 1))
-    return runs
+    return index_runs(sorted(chunk(grouped_qkv_order(config.n_heads, config.n_kv_heads,
+                                                     config.head_dim), t, tp_rank).tolist()))
 
 
 def padded_vocab(vocab: int, degree: int) -> int:

@@ -66,7 +66,7 @@ def render_ranks(config: ModelConfig, at: Endpoint) -> str:
     down) it holds, e.g. for ``megatron:tp=2,ep=4`` of 8 experts of 128:
     ``2  0  1  1  0  0  2-3  gate 0-63, up 0-63``."""
     from weight_sync_bench.conventions.coordinates import rank_coordinates
-    from weight_sync_bench.layout.placements import format_ranges
+    from weight_sync_bench.layout.placements import format_ranges, index_runs
 
     staged = at.staged
     world = (at.unstaged() if staged else at).world  # the ranks of one pipeline stage
@@ -76,7 +76,7 @@ def render_ranks(config: ModelConfig, at: Endpoint) -> str:
     f = config.expert_ffn
     for g in range(at.world):
         c = rank_coordinates(config, at, g)  # the one place coordinates are computed
-        stage = [str(c.pp), " | ".join(format_ranges(_runs(list(layers))) or "none"
+        stage = [str(c.pp), " | ".join(format_ranges(index_runs(list(layers))) or "none"
                                        for layers in c.layers)] if staged else []
         cells = [str(g), *stage, str(c.tp), str(c.dp)]
         if placement is None:
@@ -85,19 +85,8 @@ def render_ranks(config: ModelConfig, at: Endpoint) -> str:
             etp = placement.expert_tp(world)
             chunk = (c.etp * f // etp, (c.etp + 1) * f // etp)
             cells += [str(c.ep), str(c.etp), str(c.edp),
-                      format_ranges(_runs(list(c.experts))) or "none",
+                      format_ranges(index_runs(list(c.experts))) or "none",
                       f"gate {format_ranges([chunk])}, up {format_ranges([chunk])}"]
         rows.append(cells)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int]]:
-    """``[0, 1, 2, 5]`` -> ``[(0, 3), (5, 6)]``."""
-    out: list[tuple[int, int]] = []
-    for i in ids:
-        if out and out[-1][1] == i:
-            out[-1] = (out[-1][0], i + 1)
-        else:
-            out.append((i, i + 1))
-    return out

@@ -55,7 +55,7 @@ from weight_sync_bench.check.user_code import (
     geometry_keywords,
     require_callable,
 )
-from weight_sync_bench.conventions import CONVENTIONS, endpoint
+from weight_sync_bench.conventions import CONVENTIONS, Endpoint, endpoint
 from weight_sync_bench.errors import (
     InvalidConfig,
     InvalidShards,
@@ -209,7 +209,6 @@ def degrees_text(function: UserFunction | None, case: Case) -> str:
     if function is not None and function.role == "splitter":
         return f"split of the full model -> t={case.dst}"
     if function is not None and function.conventions:
-        assert isinstance(case, ConversionCase)
         return " -> ".join(_endpoints(function, case))
     return f"t={case.src} -> t={case.dst}"
 
@@ -250,11 +249,18 @@ def _is_real(config: ModelConfig) -> bool:
     return config.name in HF_CONFIGS
 
 
+def _ends(function: UserFunction, case: Case) -> tuple[Endpoint, Endpoint]:
+    """A converter's two endpoints in ``case``: the case's conventions (a ``ConversionCase``),
+    else the function's at the case's degrees."""
+    assert function.src is not None and function.dst is not None
+    if isinstance(case, ConversionCase):
+        return (case_end(case.src_convention, case.src), case_end(case.dst_convention, case.dst))
+    return case_end(function.src, case.src), case_end(function.dst, case.dst)
+
+
 def _endpoints(function: UserFunction, case: Case) -> tuple[str, ...]:
     if function.conventions:
-        assert isinstance(case, ConversionCase)
-        return (str(case_end(case.src_convention, case.src)),
-                str(case_end(case.dst_convention, case.dst)))
+        return tuple(str(e) for e in _ends(function, case))
     return (f"plain:{case.src}", f"plain:{case.dst}")
 
 
@@ -311,9 +317,7 @@ def run_user_case(function: UserFunction, case: Case, *, forward: Forward = inpr
         else:
             assert function.src is not None and function.dst is not None
             conv = ConversionChecker(checker)  # the fuzz weights, tokens and threshold
-            assert isinstance(case, ConversionCase)
-            src = case_end(case.src_convention, case.src)
-            dst = case_end(case.dst_convention, case.dst)
+            src, dst = _ends(function, case)
             out = call(fn, (conv.source(src), case.dst), role=role, config=config, name=name,
                        during=f"while converting {config.name} {src} -> {dst}",
                        ends=(src, dst))

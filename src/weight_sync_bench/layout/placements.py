@@ -351,3 +351,14 @@ def local_shape(placement: Placement, shape: Shape, degree: int, rank: int = 0) 
 def format_ranges(ranges: list[tuple[int, int]]) -> str:
     """``[(0, 128), (256, 288)]`` -> ``"0-127, 256-287"`` (inclusive, as a person reads rows)."""
     return ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in ranges)
+
+
+def index_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Consecutive indices as ``(start, stop)`` runs: ``[0, 1, 2, 5]`` -> ``[(0, 3), (5, 6)]``."""
+    out: list[tuple[int, int]] = []
+    for i in ids:
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out
