@@ -39,7 +39,7 @@ from weight_sync_bench.model.config import ModelConfig
 
 __all__ = ["Needs", "case_end", "conversion_cases", "conversion_geometries", "endpoints",
            "moe_conversion_cases", "moe_endpoints", "moe_needs_for", "needs_for",
-           "staged_endpoints"]
+           "staged_endpoints", "staged_moe_endpoints"]
 
 REPLICATION = (1, 2, 4)  # KV-head replication factors k: vLLM at t = k * n_kv_heads
 
@@ -190,6 +190,20 @@ def staged_endpoints(config: ModelConfig, max_world: int = 8) -> list[Endpoint]:
     return sorted(found, key=lambda e: e.world)
 
 
+def staged_moe_endpoints(config: ModelConfig, max_world: int = 8) -> list[Endpoint]:
+    """Megatron's MoE endpoints (``moe_endpoints``) over two pipeline stages, where Megatron
+    splits the layers and the world stays within ``max_world``: TP x EP x PP together."""
+    found = []
+    for at in moe_endpoints(config):
+        if at.name != "megatron":
+            continue
+        staged = endpoint(str(at).replace("megatron:", "megatron:pp=2,", 1)
+                          if "=" in str(at) else f"megatron:tp={at.degree},pp=2")
+        if staged.world <= max_world and staged.convention.supports(config, staged):
+            found.append(staged)
+    return found
+
+
 def case_end(at: Endpoint) -> tuple[str, int]:
     """How a ``ConversionCase`` names an end: ``("vllm", 2)`` for a convention at a TP degree,
     else the whole endpoint and its world (``("megatron:tp=2,pp=2", 4)``)."""
@@ -285,7 +299,8 @@ def moe_conversion_cases(draw: st.DrawFn, mutation: str | None = None,
     whole endpoint (``megatron:tp=2,ep=4``) and world size. Shrinks toward the smallest
     geometry, the smallest worlds and seed 0."""
     config = draw(moe_geometries(domain, moe, moe_needs_for(mutation)))
-    src, dst = draw(st.sampled_from(_pairs(config, mutation, moe_endpoints(config))))
+    src, dst = draw(st.sampled_from(_pairs(config, mutation, moe_endpoints(config)
+                                           + staged_moe_endpoints(config))))
     return ConversionCase(config=config, src_convention=str(src), src=src.world,
                           dst_convention=str(dst), dst=dst.world, seed=draw(seeds(domain)),
                           mutation=mutation)

@@ -35,7 +35,11 @@ from weight_sync_bench.fuzz.runner import (
     targets,
 )
 from weight_sync_bench.fuzz.summary import build_summary
-from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.fuzz.strategies.conventions import (
+    moe_conversion_cases,
+    staged_moe_endpoints,
+)
+from weight_sync_bench.model.config import TOY_MOE, ModelConfig
 
 GENERATES = Phase.generate in settings().phases  # False under wsb-replay (corpus only)
 INVARIANT_EXAMPLES = max(20, settings().max_examples // 4)  # wsb-test: 25; nightly: 500
@@ -234,3 +238,25 @@ def test_a_moe_entry_naming_a_bad_endpoint_names_the_field(tmp_path):
         with pytest.raises(CorruptCorpusEntry, match=why) as e:
             load_entry(path)
         assert e.value.field in (f"case.conventions.{end}", f"case.degrees.{end}")
+
+
+def test_the_moe_draw_reaches_experts_over_pipeline_stages():
+    # Megatron's MoE endpoints over two stages (TP x PP, with EP where the experts divide)
+    # are drawn, and the harness's conversion through one holds, its forward judged at one
+    # stage's world
+    from hypothesis import HealthCheck, given
+
+    staged = []
+
+    @settings(database=None, max_examples=100, derandomize=True, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(case=moe_conversion_cases())
+    def draw(case):
+        if any("pp=2" in end for end in (case.src_convention, case.dst_convention)):
+            staged.append(case)
+
+    draw()
+    assert staged, "no MoE endpoint over pipeline stages drawn"
+    assert run_case(staged[0]).holds("moe_convert"), str(staged[0])
+    assert staged_moe_endpoints(TOY_MOE)[0].pp == 2  # TOY_MOE: 8 experts, 4 layers
+    assert any(e.ep > 1 for e in staged_moe_endpoints(TOY_MOE))

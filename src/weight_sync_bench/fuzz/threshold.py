@@ -141,7 +141,9 @@ def require_moe(config: ModelConfig, phase: str = "1a", path: Path | None = None
     world = forward = None
     here = ""
     if where is not None:
-        world, forward = where.world, forward_of(where.convention, config, where)
+        # a staged endpoint's forward is its unstaged one's, over one stage's ranks
+        world = (where.unstaged() if where.staged else where).world
+        forward = forward_of(where.convention, config, where)
         here = f" (its {forward} forward over {world} ranks, at {where})"
     what = (f"{config.name}: the random-geometry rule judges a Mixture-of-Experts geometry"
             f"{here} only where {path.name} validates it")
