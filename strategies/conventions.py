@@ -197,8 +197,7 @@ def staged_moe_endpoints(config: ModelConfig, max_world: int = 8) -> list[Endpoi
     for at in moe_endpoints(config):
         if at.name != "megatron":
             continue
-        staged = endpoint(str(at).replace("megatron:", "megatron:pp=2,", 1)
-                          if "=" in str(at) else f"megatron:tp={at.degree},pp=2")
+        staged = dataclasses.replace(at, pp=2)
         if staged.world <= max_world and staged.convention.supports(config, staged):
             found.append(staged)
     return found

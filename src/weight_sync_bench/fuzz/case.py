@@ -207,8 +207,8 @@ class ConversionCase:
     def conversion(self):  # -> conventions.mutations.Conversion
         from weight_sync_bench.conventions.mutations import Conversion
 
-        return Conversion(self.config, _end(self.src_convention, self.src),
-                          _end(self.dst_convention, self.dst))
+        return Conversion(self.config, end_of(self.src_convention, self.src),
+                          end_of(self.dst_convention, self.dst))
 
     def identity_reason(self) -> str | None:
         """Why the conversion mutation changes no byte here (None: it does, or none is set)."""
@@ -230,17 +230,12 @@ class ConversionCase:
         extra = "".join(f" {k}={v}" for k, v in variants.items())
         return (f"d_model={g.d_model} layers={g.n_layers} heads={g.n_heads}/{g.n_kv_heads} "
                 f"head_dim={g.head_dim} ffn={g.ffn} vocab={g.vocab} tokens={g.batch}x{g.seq_len}"
-                f"{extra}, {_end(self.src_convention, self.src)} -> "
-                f"{_end(self.dst_convention, self.dst)}"
+                f"{extra}, {end_of(self.src_convention, self.src)} -> "
+                f"{end_of(self.dst_convention, self.dst)}"
                 f", seed {self.seed}{what} (phase {self.phase})")
 
 
 def end_of(convention: str, degree: int) -> Endpoint:
-    """A conversion case's end as an endpoint (``_end``)."""
-    return _end(convention, degree)
-
-
-def _end(convention: str, degree: int):  # -> conventions.Endpoint
     """A conversion case's end: a convention at a TP degree (``"vllm"``, 2), or a whole
     endpoint (``"megatron:tp=2,ep=4"``, its world 8)."""
     from weight_sync_bench.conventions import endpoint

@@ -64,7 +64,7 @@ from weight_sync_bench.errors import (
     WsbError,
 )
 from weight_sync_bench.fuzz.case import Case, ConversionCase, Outcome, make_checker
-from weight_sync_bench.fuzz.case import end_of as case_end
+from weight_sync_bench.fuzz.case import end_of
 from weight_sync_bench.fuzz.corpus import (
     Entry,
     entry_paths,
@@ -254,8 +254,8 @@ def _ends(function: UserFunction, case: Case) -> tuple[Endpoint, Endpoint]:
     else the function's at the case's degrees."""
     assert function.src is not None and function.dst is not None
     if isinstance(case, ConversionCase):
-        return (case_end(case.src_convention, case.src), case_end(case.dst_convention, case.dst))
-    return case_end(function.src, case.src), case_end(function.dst, case.dst)
+        return (end_of(case.src_convention, case.src), end_of(case.dst_convention, case.dst))
+    return end_of(function.src, case.src), end_of(function.dst, case.dst)
 
 
 def _endpoints(function: UserFunction, case: Case) -> tuple[str, ...]:

@@ -113,11 +113,11 @@ def check_elements(plan: Plan, rank: int, out: Mapping[str, torch.Tensor], seed:
     lines: tuple[str, ...] = ()
     if differ:
         piece = layout.pieces[rank][differ[0]]
-        shape = shapes[piece.source]
-        canonical = region_values(seed, piece.source, shape, tuple((0, n) for n in shape))
+        shard = out[differ[0]].cpu()
         line = diagnose_layer(Regenerated(seed, shapes), layout.config, differ[0], rank,
-                              piece, out[differ[0]].cpu()) or diagnose_rank(
-            canonical, layout.config, differ[0], rank, piece, out[differ[0]].cpu())
+                              piece, shard) or diagnose_rank(
+            Regenerated(seed, shapes)[piece.source], layout.config, differ[0], rank, piece,
+            shard)
         lines = (line,) if line is not None else ()
     return ElementCheck(rank, checked, total, tuple(differ), lines)
 
