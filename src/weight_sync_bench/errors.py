@@ -56,11 +56,14 @@ class FloorNotMeasured(ToleranceMismatch):
     """A check of a geometry (or weight dtype, or phase, or training mesh over gloo) that no
     measured floor covers: refused rather than judged by a threshold measured on another
     geometry (or mesh). Names why each artifact does not cover it and ``command``, what
-    measures it."""
+    measures it; ``why``: the message without the remedy (what a caller that knows a better
+    command, as ``wsb sync`` does for a user's config.json, says before its own)."""
 
-    def __init__(self, message: str, *, command: str | None = None) -> None:
+    def __init__(self, message: str, *, command: str | None = None,
+                 why: str | None = None) -> None:
         super().__init__(message)
         self.command = command
+        self.why = why if why is not None else message
 
 
 class WrongShardShape(InvalidShards):

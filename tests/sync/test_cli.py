@@ -109,8 +109,8 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
 def test_a_users_config_json_syncs_with_the_element_check_and_its_forward_is_refused(
         tmp_path, capsys):
     """``--hf-config`` is the geometry the user holds; no phase 1b floor covers it, so the
-    forward is refused before any rank starts (exit 2, naming the geometry, the geometries
-    that have one and ``--no-forward``), and the element check, bytes and memory run with
+    forward is refused before any rank starts (exit 2, naming the geometry, why no floor
+    covers it, the command that measures one and ``--no-forward``), and the element check, bytes and memory run with
     ``--no-forward``."""
     path = tmp_path / "tiny_llama" / "config.json"  # a geometry is named by its directory
     path.parent.mkdir()
@@ -118,8 +118,11 @@ def test_a_users_config_json_syncs_with_the_element_check_and_its_forward_is_ref
     model = ["--hf-config", str(path), "--layers", "1", "--from", "megatron:2", "--to", "vllm:4"]
     assert main(["sync", *model, "-q"]) == 2
     err = capsys.readouterr().err
-    assert "the destination forward of tiny_llama needs a phase 1b floor" in err
-    assert "recorded for toy, toy_kv4 only; --no-forward checks every destination" in err
+    assert "the destination forward of tiny_llama needs a phase 1b floor (tiny_llama: no " \
+        "measured floor covers this check (phase 1b" in err
+    # the command that measures it, for the user's own config.json
+    assert f"Measure it with `wsb floor geometry --hf-config {path} --layers 1 --phase 1b`" in err
+    assert "; --no-forward checks every destination" in err
     assert main(["sync", *model, "--no-forward", "-q"]) == 0
     out = capsys.readouterr().out
     for claim in ("plan megatron:2 -> vllm:4 for tiny_llama: world 4", ": 1.000x",

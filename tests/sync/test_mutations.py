@@ -1,6 +1,7 @@
 """Every planner mutation is caught twice: by the element check (bit-exact, no gather), on
 tiny geometries where it costs little, and by the destination forward (over gloo, against
-the reference, within the phase 1b threshold), on TOY / TOY_KV4, whose floor is measured.
+the reference, within the phase 1b threshold), on TOY / TOY_KV4 / TOY_MOE, whose floors
+are measured.
 The twin of each: the unmutated plan passes both checks in the same session."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.sync.conftest import tiny
-from weight_sync_bench.model.config import TOY, TOY_KV4
+from weight_sync_bench.model.config import TOY, TOY_KV4, TOY_MOE
 from weight_sync_bench.sync import SyncSession, plan_for, sync_layout
 from weight_sync_bench.sync.mutations import PLAN_MUTATIONS, NotApplicable
 
@@ -18,10 +19,15 @@ FORWARD_CASES = [
                                        "box_overlap", "dropped_transfer"]),
     (TOY, "megatron:2", "vllm:4", ["kv_replica_off_by_one"]),  # 2 KV heads on 4 ranks
     (TOY, "megatron:tp=2,pp=2", "vllm:4", ["stages_publish_local_indices"]),
+    # vLLM's stacked experts (w13_weight [4, 2F, d] per rank, EP 2), judged by TOY_MOE's 1b
+    # floor's expert-parallel cell
+    (TOY_MOE, "megatron:tp=2,ep=2", "vllm:tp=2,ep=2", ["experts_swapped"]),
 ]
 ELEMENT_CASES = [(tiny(4), "megatron:4", "vllm:2"), (tiny(4), "plain:1", "meta:2"),
                  (tiny(2), "megatron:2", "vllm:4"), (tiny(4), "fsdp:4", "plain:2"),
-                 (tiny(2, n_layers=2), "megatron:tp=2,pp=2", "vllm:2")]
+                 (tiny(2, n_layers=2), "megatron:tp=2,pp=2", "vllm:2"),
+                 (tiny(4, n_experts=4, top_k=2, expert_ffn=16), "megatron:tp=2,ep=2",
+                  "vllm:tp=2,ep=2")]
 
 
 def _applicable(plan):

@@ -7,13 +7,16 @@ written), and fails the element check too."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.sync.conftest import tiny
-from weight_sync_bench.errors import UnsupportedLayout
-from weight_sync_bench.model.config import TOY
+from weight_sync_bench.model.config import TOY, TOY_MOE
 from weight_sync_bench.sync import SyncSession, minimum_bytes, plan_for, sync_layout
+from weight_sync_bench.sync import session as session_module
 from weight_sync_bench.sync.mutations import PLAN_MUTATIONS, NotApplicable
+from weight_sync_bench.tolerance.rules import floor_for
 
 DEEP = tiny(2, n_layers=4).replace(name="tiny_deep")
 DEEP_MOE = tiny(4, n_layers=4, n_experts=4, top_k=2, expert_ffn=16).replace(name="tiny_deep_moe")
@@ -78,10 +81,66 @@ def test_plan_writes_names_what_the_planner_mutations_break():
         PLAN_MUTATIONS["stages_publish_local_indices"](plan)
 
 
-def test_vllms_stacked_expert_tensors_are_refused_naming_the_tensor():
-    with pytest.raises(UnsupportedLayout, match=r"vllm:tp=2,ep=2: rank 0 model.layers.0.mlp.experts."
-                                                r"routed_experts.w13_weight stacks 2 selections"):
-        sync_layout(DEEP_MOE, "vllm:tp=2,ep=2")
+@pytest.mark.parametrize(("src", "dst", "dp"), [
+    ("megatron:tp=1,pp=2,ep=2", "vllm:tp=2,ep=2", 1),
+    ("megatron:tp=1,pp=2", "vllm:tp=2,ep=2", 2),  # over data-parallel replicas
+    ("megatron:tp=2,ep=2", "vllm:tp=4,ep=4", 1),
+    ("vllm:tp=2,ep=2", "megatron:tp=1,pp=2,ep=2", 1),  # and back
+    ("vllm:tp=4,ep=4", "vllm:2", 1),
+], ids=str)
+def test_into_and_out_of_vllms_stacked_experts_every_element_arrives_once(src, dst, dp, pool):
+    """vLLM's fused-MoE tensors stack a rank's experts (``w13_weight [E_local, 2F/t, d]``,
+    ``w2_weight [E_local, d, F/t]``): phase 2 moves each member as a view of the stored
+    tensor, into fresh and into existing storage, B_min bytes, every element checked."""
+    with SyncSession(DEEP_MOE, src, dst, dp=dp, pool=pool, forward=False) as session:
+        result = session.run(bucket_bytes=4096)
+        stale = session.run(into="existing")
+    assert result.passed and stale.passed, result.summary()
+    assert result.bytes_moved == result.b_min == stale.bytes_moved and result.coverage == 1.0
+    assert not session.plan.writes()
+
+
+def test_a_stacked_member_is_named_where_a_plan_breaks_it(pool):
+    layout = sync_layout(DEEP_MOE, "vllm:tp=2,ep=2")
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    assert [n for n in layout.parts[0] if n.startswith(w13)] == [f"{w13}[0]", f"{w13}[1]"]
+    with SyncSession(DEEP_MOE, "megatron:tp=2,ep=2", layout, pool=pool, forward=False) as session:
+        assert session.run().passed  # the twin
+        swapped = session.run(plan=PLAN_MUTATIONS["experts_swapped"](session.plan))
+        into = [t for t in session.plan.transfers if t.dst_rank == 1 and t.dst_name == f"{w13}[1]"]
+        dropped = session.run(plan=session.plan.with_transfers(
+            [t for t in session.plan.transfers if t not in into], "dropped"))
+    assert not swapped.passed and swapped.elements[0].differ[0] == w13  # the stored tensor
+    assert "holds" in swapped.summary() and "expert" in swapped.summary(), swapped.summary()
+    assert not dropped.passed
+    assert f"rank 1 {w13}[1]: " in "\n".join(dropped.writes), dropped.writes  # the member
+
+
+def test_megatron_tp2_ep2_to_vllm_tp4_ep4_runs_vllms_expert_parallel_forward(pool):
+    with SyncSession(TOY_MOE, "megatron:tp=2,ep=2", "vllm:tp=4,ep=4", pool=pool) as session:
+        assert session.forward  # TOY_MOE's phase 1b floor has an expert-parallel cell at 4
+        result = session.run()
+    assert result.passed and result.verdict is not None and result.verdict.passed, \
+        result.summary()
+    assert result.bytes_moved == result.b_min
+
+
+def test_a_forward_the_floor_never_measured_is_not_run(monkeypatch, pool):
+    """A phase 1b floor without a cell of the destination's forward at its degree (here
+    TOY_MOE's, its expert-parallel cells taken out) judges no forward: the elements are
+    checked and a note says why, naming the command that measures the cell."""
+    floor = floor_for(TOY_MOE, "1b")
+    cells = [c for c in floor.artifact["cells"] if c.get("forward") != "expert-parallel"]
+    assert len(cells) < len(floor.artifact["cells"])
+    plain = replace(floor, artifact={**floor.artifact, "cells": cells})
+    monkeypatch.setattr(session_module, "floor_for", lambda config, phase: plain)
+    with SyncSession(TOY_MOE, "megatron:tp=2,ep=2", "vllm:tp=2,ep=2", pool=pool) as session:
+        assert not session.forward
+        result = session.run()
+    assert result.passed and result.verdict is None
+    note = next(n for n in result.notes if n.startswith("no forward: "))
+    assert "toy_moe: no measured floor covers the forward of vllm:tp=2,ep=2" in note
+    assert "runs the expert-parallel forward" in note and "Measure it with `" in note
 
 
 def test_a_staged_destination_states_what_each_stage_holds():

@@ -66,7 +66,11 @@ from weight_sync_bench.model.stepwise import (
 )
 from weight_sync_bench.tolerance import phase as record
 from weight_sync_bench.tolerance.artifacts import PHASES, write_artifact
-from weight_sync_bench.tolerance.phase import EXPERT_PARALLEL, PLAIN_FORWARD, REPLICATED_KV
+from weight_sync_bench.tolerance.phase import (
+    EXPERT_PARALLEL,
+    PLAIN_FORWARD,
+    REPLICATED_KV,
+)
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, cached_floor_path
 
 if TYPE_CHECKING:
@@ -154,12 +158,13 @@ def convention_logits(where: Endpoint, config: ModelConfig,
 
 
 def replicated_logits(config: ModelConfig, params: Mapping[str, torch.Tensor], degree: int,
-                      tokens: torch.Tensor, phase: str = "1a") -> torch.Tensor:
+                      tokens: torch.Tensor, phase: str = "1a",
+                      guard: RoutingGuard | None = None) -> torch.Tensor:
     """``convention_logits`` of vLLM at ``degree`` reading the declared vLLM shards of
-    ``params``: a replicated-KV cell's forward."""
+    ``params``: a replicated-KV cell's forward (``guard``: an MoE model's routing guard)."""
     target = endpoint(f"vllm:{degree}")
     return convention_logits(target, config, materialize(target.pieces(config), params),
-                             tokens, phase)
+                             tokens, phase, guard=guard)
 
 
 def stream_replicated_deviation(config: ModelConfig, degree: int, *, seed: int = 0,
@@ -275,7 +280,10 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
     ``replicated``: also measure each config's replicated-KV cells (``replicated_degrees``
     up to ``max_degree``, ``"forward": REPLICATED_KV``; the same seeds, tokens and dtype,
     vLLM's forward in this process for phase 1a, over gloo for 1b), listed after its plain
-    cells. Default: for the
+    cells, and for an MoE config its expert-parallel cells (``EXPERT_PARALLEL``: the
+    endpoints of ``expert_parallel_endpoints`` whose world is one TP group, each cell the
+    worst of them; an MoE forward keeps the reference's routing on every token, a floor
+    of the arithmetic as phase 1a's). Default: for the
     committed floors' configs (TOY and TOY_KV4, the default ``configs``: the measurement
     ``python -m weight_sync_bench.tolerance`` writes); a measurement of other ``configs``
     measures their plain cells unless asked.
@@ -300,15 +308,29 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
         deviations: dict[int, list[np.ndarray]] = {t: [] for t in degrees}
         wide = replicated_degrees(config, max_degree) if replicated else []
         copies: dict[int, list[np.ndarray]] = {t: [] for t in wide}
+        # an MoE geometry's expert-parallel forwards whose world is one TP group (vLLM's EP,
+        # Megatron's at EP == TP: what a forward over gloo can run), with the replicated-KV
+        # cells; each cell the worst of its endpoints, as ``measure_geometry``'s in phase 1a
+        experts = {t: [w for w in ends if (w.convention.forward_layout(config, w).tp
+                                           or w.world) == w.world]
+                   for t, ends in expert_parallel_endpoints(config, max_degree).items()
+                   } if replicated and config.n_experts else {}
+        experts = {t: ends for t, ends in experts.items() if ends}
+        spread: dict[int, list[np.ndarray]] = {t: [] for t in experts}
         layout = layout_for(config)
         for rep in range(repetitions):
             params = init_params(config, rep, dtype=weights)
             tokens = make_tokens(config, TOKEN_SEED_OFFSET + rep)
-            reference = ReferenceModel(config, computing(params))(tokens)
+            model = ReferenceModel(config, computing(params))
+            reference = model(tokens)
+            # top-k routing: the reference's choice on every token (a floor of the arithmetic,
+            # as phase 1a measures an MoE geometry's), for a forward that takes a guard
+            guard = ({"guard": RoutingGuard(model.routings, math.inf)} if config.n_experts
+                     else {})
             for t in degrees:
                 if forward is not None:  # the declared shards in the synced dtype, upcast
                     shards = [computing(p) for p in split(params, layout, t)]
-                    logits = forward(config, shards, tokens)
+                    logits = forward(config, shards, tokens, **guard)
                 elif runner is inprocess_runner:
                     logits = inprocess_runner(config, t, rep, TOKEN_SEED_OFFSET + rep, params)
                 else:
@@ -316,15 +338,24 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
                 deviations[t].append((logits - reference).abs().flatten().numpy())
                 del logits
             for t in wide:  # vLLM's forward past n_kv_heads: each KV head on t / n_kv ranks
-                logits = replicated_logits(config, params, t, tokens, phase)
+                logits = replicated_logits(config, params, t, tokens, phase, **guard)
                 copies[t].append((logits - reference).abs().flatten().numpy())
                 del logits
-            del params, reference
+            for t, ends in experts.items():
+                for where in ends:
+                    logits = convention_logits(where, config,
+                                               materialize(where.pieces(config), params),
+                                               tokens, phase, **guard)
+                    spread[t].append((logits - reference).abs().flatten().numpy())
+                    del logits
+            del params, reference, model
             if progress is not None:
                 progress(i * repetitions + rep + 1, len(configs) * repetitions,
                          f"{config.name} seed {rep + 1}/{repetitions}")
         cells += [record.cell(config.name, t, deviations[t]) for t in degrees]
         cells += [record.cell(config.name, t, copies[t], forward=REPLICATED_KV) for t in wide]
+        cells += [record.cell(config.name, t, spread[t], forward=EXPERT_PARALLEL)
+                  for t in experts]
     return record.artifact(phase, configs, cells, repetitions, weights)
 
 

@@ -40,14 +40,13 @@ from weight_sync_bench.cli.output import (
 )
 from weight_sync_bench.errors import (
     FloorNotMeasured,
-    ToleranceMismatch,
     UnsupportedLauncher,
 )
 from weight_sync_bench.sync.execute import DEFAULT_BUCKET, gather_scatter
 from weight_sync_bench.sync.mutations import PLAN_MUTATIONS
 from weight_sync_bench.sync.session import INTO, SyncSession
 from weight_sync_bench.sync.torchrun import TORCHRUN_BACKENDS, device_for, run_torchrun
-from weight_sync_bench.tolerance.rules import load_artifact, threshold_for
+from weight_sync_bench.tolerance.rules import floor_for
 
 if TYPE_CHECKING:
     from weight_sync_bench.sync.session import SyncResult
@@ -72,14 +71,20 @@ def cmd_sync(args: argparse.Namespace) -> int:
     guard(args, config)
     if not args.no_forward:
         try:
-            threshold_for(config, "1b")
-        except ToleranceMismatch:  # before any rank starts
-            recorded = sorted({c["config"] for c in load_artifact("1b")["cells"]})
+            floor_for(config, "1b")
+        except FloorNotMeasured as exc:  # before any rank starts
+            command = exc.command
+            if args.hf_config:  # the user's config.json: the command that measures it
+                command = " ".join(
+                    ["wsb floor geometry --hf-config", str(args.hf_config)]
+                    + [f"{flag} {value}" for flag, value in (("--layers", args.layers),
+                                                             ("--vocab", args.vocab)) if value]
+                    + ["--phase 1b"])
             raise FloorNotMeasured(
-                f"the destination forward of {config.name} needs a phase 1b floor, and one is "
-                f"recorded for {', '.join(recorded)} only; --no-forward checks every "
-                "destination element bit for bit, the bytes, the time and each rank's memory "
-                "without one", command="wsb sync ... --no-forward") from None
+                f"the destination forward of {config.name} needs a phase 1b floor "
+                f"({exc.why}). Measure it with `{command}`; "
+                "--no-forward checks every destination element bit for bit, the bytes, the "
+                "time and each rank's memory without one", command=command) from None
     results = []
     if args.launcher == "torchrun":
         if args.mutation or args.naive:

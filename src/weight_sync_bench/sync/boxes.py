@@ -85,7 +85,8 @@ class Stored:
 
 @dataclass(frozen=True, eq=False)
 class Cover:
-    """A layout as boxes: ``ranks[rank][stored name]`` is a ``Stored``."""
+    """A layout as boxes: ``ranks[rank][part]`` is a ``Stored``, one per ``layout.parts``
+    (a stored tensor, or one member of a stacked one, ``w13_weight[i]``)."""
 
     layout: SyncLayout
     ranks: tuple[dict[str, Stored], ...]
@@ -132,7 +133,7 @@ def _cover(layout: SyncLayout) -> Cover:
     shapes = layout.config.param_shapes()
     return Cover(layout, tuple(
         {name: stored_boxes(rank, name, piece, shapes[piece.source])
-         for name, piece in pieces.items()} for rank, pieces in enumerate(layout.pieces)))
+         for name, piece in pieces.items()} for rank, pieces in enumerate(layout.parts)))
 
 
 def cover_of(layout: SyncLayout, *, validate: bool = True) -> Cover:

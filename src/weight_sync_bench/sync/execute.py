@@ -252,21 +252,22 @@ def planned_storage(plan: Plan, rank: int, device: str = "cpu") -> Params:
     out = {name: huge_pages(torch.empty(piece.local_shape(shapes[piece.source]),
                                         dtype=torch.float32, device=device))
            for name, piece in plan.dst.pieces[rank].items()}
+    parts = plan.dst.members(rank, out)
     for name, runs in unwritten_rows(plan, rank).items():
         for start, stop in runs:
-            out[name][start:stop].zero_()
+            parts[name][start:stop].zero_()
     return out
 
 
 def unwritten_rows(plan: Plan, rank: int) -> dict[str, list[tuple[int, int]]]:
-    """Per destination tensor of ``rank``, the row runs ``[start, stop)`` along dim 0 that no
-    transfer of ``plan`` into it writes whole (every column of the row): what
-    ``planned_storage`` zeroes. A row only partly written is zeroed whole."""
+    """Per destination part of ``rank`` (``SyncLayout.parts``), the row runs ``[start, stop)``
+    along dim 0 that no transfer of ``plan`` into it writes whole (every column of the row):
+    what ``planned_storage`` zeroes. A row only partly written is zeroed whole."""
     if rank >= plan.dst.world:
         return {}
     shapes = plan.dst.config.param_shapes()
     stored = {name: piece.local_shape(shapes[piece.source])
-              for name, piece in plan.dst.pieces[rank].items()}
+              for name, piece in plan.dst.parts[rank].items()}
     written: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for t in plan.transfers:
         if t.dst_rank != rank:
@@ -315,8 +316,9 @@ def existing_storage(plan: Plan, rank: int, destination: Mapping[str, torch.Tens
             raise InvalidShards(f"{where} {name}: {got}, declared contiguous torch.float32 "
                                 f"{list(shape)}")
     out = dict(destination)
+    parts = plan.dst.members(rank, out)
     for name, dim, offset, length in padding(plan.dst, rank):
-        out[name].narrow(dim, offset, length).zero_()
+        parts[name].narrow(dim, offset, length).zero_()
     return out
 
 
@@ -351,7 +353,7 @@ def _contiguous(shape: tuple[int, ...], region: tuple[tuple[int, int], ...]) -> 
 
 
 def _shape(layout: SyncLayout, rank: int, name: str) -> tuple[int, ...]:
-    piece = layout.pieces[rank][name]
+    piece = layout.parts[rank][name]
     return piece.local_shape(layout.config.param_shapes()[piece.source])
 
 
@@ -409,8 +411,10 @@ def execute_plan(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor],
     bucket = InvalidNumber.count("bucket_bytes", ctx.bucket_bytes, minimum=ELEMENT_SIZE)
     if staging not in STAGING:
         raise ValueError(f"execute_plan: staging={staging!r}, expected one of {STAGING}")
-    out = (planned_storage(plan, rank, ctx.device) if ctx.destination is None
-           else existing_storage(plan, rank, ctx.destination))
+    stored = (planned_storage(plan, rank, ctx.device) if ctx.destination is None
+              else existing_storage(plan, rank, ctx.destination))
+    # the plan addresses parts: a stacked tensor's members as views of it (SyncLayout.parts)
+    out, local = plan.dst.members(rank, stored), plan.src.members(rank, local)
     pending = [plan.local_runs(rank)]  # done while the first exchange is on the wire
 
     def local_copies() -> None:
@@ -464,7 +468,7 @@ def execute_plan(ctx: SyncContext, rank: int, local: Mapping[str, torch.Tensor],
     local_copies()  # a rank that exchanged nothing
     for buf in arenas.values():
         ctx.meter.free(buf)
-    return out
+    return stored
 
 
 def _region(plan: Plan, message: Message, tensors: Mapping[str, torch.Tensor], side: str

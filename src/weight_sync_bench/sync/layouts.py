@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weight_sync_bench.conventions import convention_by_name, endpoint
-from weight_sync_bench.conventions.maps import placed
+from weight_sync_bench.conventions.maps import Piece, placed
 from weight_sync_bench.conventions.megatron import qkv_stored_rows
 from weight_sync_bench.conventions.staging import stage_holds
 from weight_sync_bench.errors import UnknownConvention, UnsupportedLayout
@@ -28,6 +28,10 @@ from weight_sync_bench.layout.placements import Shard
 from weight_sync_bench.layout.table import LayoutTable
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
     from weight_sync_bench.conventions import Convention, Endpoint
     from weight_sync_bench.conventions.maps import Pieces
     from weight_sync_bench.model.config import ModelConfig
@@ -78,6 +82,30 @@ class SyncLayout:
         at = self.at
         return (at is not None and not at.staged and at.world == at.degree
                 and not at.convention.forward_layout(self.config, at).gathered)
+
+    @functools.cached_property
+    def parts(self) -> tuple[dict, ...]:
+        """``pieces`` with every stacked tensor cut into its members: what phase 2 plans,
+        moves and checks. A member of a stacked tensor (vLLM's fused-MoE ``w13_weight``
+        ``[E_local, 2F/t, d]``: one local expert's rows) is a plain selection of its own,
+        named ``{stored name}[{i}]``; ``members`` gives the views that address it."""
+        return tuple({part: piece for name, stored in rank.items()
+                      for part, piece in _members(name, stored)} for rank in self.pieces)
+
+    def members(self, rank: int, tensors: Mapping[str, torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+        """``rank``'s stored ``tensors`` as ``parts``: a stacked tensor's member i is the view
+        ``tensors[name][i]`` (writing it writes the stored tensor), any other tensor itself.
+        Names the tensors lack are left out (a structure check reports them)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, piece in (self.pieces[rank].items() if rank < self.world else ()):
+            if name not in tensors:
+                continue
+            if piece.stack == 1:
+                out[name] = tensors[name]
+            else:
+                out.update((f"{name}[{i}]", tensors[name][i]) for i in range(piece.stack))
+        return out
 
     @property
     def key(self) -> tuple[str, ModelConfig]:
@@ -131,7 +159,6 @@ def _sync_layout(config: ModelConfig, text: str, dp: int) -> SyncLayout:
         at = endpoint(text)
         label = str(at) + (f" x dp{dp}" if dp > 1 else "")
         pieces = at.pieces(config)
-        _unstacked(label, config, pieces)
         statement = at.convention.forward_layout(config, at).layout
         return SyncLayout(label, config, at.degree, dp, tuple(pieces) * dp, statement,
                           at.convention, at)
@@ -153,25 +180,19 @@ def _sync_layout(config: ModelConfig, text: str, dp: int) -> SyncLayout:
         raise UnknownConvention(f"unknown layout {name!r} in {text!r}; known: fsdp and the "
                                 "conventions (plain, megatron, vllm, hf, meta)") from None
     pieces = convention.pieces(config, degree)
-    _unstacked(label, config, pieces)
     statement = convention.forward_layout(config, degree).layout
     return SyncLayout(label, config, degree, dp, tuple(pieces) * dp, statement, convention)
 
 
-def _unstacked(label: str, config: ModelConfig, pieces: Pieces) -> None:
-    """Phase 2 moves stored tensors that are one index selection of a canonical parameter
-    along one dim; a tensor stacking several (vLLM's fused-MoE ``w13_weight``, experts
-    ``[E_local, 2F/t, d]``) is refused naming it, before anything is planned."""
-    shapes = config.param_shapes()
-    for rank, stored in enumerate(pieces):
-        for name, piece in stored.items():
-            if piece.stack > 1:
-                raise UnsupportedLayout(
-                    f"{label}: rank {rank} {name} stacks {piece.stack} selections of "
-                    f"{piece.source} into {list(piece.local_shape(shapes[piece.source]))}; "
-                    "phase 2 moves tensors that are one selection each (vLLM's fused-MoE "
-                    "expert tensors are not supported by the sync yet: check the conversion "
-                    "with check_convert / wsb check --converter)")
+def _members(name: str, piece: Piece) -> list[tuple[str, Piece]]:
+    """A stored tensor as the plain selections phase 2 addresses: itself, or each member of
+    a stacked one (``Piece.stacked``: member i is the flat selection's i-th run along
+    ``dim``, ``stored[i]``)."""
+    if piece.stack == 1:
+        return [(name, piece)]
+    m = piece.idx.numel() // piece.stack
+    return [(f"{name}[{i}]", Piece(piece.source, piece.dim, piece.idx[i * m:(i + 1) * m].clone()))
+            for i in range(piece.stack)]
 
 
 def fsdp_table(config: ModelConfig) -> LayoutTable:

@@ -17,7 +17,10 @@ the forward (``tests/sync/test_mutations.py``, against the twin: the unmutated p
 - ``dropped_transfer``: the largest transfer between ranks left out;
 - ``stages_publish_local_indices``: a pipeline source's later stages write their layers into
   the destination layers of their local indices (two stages claiming one layer, the layers
-  past the first stage never written).
+  past the first stage never written);
+- ``experts_swapped``: two of destination rank 0's layer-0 experts exchanged (what is meant
+  for one expert's tensor, or one member of vLLM's stacked ``w13_weight``, written into
+  another's: a local-to-global expert index mixed up).
 
 Besides the element check and the forward, ``Plan.writes`` names where a plan writes a
 destination element twice or never, from its transfers alone.
@@ -99,7 +102,7 @@ def swap_positions(plan: Plan, rank: int, name: str, dim: int, a: int, b: int, l
 
 
 def _stored_of(plan: Plan, rank: int, suffix: str) -> tuple[str, Piece]:
-    for name, piece in plan.dst.pieces[rank].items():
+    for name, piece in plan.dst.parts[rank].items():
         if piece.source.endswith(suffix):
             return name, piece
     raise NotApplicable(f"{plan.dst} rank {rank} stores no tensor of a {suffix}")
@@ -180,15 +183,15 @@ def box_overlap(plan: Plan) -> Plan:
     written = {}  # (rank, name, dim position) of local copies, per destination dim
     for t in plan.transfers:
         if t.local:
-            dim = plan.dst.pieces[t.dst_rank][t.dst_name].dim
+            dim = plan.dst.parts[t.dst_rank][t.dst_name].dim
             (a, b) = t.region[dim]
             for p in range(t.dst_at[dim], t.dst_at[dim] + b - a):
                 written[(t.dst_rank, t.dst_name, p)] = True
     for index, t in enumerate(plan.transfers):
         if t.local:
             continue
-        dst_piece = plan.dst.pieces[t.dst_rank][t.dst_name]
-        src_piece = plan.src.pieces[t.src_rank][t.src_name]
+        dst_piece = plan.dst.parts[t.dst_rank][t.dst_name]
+        src_piece = plan.src.parts[t.src_rank][t.src_name]
         dim = dst_piece.dim
         if src_piece.dim != dim:
             continue
@@ -245,7 +248,7 @@ def stages_publish_local_indices(plan: Plan) -> Plan:
             out.append(t)
             continue
         name = t.dst_name.replace(f"layers.{parts[1]}.", f"layers.{local}.", 1)
-        if name not in plan.dst.pieces[t.dst_rank]:
+        if name not in plan.dst.parts[t.dst_rank]:
             raise NotApplicable(f"{plan.dst} rank {t.dst_rank} {t.dst_name}: no layer index "
                                 "in its name to misread")
         out.append(replace(t, dst_name=name))
@@ -253,6 +256,31 @@ def stages_publish_local_indices(plan: Plan) -> Plan:
     if not moved:
         raise NotApplicable(f"{plan.src}: every stage's layers start at global layer 0")
     return plan.with_transfers(out, "stages_publish_local_indices")
+
+
+def experts_swapped(plan: Plan) -> Plan:
+    """What the plan writes into destination rank 0's first expert tensor of layer 0 (a
+    stored tensor, or a member of a stacked one: vLLM's ``w13_weight[i]``) lands in the
+    first tensor of another expert that holds the same rows of its expert, and the reverse:
+    a local-to-global expert index mixed up (two experts' weights exchanged, every byte
+    written once)."""
+    config = plan.dst.config
+    if not config.n_experts:
+        raise NotApplicable(f"{config.name} has no experts")
+    per = 2 * config.expert_ffn  # an expert's [gate | up] rows in the canonical gate_up
+    held = [(name, piece) for name, piece in plan.dst.parts[0].items()
+            if piece.source == "layers.0.experts.gate_up.weight" and piece.idx.numel()]
+    for name, piece in held:
+        first = int(piece.idx[0])
+        other = next((n for n, p in held if p.idx.numel() == piece.idx.numel()
+                      and int(p.idx[0]) // per != first // per
+                      and int(p.idx[0]) % per == first % per), None)
+        if other is not None:
+            swap = {name: other, other: name}
+            return plan.with_transfers(
+                [replace(t, dst_name=swap[t.dst_name]) if t.dst_rank == 0
+                 and t.dst_name in swap else t for t in plan.transfers], "experts_swapped")
+    raise NotApplicable(f"{plan.dst} rank 0 holds one expert of layer 0")
 
 
 PLAN_MUTATIONS: dict[str, PlanMutation] = {m.name: m for m in (
@@ -263,6 +291,7 @@ PLAN_MUTATIONS: dict[str, PlanMutation] = {m.name: m for m in (
     PlanMutation("box_overlap", box_overlap),
     PlanMutation("dropped_transfer", dropped_transfer),
     PlanMutation("stages_publish_local_indices", stages_publish_local_indices),
+    PlanMutation("experts_swapped", experts_swapped),
 )}
 
 __all__ = ["PLAN_MUTATIONS", "NotApplicable", "PlanMutation", "swap_positions"]

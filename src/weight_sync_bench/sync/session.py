@@ -37,12 +37,19 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from weight_sync_bench.check.checker import Verdict
+from weight_sync_bench.check.conversion import require_cell
+from weight_sync_bench.check.threshold import environment_notes
 from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
 from weight_sync_bench.conventions import materialize
-from weight_sync_bench.errors import InvalidShards, InvalidUserShards, UserCodeError
+from weight_sync_bench.errors import (
+    FloorNotMeasured,
+    InvalidShards,
+    InvalidUserShards,
+    UserCodeError,
+)
 from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.sync.boxes import cover_of
+from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.sync.execute import (
     DEFAULT_BUCKET,
     CountingP2P,
@@ -58,18 +65,13 @@ from weight_sync_bench.sync.planner import ELEMENT_SIZE, Plan, plan_for
 from weight_sync_bench.sync.verify import (
     ElementCheck,
     drop_task,
-    expected,
     first_difference,
     forward_task,
+    generated,
     load_task,
     reshard_task,
 )
-from weight_sync_bench.tolerance.rules import (
-    TOKEN_SEED_OFFSET,
-    check_environment,
-    load_artifact,
-    threshold_for,
-)
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, floor_for
 
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
@@ -223,20 +225,32 @@ class SyncSession:
         self.forward = forward and self.dst.runs_forward
         self.notes: tuple[str, ...] = ()
         if forward and not self.forward:
-            self.notes = (f"no forward: {self.dst} is not a TP inference layout (FSDP, pipeline "
-                          "stages or experts over more ranks than TP): its elements are "
-                          "checked",)
+            self.notes = (no_forward(self.dst),)
         self.threshold = threshold
         self.reference: torch.Tensor | None = None
+        self.guard: RoutingGuard | None = None
         self.tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
         init = None
+        if self.forward and self.threshold is None:
+            # FloorNotMeasured where no phase 1b floor covers the geometry; where one does
+            # but has no cell of the destination's forward at its degree (vLLM's expert-
+            # parallel forward), the elements are checked and a note says why no forward ran
+            floor = floor_for(config, "1b")  # committed, or measured for this geometry
+            try:
+                require_cell(floor, config, self.dst.at)
+            except FloorNotMeasured as exc:
+                self.forward = False
+                self.notes += (f"no forward: {exc}",)
+            else:
+                self.threshold = floor.threshold
+                self.notes += environment_notes(floor, config, "1b", "fp32")
         if self.forward:
-            if self.threshold is None:
-                self.threshold = threshold_for(config, "1b")  # ToleranceMismatch off TOY
-                self.notes += check_environment(load_artifact("1b"), "the phase 1b floor")
             full = init_params(config, seed)
+            model = ReferenceModel(config, full)
             with torch.no_grad():
-                self.reference = ReferenceModel(config, full)(self.tokens)
+                self.reference = model(self.tokens)
+            if config.n_experts:  # top-k routing: the reference's choice where near-tied
+                self.guard = RoutingGuard(model.routings, self.threshold)
             init = materialize(list(self.src.pieces), full)
             del full
         self.pool = pool or shared_pool(self.world)
@@ -311,7 +325,7 @@ class SyncSession:
         verdict = None
         if run_forward:
             logits = self.pool.run(forward_task, self.dst.degree, kwargs={
-                "key": self.key, "plan": plan, "tokens": self.tokens})[0]
+                "key": self.key, "plan": plan, "tokens": self.tokens, "guard": self.guard})[0]
             assert self.reference is not None and self.threshold is not None
             verdict = judge(plan, logits, self.reference, self.threshold, records, self.notes)
         return replace(collect(plan, name, records, verdict, self.notes, into=into),
@@ -379,19 +393,20 @@ def _stored_bytes(plan: Plan, rank: int) -> int:
 _EXISTING: dict[str, dict[str, Any]] = {}  # per session key: "layout", "storage", "stale"
 
 
+def no_forward(dst: SyncLayout) -> str:
+    """The note of a sync whose destination runs no forward (``SyncLayout.runs_forward``)."""
+    return (f"no forward: {dst} is not a TP inference layout (FSDP, pipeline stages or experts "
+            "over more ranks than TP): its elements are checked")
+
+
 def stale_values(plan: Plan, rank: int, seed: int) -> Params:
     """What ``rank``'s existing destination tensors hold before a run into them: the values
-    the sync must write (``verify.expected``: the generator's, zero padding) with the
+    the sync must write (``verify.generated``: the generator's, zero padding) with the
     lowest bit of every element flipped, so that every element differs from its expected
     bits, by as little as a float can."""
-    if rank >= plan.dst.world:
-        return {}
-    shapes = plan.dst.config.param_shapes()
-    out = {}
-    for name, stored in cover_of(plan.dst, validate=False).ranks[rank].items():
-        x = expected(stored, shapes[stored.source], seed)
+    out = generated(plan.dst, rank, seed)
+    for x in out.values():
         x.view(torch.int32).bitwise_xor_(1)
-        out[name] = x
     return out
 
 

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from weight_sync_bench.check.conversion import require_cell
+from weight_sync_bench.check.threshold import environment_notes
 from weight_sync_bench.collectives.gloo.rank import RankContext
 from weight_sync_bench.collectives.gloo.torchrun import (
     TORCHRUN_BACKENDS,
@@ -51,9 +53,10 @@ from weight_sync_bench.collectives.gloo.torchrun import (
     torchrun_env,
 )
 from weight_sync_bench.conventions import materialize
-from weight_sync_bench.errors import UnsupportedLauncher
+from weight_sync_bench.errors import FloorNotMeasured, UnsupportedLauncher
 from weight_sync_bench.model.config import init_params, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.sync.execute import (
     DEFAULT_BUCKET,
     CountingP2P,
@@ -69,15 +72,11 @@ from weight_sync_bench.sync.session import (
     collect,
     existing_task,
     judge,
+    no_forward,
     raise_user_errors,
 )
 from weight_sync_bench.sync.verify import forward, load, reshard
-from weight_sync_bench.tolerance.rules import (
-    TOKEN_SEED_OFFSET,
-    check_environment,
-    load_artifact,
-    threshold_for,
-)
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, floor_for
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -117,18 +116,30 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
             raise UnsupportedLauncher(f"{plan.label} runs on {plan.world} ranks; torchrun "
                                       f"started {world} (--nproc-per-node {plan.world})")
         notes: tuple[str, ...] = ()
-        run_forward = forward_check and dst.convention is not None
+        run_forward = forward_check and dst.runs_forward  # as SyncSession decides it
+        if forward_check and not run_forward:
+            notes += (no_forward(dst),)
         if run_forward and device != "cpu":
             run_forward = False
-            notes += (f"no forward over {backend}: the phase 1b floor was measured on CPU "
-                      "fp32",)
-        threshold = threshold_for(config, "1b") if run_forward else None  # all ranks alike
+            notes += ((f"no forward over {backend}: the phase 1b floor was measured on CPU "
+                      "fp32"),)
+        floor = floor_for(config, "1b") if run_forward else None  # all ranks alike
+        if floor is not None:
+            try:  # as SyncSession: no cell of the destination's forward, no forward
+                require_cell(floor, config, dst.at)
+            except FloorNotMeasured as exc:
+                run_forward, floor = False, None
+                notes += (f"no forward: {exc}",)
+        threshold = floor.threshold if floor is not None else None
         group, tracer = ranks.groups[world], ranks.tracer
         tracer.mark("sync: load")
         reference = init = None
         tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+        guard = None
         if run_forward:
-            reference, init = _init_shards(rank, world, group, tracer, src, seed, tokens)
+            assert threshold is not None
+            reference, init, guard = _init_shards(rank, world, group, tracer, src, seed, tokens,
+                                                  threshold)
         load(rank, "torchrun", src, seed, init, device)
         fn: ReshardFn = execute_plan
         if into == "existing":  # allocated and made stale outside the timed region
@@ -148,7 +159,7 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
             if rank < dst.degree:
                 logits = forward(rank, RankContext(rank, dst.degree, ranks.groups[dst.degree],
                                                    tracer),
-                                 key="torchrun", plan=plan, tokens=tokens)
+                                 key="torchrun", plan=plan, tokens=tokens, guard=guard)
         if rank != 0:
             return None
         name = f"{execute_plan.__module__}:{execute_plan.__qualname__}"
@@ -156,7 +167,8 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
         verdict = None
         if run_forward:
             assert logits is not None and reference is not None and threshold is not None
-            notes += check_environment(load_artifact("1b"), "the phase 1b floor")
+            assert floor is not None
+            notes += environment_notes(floor, config, "1b", "fp32")
             verdict = judge(plan, logits, reference, threshold, records, notes)
         return collect(plan, name, records, verdict,
                        notes + (f"launched by torchrun ({world} ranks, {backend})",), into=into)
@@ -165,24 +177,36 @@ def run_torchrun(config: ModelConfig, src_text: str, dst_text: str, *, dp: int =
 
 
 def _init_shards(rank: int, world: int, group: Any, tracer: Tracer, src: SyncLayout, seed: int,
-                 tokens: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+                 tokens: torch.Tensor, threshold: float
+                 ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor], RoutingGuard | None]:
     """Rank 0 builds ``init_params`` and the reference and sends each source rank its
-    shards (a transport of its own, not counted in the sync's figures)."""
+    shards (a transport of its own, not counted in the sync's figures); an MoE model's
+    routing guard (the reference's routings, bound ``threshold``) is broadcast to every
+    rank, as ``SyncSession`` hands it to the forward's ranks."""
     config = src.config
     shapes = config.param_shapes()
     p2p = CountingP2P(group, rank, tracer)
+    reference, guard = None, None
     if rank == 0:
         full = init_params(config, seed)
+        model = ReferenceModel(config, full)
         with torch.no_grad():
-            reference = ReferenceModel(config, full)(tokens)
+            reference = model(tokens)
+        if config.n_experts:
+            guard = RoutingGuard(model.routings, threshold)
         shards = materialize(list(src.pieces), full)
         del full
         sends = [(r, x.contiguous()) for r in range(1, src.world) for x in shards[r].values()]
         p2p.exchange(sends, [], tag="init shards")
-        return reference, shards[0]
-    if rank >= src.world:
-        return None, {}
-    mine = {name: torch.empty(piece.local_shape(shapes[piece.source]))
-            for name, piece in src.pieces[rank].items()}
-    p2p.exchange([], [(0, x) for x in mine.values()], tag="init shards")
-    return None, mine
+        mine = shards[0]
+    elif rank >= src.world:
+        mine = {}
+    else:
+        mine = {name: torch.empty(piece.local_shape(shapes[piece.source]))
+                for name, piece in src.pieces[rank].items()}
+        p2p.exchange([], [(0, x) for x in mine.values()], tag="init shards")
+    if config.n_experts:  # the job's own processes: rank 0's routings, pickled among them
+        held = [guard]
+        dist.broadcast_object_list(held, src=0, group=group)
+        guard = held[0]
+    return reference, mine, guard

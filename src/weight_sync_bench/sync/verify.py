@@ -20,6 +20,7 @@ degree (the pool's prefix group). The functions run under ``torchrun`` as well
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from weight_sync_bench.collectives.gloo.collective import GlooCollective
 from weight_sync_bench.conventions import reading_plan
 from weight_sync_bench.memory import rss
 from weight_sync_bench.model.sharded import ShardedModel
-from weight_sync_bench.sync.boxes import Stored, cover_of
+from weight_sync_bench.sync.boxes import stored_boxes
 from weight_sync_bench.sync.execute import (
     CountingP2P,
     Meter,
@@ -47,6 +48,7 @@ from weight_sync_bench.sync.values import fill, region_values
 
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.gloo.rank import RankContext
+    from weight_sync_bench.model.sharded import RoutingGuard
     from weight_sync_bench.sync.layouts import SyncLayout
 
 Params = dict[str, torch.Tensor]
@@ -54,24 +56,28 @@ _HELD: dict[str, dict[str, Any]] = {}  # per session key, on each rank process
 
 
 def generated(layout: SyncLayout, rank: int, seed: int) -> Params:
-    """``rank``'s tensors of ``layout`` holding the generator's values, box by box."""
+    """``rank``'s tensors of ``layout`` holding the generator's values (``expected``)."""
     if rank >= layout.world:
         return {}
-    return {name: expected(stored, layout.config.param_shapes()[stored.source], seed)
-            for name, stored in cover_of(layout, validate=False).ranks[rank].items()}
+    return {name: expected(layout, rank, name, seed) for name in layout.pieces[rank]}
 
 
-def expected(stored: Stored, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """What a stored tensor must hold: each box's canonical region from the generator,
-    zeros in padding."""
-    out = torch.zeros(stored.shape, dtype=torch.float32)
-    for box in stored.boxes:
+def expected(layout: SyncLayout, rank: int, name: str, seed: int) -> torch.Tensor:
+    """What ``rank``'s stored tensor ``name`` must hold: each box of its selection, the
+    canonical region from the generator (zeros in padding), stored as its convention stores
+    it (``Piece.stacked``: vLLM's stacked experts member by member). Made from the stored
+    tensor's own index map, not from the parts the executor addresses
+    (``SyncLayout.members``), so a member written into another's place is seen."""
+    piece = layout.pieces[rank][name]
+    shape = layout.config.param_shapes()[piece.source]
+    out = torch.zeros(piece.flat_shape(shape), dtype=torch.float32)
+    for box in stored_boxes(rank, name, piece, shape).boxes:
         if box.source is None:
             continue
         region = [(0, size) for size in shape]
         region[box.dim] = (box.start, box.stop)
         fill(out.narrow(box.dim, box.offset, box.length), seed, box.source, shape, tuple(region))
-    return out
+    return piece.stacked(out)
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,8 @@ class ElementCheck:
 
 def check_elements(plan: Plan, rank: int, out: Mapping[str, torch.Tensor], seed: int
                    ) -> ElementCheck:
-    """Compare ``rank``'s destination tensors with what its boxes must hold, bit for bit
+    """Compare ``rank``'s destination tensors with what their boxes must hold (``expected``),
+    bit for bit
     (``bit_equal``: in slabs, no temporary as large as a tensor), then diagnose the first that
     differs as every check does (``check.diagnosis.diagnose_rank``): its one canonical
     parameter regenerated from the generator, each slice the rank holds matched to it. The
@@ -102,13 +109,15 @@ def check_elements(plan: Plan, rank: int, out: Mapping[str, torch.Tensor], seed:
     if rank >= layout.world:
         return ElementCheck(rank, 0, 0, (), ())
     shapes = layout.config.param_shapes()
-    cover = cover_of(layout, validate=False)
     checked = total = 0
-    differ = []
-    for name, stored in cover.ranks[rank].items():
-        total += stored.numel
-        checked += sum(b.length for b in stored.boxes) * (stored.numel // stored.shape[stored.dim])
-        if not bit_equal(out[name].cpu(), expected(stored, shapes[stored.source], seed)):
+    differ: list[str] = []
+    for name, piece in layout.pieces[rank].items():
+        want = expected(layout, rank, name, seed)
+        flat = piece.flat_shape(shapes[piece.source])
+        total += want.numel()
+        checked += sum(b.length for b in stored_boxes(rank, name, piece, shapes[piece.source])
+                       .boxes) * (math.prod(flat) // flat[piece.dim])
+        if not bit_equal(out[name].cpu(), want):
             differ.append(name)
     lines: tuple[str, ...] = ()
     if differ:
@@ -254,17 +263,21 @@ def reshard(rank: int, world: int, group: Any, tracer: Any, *, key: str, plan: P
     return record
 
 
-def forward(rank: int, ctx: RankContext, *, key: str, plan: Plan, tokens: torch.Tensor
-            ) -> torch.Tensor | None:
+def forward(rank: int, ctx: RankContext, *, key: str, plan: Plan, tokens: torch.Tensor,
+            guard: RoutingGuard | None = None) -> torch.Tensor | None:
     """The destination forward on destination ranks ``0..degree-1``: the kept shards read
-    as the destination framework reads them, ``ShardedModel`` over ``GlooCollective``."""
+    as the destination framework reads them, ``ShardedModel`` over ``GlooCollective`` with
+    the experts where the destination's forward layout places them (vLLM's EP: each rank's
+    own experts whole). ``guard``: an MoE model's routing guard (the reference's choices
+    where near-tied, ``model.sharded.RoutingGuard``), as every MoE check routes."""
     dst = plan.dst
     assert dst.convention is not None
     out = _HELD[key].pop("out")
     reading = reading_plan(dst.convention, dst.config, dst.at or dst.degree)
     inputs = {name: sel.apply(out) for name, sel in reading.ranks[rank].items()}
     model = ShardedModel(reading.forward.config, [inputs], GlooCollective(ctx),
-                         embedding=reading.forward.embedding)
+                         embedding=reading.forward.embedding, experts=reading.forward.experts,
+                         guard=guard)
     with torch.no_grad():
         (logits,) = model(tokens)
     return logits if rank == 0 else None
@@ -284,10 +297,10 @@ def reshard_task(ctx: RankContext, **kwargs: Any) -> dict[str, Any]:
     return reshard(ctx.rank, ctx.degree, ctx.group, ctx.tracer, **kwargs)
 
 
-def forward_task(ctx: RankContext, *, key: str, plan: Plan, tokens: torch.Tensor
-                 ) -> torch.Tensor | None:
+def forward_task(ctx: RankContext, *, key: str, plan: Plan, tokens: torch.Tensor,
+                 guard: RoutingGuard | None = None) -> torch.Tensor | None:
     ctx.tracer.mark("sync: forward")
-    return forward(ctx.rank, ctx, key=key, plan=plan, tokens=tokens)
+    return forward(ctx.rank, ctx, key=key, plan=plan, tokens=tokens, guard=guard)
 
 
 def drop_task(ctx: RankContext, *, key: str) -> None:

@@ -339,12 +339,13 @@ def floor_for(config: ModelConfig, phase: str = "1a", dtype: str = "fp32") -> Fl
         return Floor(threshold_from(artifact), artifact, path, "geometry")
     reasons.append("no per-geometry floor at " + " or ".join(str(p) for p in places))
     command = measure_command(config, phase, dtype)
+    why = (f"{config.name}: no measured floor covers this check (phase {phase}, {dtype} "
+           f"weights, d_model {config.d_model}, n_layers {config.n_layers}, tokens "
+           f"{config.batch}x{config.seq_len}): " + "; ".join(reasons))
     raise FloorNotMeasured(
-        f"{config.name}: no measured floor covers this check (phase {phase}, {dtype} weights, "
-        f"d_model {config.d_model}, n_layers {config.n_layers}, tokens "
-        f"{config.batch}x{config.seq_len}): " + "; ".join(reasons)
-        + f". Measure it with `{command}`, or pass measure_floor=True to measure it on "
-        "first use (cached, so the next check of this geometry reads it)", command=command)
+        f"{why}. Measure it with `{command}`, or pass measure_floor=True to measure it on "
+        "first use (cached, so the next check of this geometry reads it)", command=command,
+        why=why)
 
 
 def load_geometry_floor(path: Path, config: ModelConfig, phase: str, dtype: str
