@@ -51,9 +51,12 @@ ROWS = (
     # pipeline stages and experts (issue 25): Megatron TP x PP (x EP) -> vLLM / HF / Megatron
     + [(TOY, "megatron:tp=2,pp=2", "vllm:4", 1), (TOY, "vllm:4", "megatron:tp=2,pp=2,vpp=2", 1),
        (TOY, "megatron:tp=1,pp=2", "vllm:2", 2), (TOY_MOE, "megatron:tp=2,pp=2,ep=2", "hf", 1),
-       (TOY_MOE, "megatron:tp=2,ep=4", "megatron:tp=1,pp=4,ep=2", 1)]
+       (TOY_MOE, "megatron:tp=2,ep=4", "megatron:tp=1,pp=4,ep=2", 1),
+       # into vLLM's stacked experts with its EP, and back
+       (TOY_MOE, "megatron:tp=2,pp=2,ep=2", "vllm:tp=4,ep=4", 1),
+       (TOY_MOE, "vllm:tp=4,ep=4", "megatron:tp=2,pp=2,ep=2", 1)]
 )
-FORWARD = (TOY, TOY_KV4)  # the geometries with a measured phase 1b floor
+FORWARD = (TOY, TOY_KV4, TOY_MOE)  # the geometries with a measured phase 1b floor
 
 
 def before(ctx, rank, local, plan):
