@@ -8,7 +8,8 @@
   geometry at (probed, as ``Convention.supported_degrees`` does), up to ``MAX_DEGREE``;
 - ``user_cases(role, ...)``: a ``Case`` for the user's function: a geometry of the narrowed
   domain, the degrees (drawn from what the layout, or the conventions, support there, or
-  fixed), a seed.
+  fixed), a seed; a converter's ends drawn over its conventions' TP degrees and, for
+  Megatron, its pipeline splits (``convention_ends``).
 
 Everything shrinks as ``geometries`` does (toward the domain's smallest geometry), the
 degrees toward the smallest supported, the seed toward 0.
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 from hypothesis import assume
 from hypothesis import strategies as st
 from weight_sync_bench.fuzz.strategies import geometries, seeds
+from weight_sync_bench.fuzz.strategies.conventions import case_end, staged_endpoints
 
 from weight_sync_bench.conventions import CONVENTIONS, convention_by_name, endpoint
 from weight_sync_bench.conventions.stages import Pipeline
@@ -137,6 +139,21 @@ def convention_degrees(name: str, config: ModelConfig, max_degree: int = MAX_DEG
     return convention_by_name(name).supported_degrees(config, max_degree)
 
 
+def convention_ends(name: str, config: ModelConfig, max_degree: int = MAX_DEGREE
+                    ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """The ends a converter of ``name`` is fuzzed at on ``config``, as a ``ConversionCase``
+    names them: ``(name, t)`` at every TP degree the convention stores it at, and, for a
+    convention with pipeline stages (Megatron), its splits of ``config`` within
+    ``max_degree`` ranks (``staged_endpoints``: even, virtual, uneven first or last, the
+    embedding or loss counted) as ``(endpoint text, world)``. A whole endpoint the user
+    fixed is that endpoint alone (no staged ones beside it)."""
+    plain = [(name, d) for d in convention_degrees(name, config, max_degree)]
+    if ":" in name or not convention_by_name(name).stages:
+        return plain, []
+    return plain, [case_end(at) for at in staged_endpoints(config, max_degree)
+                   if at.name == name]
+
+
 def _layers_for(domain: FuzzDomain, conventions: tuple[str, str] | None) -> FuzzDomain:
     """``domain`` with its layer counts cut to those every staged end can split (Megatron's
     rules, ``stages.Pipeline``): ``InvalidConfig`` naming the endpoint where none is left."""
@@ -197,13 +214,18 @@ def kv_head_choices(role: str, domain: FuzzDomain, src: int | None, dst: int | N
 
 def user_cases(role: str, *, domain: FuzzDomain = DOMAIN, src: int | None = None,
                dst: int | None = None, conventions: tuple[str, str] | None = None,
-               phase: str = "1a") -> st.SearchStrategy[Case | ConversionCase]:
+               phase: str = "1a", stages: tuple[bool, bool] = (True, True)
+               ) -> st.SearchStrategy[Case | ConversionCase]:
     """Cases for a user's ``role`` function: a geometry of ``domain`` (``n_kv_heads`` drawn
     first, from the values at which the fixed degrees are supported), then the degrees: a
     splitter's source is 1 (the full model), a resharder's pair is drawn from the degrees
     ``layout_for`` supports, a converter's from those each convention supports (up to
-    ``MAX_DEGREE``: a ``ConversionCase``); ``src`` / ``dst`` fix them. Shrinks toward the smallest geometry, the
-    smallest degrees and seed 0."""
+    ``MAX_DEGREE``: a ``ConversionCase``); ``src`` / ``dst`` fix them. A converter's end of
+    a convention with pipeline stages (Megatron) is drawn at its splits too, where
+    ``stages`` says that end may be (``fuzz.user`` allows it where the converter takes
+    ``source=`` / ``target=``: without the endpoint a rank's local layer names cannot be
+    placed). Shrinks toward the smallest geometry, the smallest degrees, TP only, and seed
+    0."""
     if role not in ROLES:
         raise InvalidConfig(f"unknown role {role!r}; known: {', '.join(ROLES)}")
     if role == "converter":
@@ -217,15 +239,24 @@ def user_cases(role: str, *, domain: FuzzDomain = DOMAIN, src: int | None = None
     if role == "splitter" and src not in (None, 1):
         raise InvalidConfig(f"a split starts from the full model (degree 1), got src={src}")
     kv_choices = kv_head_choices(role, domain, src, dst, conventions)
-    return _user_cases(role, domain, src, dst, conventions, phase, tuple(kv_choices))
+    return _user_cases(role, domain, src, dst, conventions, phase, tuple(kv_choices), stages)
 
 
 @st.composite
 def _user_cases(draw: st.DrawFn, role: str, domain: FuzzDomain, src: int | None,
                 dst: int | None, conventions: tuple[str, str] | None, phase: str,
-                kv_choices: tuple[int, ...]) -> Case | ConversionCase:
+                kv_choices: tuple[int, ...], stages: tuple[bool, bool]
+                ) -> Case | ConversionCase:
     kv = draw(st.sampled_from(kv_choices))
     config = draw(geometries(dataclasses.replace(domain, n_kv_heads=IntRange(kv, kv))))
+    if role == "converter":
+        assert conventions is not None
+        ends = [_end(draw, conventions[i], config, fixed, stages[i])
+                for i, fixed in enumerate((src, dst))]
+        assume(all(e is not None for e in ends))
+        (sc, s), (dc, d) = ends  # type: ignore[misc]
+        return ConversionCase(config=config, src_convention=sc, src=s, dst_convention=dc,
+                              dst=d, seed=draw(seeds(domain)), phase=phase)
     srcs, dsts = _supported(role, config, conventions)
     if (src is not None and src not in srcs) or (dst is not None and dst not in dsts):
         assume(False)  # the fixed degree needs more than the head counts (rare; see kv_choices)
@@ -233,6 +264,20 @@ def _user_cases(draw: st.DrawFn, role: str, domain: FuzzDomain, src: int | None,
     s = src if src is not None else draw(st.sampled_from(srcs))
     d = dst if dst is not None else draw(st.sampled_from(dsts))
     return make_case(config, s, d, draw(seeds(domain)), conventions, phase)
+
+
+def _end(draw: st.DrawFn, name: str, config: ModelConfig, fixed: int | None, stages: bool
+         ) -> tuple[str, int] | None:
+    """One end of a converter's case: a TP degree of ``name``, or (drawn as often, shrinking
+    to TP; where ``stages``) one of its pipeline splits (``convention_ends``); ``fixed``:
+    that TP degree. None where nothing is left (the fixed degree needs more than the head
+    counts)."""
+    plain, staged = convention_ends(name, config)
+    if fixed is not None or not stages:
+        plain, staged = [(c, t) for c, t in plain if fixed in (None, t)], []
+    if staged and draw(st.booleans()):
+        return draw(st.sampled_from(staged))
+    return draw(st.sampled_from(plain)) if plain else None
 
 
 def make_case(config: ModelConfig, src: int, dst: int, seed: int,

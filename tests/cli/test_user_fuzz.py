@@ -7,6 +7,7 @@ user function's entry and saying when its source changed."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -195,3 +196,24 @@ def test_a_converter_from_pipeline_stages_is_fuzzed_with_each_ranks_coordinates(
     code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_megatron_to_hf",
                       "--from", "megatron:tp=2,pp=2,vpp=2", "--to", "hf")
     assert code == 2 and "fuzz a split those layers allow" in out.err
+
+
+def test_a_converter_named_by_its_convention_is_fuzzed_over_pipeline_stages_too(user_module,
+                                                                              capsys):
+    # `--from megatron` and a converter taking source=: Megatron's pipeline splits are drawn
+    # beside its TP degrees, so the local-index bug is found without naming a split; the
+    # correct converter (the twin) passes every draw
+    code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_local_as_global",
+                      "--from", "megatron", "--to", "hf")
+    assert code == 1, out.out
+    assert re.search(r"degrees: megatron:tp=\d+,pp=\d+\S* -> hf:1", out.out), out.out
+    assert "coverage: never written on rank 0: layer" in out.out
+    # the saved staged case is this converter's (named by its convention alone): the next
+    # run replays it first, so even one example fails again
+    assert main(["fuzz", "--examples", "1", "--seed", "2", "--no-real-geometries",
+                 "--converter", "my_functions:convert_staged_local_as_global",
+                 "--from", "megatron", "--to", "hf"]) == 1
+    assert re.search(r"degrees: megatron:tp=\d+,pp=", capsys.readouterr().out)
+    code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_megatron_to_hf",
+                      "--from", "megatron", "--to", "hf")
+    assert code == 0, out.out

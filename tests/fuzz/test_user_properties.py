@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import Phase, find, given, settings
+from hypothesis.errors import NoSuchExample
 
 sys.path.insert(0, str(Path(__file__).parent))
 import user_functions as uf
@@ -313,3 +314,22 @@ def test_to_hf_config_is_the_inverse_of_from_hf_config():
         assert back == config
     with pytest.raises(InvalidConfig, match="bias=True .* has no HF config field"):
         TOY.replace(bias=True).to_hf_config()
+
+
+def test_a_converters_ends_are_staged_only_where_it_can_place_a_stages_layers():
+    """Megatron's pipeline splits are drawn for an end whose endpoint the converter takes
+    (``source=`` / ``target=``), shrinking to TP; never for one that takes neither."""
+    from weight_sync_bench.fuzz.strategies.user import user_cases
+
+    staged = user_cases("converter", conventions=("megatron", "hf"), stages=(True, False))
+    case = find(staged, lambda c: "pp=" in c.src_convention)
+    assert case.src_convention.startswith("megatron:tp=") and case.dst_convention == "hf"
+    assert case.src == case.conversion().src.world  # a ConversionCase names a staged end so
+    assert find(staged, lambda c: True).src_convention == "megatron"  # shrinks to TP
+    with pytest.raises(NoSuchExample):
+        find(user_cases("converter", conventions=("megatron", "hf"), stages=(False, False)),
+             lambda c: "pp=" in c.src_convention, settings=settings(max_examples=60))
+    assert UserFunction(uf.convert_staged_megatron_to_hf, "converter", "megatron",
+                        "hf").stages == (True, False)
+    assert UserFunction(uf.convert_megatron_to_vllm, "converter", "megatron",
+                        "vllm").stages == (False, False)

@@ -398,7 +398,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="fn(shards, degree): --from's shards -> --to's")
     own.add_argument("--from", dest="from_", metavar="CONVENTION[:T]", default=None,
                      help="a converter's source convention (megatron, vllm, hf, meta, plain); "
-                          "the degree drawn unless given")
+                          "the degree drawn unless given (and Megatron's pipeline splits, "
+                          "where the converter takes source=), or a whole endpoint "
+                          "(megatron:tp=2,pp=2)")
     own.add_argument("--to", metavar="CONVENTION[:T]", default=None,
                      help="a converter's destination convention")
     own.add_argument("--src", type=count, default=None, help="fix a resharder's source degree")

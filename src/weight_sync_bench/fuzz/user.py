@@ -63,8 +63,13 @@ from weight_sync_bench.errors import (
     UserCodeError,
     WsbError,
 )
-from weight_sync_bench.fuzz.case import Case, ConversionCase, Outcome, make_checker
-from weight_sync_bench.fuzz.case import end_of
+from weight_sync_bench.fuzz.case import (
+    Case,
+    ConversionCase,
+    Outcome,
+    end_of,
+    make_checker,
+)
 from weight_sync_bench.fuzz.corpus import (
     Entry,
     entry_paths,
@@ -73,7 +78,6 @@ from weight_sync_bench.fuzz.corpus import (
     save_entry,
 )
 from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain
-from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule
 from weight_sync_bench.fuzz.runner import (
     FuzzReport,
     HarnessAbort,
@@ -88,6 +92,7 @@ from weight_sync_bench.fuzz.strategies.user import (
     make_case,
     user_cases,
 )
+from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule
 from weight_sync_bench.model.config import HF_CONFIGS, ModelConfig, shipped_hf_config
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.paths import user_corpus_dir
@@ -135,6 +140,16 @@ class UserFunction:
         return (self.src, self.dst) if self.src is not None and self.dst is not None else None
 
     @property
+    def stages(self) -> tuple[bool, bool]:
+        """Whether a converter's source / destination is fuzzed over pipeline stages too:
+        where it takes ``source=`` / ``target=`` (a staged rank stores its layers under local
+        indices; the endpoint's ``rank_coordinates`` place them)."""
+        if self.role != "converter":
+            return (False, False)
+        keywords = geometry_keywords(self.fn, self.role)
+        return ("source" in keywords, "target" in keywords)
+
+    @property
     def label(self) -> str:
         """``resharder mod:fn`` (``converter mod:fn megatron -> vllm``)."""
         ends = f" {self.src} -> {self.dst}" if self.conventions else ""
@@ -169,9 +184,12 @@ class UserFunction:
         if not user or user.get("function") != self.name or user.get("role") != self.role:
             return False
         case = entry.case
-        ends = ((case.src_convention, case.dst_convention)
-                if isinstance(case, ConversionCase) else None)
-        return ends == self.conventions
+        if not isinstance(case, ConversionCase) or self.conventions is None:
+            return not isinstance(case, ConversionCase) and self.conventions is None
+        # a convention named alone owns the cases drawn at its pipeline splits too
+        return all(end == mine or (":" not in mine and end.partition(":")[0] == mine)
+                   for end, mine in zip((case.src_convention, case.dst_convention),
+                                        self.conventions))
 
 
 @dataclass(frozen=True)
@@ -281,8 +299,8 @@ def _checker(function: UserFunction, case: Case, forward: Forward,
     if function.role == "converter" and threshold_rule is None:
         from weight_sync_bench.check.floor import REPLICATED_KV, forward_of
 
-        assert function.dst is not None
-        if forward_of(CONVENTIONS[function.dst], case.config, case.dst) == REPLICATED_KV:
+        target = _ends(function, case)[1]
+        if forward_of(target.convention, case.config, target) == REPLICATED_KV:
             from weight_sync_bench.fuzz.threshold import require_replicated_kv
             # the rule judges vLLM's replicated-KV forward only where a measurement of
             # that forward validates it, as for the harness's own conversions (fuzz.case)
@@ -468,7 +486,8 @@ def fuzz_run(function: UserFunction, *, domain: FuzzDomain = DOMAIN, src: int | 
     the first round when that round's draws found none."""
     function.check_callable()
     strategy = user_cases(function.role, domain=domain, src=src, dst=dst,
-                          conventions=function.conventions, phase=phase)
+                          conventions=function.conventions, phase=phase,
+                          stages=function.stages)
 
     def run(prop: str, mutation: str | None, *, corpus: bool = True, phase: str = "1a",
             **kwargs: Any) -> Tally:
@@ -521,7 +540,8 @@ def user_property(function: UserFunction, *, domain: FuzzDomain = DOMAIN,
     run's ``UserStats``."""
     function.check_callable()
     strategy = user_cases(function.role, domain=domain, src=src, dst=dst,
-                          conventions=function.conventions, phase=phase)
+                          conventions=function.conventions, phase=phase,
+                          stages=function.stages)
 
     def test() -> None:
         stats = UserStats()
