@@ -104,6 +104,76 @@ def test_the_moe_example_prints_its_per_rank_output_and_the_verdicts_shown():
     assert "PASS toy_moe" in blocks[2][1] and "exactly `w13_halves_swapped`" in blocks[4][1]
 
 
+def test_the_engine_state_example_and_the_sentinel_recipe_run_as_shown(tmp_path, capsys):
+    """The state section's stand-in engine prints its report exactly; the recipe's ``fill``
+    and ``dump`` run on stand-in vLLM workers (each rank an ``nn.Module`` of the ``vllm``
+    convention's tensors in bfloat16, ``worker.model_runner.model`` and ``worker.rank`` as
+    vLLM's workers have them), and ``wsb verify-state`` on their dump passes a full sync and
+    names the tensor a sync skipped (exit 1)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from weight_sync_bench.cli import main
+    from weight_sync_bench.conventions import endpoint, materialize
+    from weight_sync_bench.model.config import init_params
+    from tests.sync.conftest import tiny
+
+    title = "After a sync: what the engine holds, tensor by tensor"
+    blocks, checked = _run_section(title)
+    assert checked == 1
+    recipe: dict = {}
+    exec(compile(blocks[-1][1], str(README), "exec"), recipe)
+
+    config = tiny(2, n_layers=2)
+    declared = materialize(endpoint("vllm:2").pieces(config), init_params(config, 0))
+
+    def worker(rank):
+        model = torch.nn.Module()
+        for name, x in declared[rank].items():
+            *path, leaf = name.split(".")
+            module = model
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            module.register_parameter(leaf, torch.nn.Parameter(x.to(torch.bfloat16)))
+        return SimpleNamespace(rank=rank, model_runner=SimpleNamespace(model=model))
+
+    for skipped, code in ((None, 0), ("model.layers.1.mlp.down_proj.weight", 1)):
+        workers = [worker(r) for r in range(2)]
+        for w in workers:
+            recipe["fill"](w, -7.0)
+        for w in workers:  # the sync under test: the declared tensors, one perhaps skipped
+            with torch.no_grad():
+                for name, p in w.model_runner.model.named_parameters():
+                    if name != skipped:
+                        p.copy_(declared[w.rank][name])
+        out = tmp_path / f"state-{code}"
+        out.mkdir()
+        for w in workers:
+            recipe["dump"](w, str(out))
+        capsys.readouterr()
+        assert main(["verify-state", "--endpoint", "vllm:2", "--seed", "0", "--sentinel", "-7",
+                     "--dtype", "bf16", "--hf-config", str(_tiny_config(tmp_path, config)),
+                     "--layers", "2", str(out)]) == code
+        if skipped:
+            assert f"never written: {skipped}: every element holds the sentinel -7" in \
+                capsys.readouterr().out
+
+
+def _tiny_config(tmp_path, config):
+    """``config`` as a Hugging Face config.json, for the command line."""
+    import json
+
+    from weight_sync_bench.conventions.checkpoint import hf_config_json
+
+    path = tmp_path / config.name / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(hf_config_json(config)))
+    return path
+
+
 def test_the_checkpoint_example_runs_as_its_console_block_shows(tmp_path, monkeypatch):
     """The converter tool of the checkpoints section, saved as the file its console block
     runs, and every command of that block (``wsb`` through ``main``, ``python`` through

@@ -306,3 +306,37 @@ def test_verify_gives_the_verdict_check_convert_gives_the_same_tensors(tmp_path)
     on_disk = verify(tmp_path / "out", "vllm:2", src="hf")
     in_memory = check_convert(swapped, SMALL, "hf", "vllm:2", threshold=threshold())
     assert on_disk == in_memory and not on_disk.passed and on_disk.route == "hf:1 -> vllm:2"
+
+
+@pytest.mark.parametrize("max_shard_size", [None, 10**9])  # several files with an index; one
+def test_hf_weights_assembles_each_canonical_parameter_when_asked_for(tmp_path, monkeypatch,
+                                                                      max_shard_size):
+    from weight_sync_bench.conventions.checkpoint import LazyTensors, hf_weights
+    from weight_sync_bench.model.config import init_params
+
+    directory = emit(tmp_path, "hf", max_shard_size=max_shard_size)
+    reads = []
+    original = LazyTensors.__getitem__
+    monkeypatch.setattr(LazyTensors, "__getitem__",
+                        lambda self, name: reads.append(name) or original(self, name))
+    weights = hf_weights(directory, endpoint("hf"), SMALL)
+    assert reads == []  # checked from the headers: nothing read yet
+    full = init_params(SMALL, 0)
+    assert torch.equal(weights["layers.0.qkv.weight"], full["layers.0.qkv.weight"])
+    assert sorted(reads) == [f"model.layers.0.self_attn.{x}_proj.weight" for x in "kqv"]
+    assert all(torch.equal(weights[n], x) for n, x in full.items())
+    assert sorted(weights) == sorted(full)
+
+
+def test_hf_weights_refuses_a_directory_that_is_not_the_geometry(tmp_path):
+    from weight_sync_bench.conventions.checkpoint import hf_weights
+
+    directory = emit(tmp_path, "hf", max_shard_size=10**9)
+    held = load_file(str(directory / HF_SINGLE))
+    held["model.layers.0.mlp.down_proj.weight"] = torch.zeros(3, 3)
+    save_file(held, str(directory / HF_SINGLE))
+    with pytest.raises(CheckpointError, match=r"hf model.layers.0.mlp.down_proj.weight has "
+                                              r"shape \[3, 3\], declared \[32, 48\]"):
+        hf_weights(directory, endpoint("hf"), SMALL)
+    with pytest.raises(CheckpointError, match="reads a Hugging Face directory, not vllm:2"):
+        hf_weights(directory, endpoint("vllm:2"), SMALL)

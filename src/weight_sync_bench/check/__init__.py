@@ -13,5 +13,7 @@ Its modules, each importing only those listed before it (no cycle between them):
 - ``stream``: ``stream_check``; ``checker``: ``Checker``, ``check_split``, ``check_reshard``;
 - ``shards``, ``conversion``, ``streamed_conversion``, ``checkpoint`` and ``convert``
   (``check_convert``, ``verify_checkpoint``): the same verdict for conversions between
-  frameworks' storage conventions.
+  frameworks' storage conventions;
+- ``state``: ``verify_state``, what an engine rank holds after a sync, tensor by tensor
+  (byte comparisons and the diagnosis only: no forward).
 """

@@ -82,6 +82,7 @@ from weight_sync_bench.cli.output import (
     signals_raise,
 )
 from weight_sync_bench.cli.records import verdict_record
+from weight_sync_bench.cli.state import register as register_state
 from weight_sync_bench.cli.sync import register as register_sync
 from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS
@@ -499,6 +500,7 @@ def build_parser(prog: str = "wsb") -> argparse.ArgumentParser:
     register_fuzz(sub)
     register_floor(sub)
     register_checkpoint(sub)
+    register_state(sub)
     return parser
 
 

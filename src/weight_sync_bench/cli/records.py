@@ -42,6 +42,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "sync": ("plan", "fn", "bytes_moved", "b_min", "ratio", "naive_bytes", "seconds", "t_min",
              "bandwidth", "sent_max_over_mean", "plan_seconds", "ranks", "elements_passed",
              "coverage", "into", "max_abs_error", "threshold", "passed"),
+    "state": ("endpoint", "rank", "passed", "counts", "coverage", "outcomes"),
     "note": ("text",),
     "error": ("command", "exit_code", "type", "message"),
 }
@@ -50,6 +51,7 @@ FUZZ_SUMMARY = ("examples", "failures", "harness_faults", "elapsed", "profile", 
 SUMMARY_KEYS: dict[str, tuple[str, ...]] = {
     "check": ("checks", "ran", "passed", "failed", "interrupted", "skipped"),
     "verify": ("checks", "ran", "passed", "failed", "interrupted", "skipped"),
+    "verify-state": ("checks", "ran", "passed", "failed", "interrupted", "skipped"),
     "fuzz": FUZZ_SUMMARY,
     "mutants": FUZZ_SUMMARY,
     "replay": ("replayed", "broken", "bad", "harness_faults", "phases", "statuses", "origins"),

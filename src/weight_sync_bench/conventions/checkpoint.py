@@ -52,6 +52,7 @@ import torch
 
 from weight_sync_bench.errors import CheckpointError, InvalidConfig, UnsupportedConvention
 from weight_sync_bench.files import inside, read_bounded
+from weight_sync_bench.conventions.maps import gather_canonical
 from weight_sync_bench.model.config import MOE_FIELDS
 
 if TYPE_CHECKING:
@@ -342,6 +343,116 @@ def read_checkpoint(directory: str | Path, where: Endpoint, config: ModelConfig,
     return checkpoint
 
 
+def read_rank_dumps(directory: str | Path, where: Endpoint, *,
+                    roots: Sequence[str | Path] = ()) -> list[LazyTensors]:
+    """Each rank's tensors as an engine dumped them after a sync (``wsb verify-state``):
+    ``model-rank-{rank}-part-{part}.safetensors`` per rank of ``where`` (vLLM's sharded-state
+    pattern, as ``wsb emit`` writes ranks), with the same file checks as ``read_checkpoint``
+    but not held to the declared names and shapes (which tensors are missing, unexpected or
+    wrong is what the state check reports), each tensor read when asked for
+    (``LazyTensors``)."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such directory of rank dumps", path=str(root))
+    return _read_ranks(_Files(root, tuple(roots)), where.world, lazy=True)[0]
+
+
+def hf_weights(directory: str | Path, where: Endpoint, config: ModelConfig, *,
+               roots: Sequence[str | Path] = ()) -> CanonicalWeights:
+    """The canonical parameters of a Hugging Face checkpoint directory, each assembled from
+    its stored tensors when asked for (one parameter's tensors in memory at a time): the
+    trainer's weights a sync sends, for ``wsb verify-state``. The directory is checked as
+    ``read_checkpoint`` checks it (``config.json`` against ``config``, every file inside it,
+    the index, every declared name present with its declared shape, read from the headers)
+    before anything is read. ``where``: the ``hf`` endpoint (its options: the experts'
+    layout)."""
+    if layout_of(where) != "hf":
+        raise CheckpointError(f"{directory}: hf_weights reads a Hugging Face directory, not "
+                              f"{where}", path=str(directory))
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint directory", path=str(root))
+    files_of = _Files(root, tuple(roots))
+    _check_geometry(root / HF_CONFIG, _read_hf_config(files_of, config), config)
+    (stored,), _ = _read_hf(files_of, lazy=True)
+    (pieces,) = where.pieces(config)
+    for name, piece in pieces.items():
+        if name not in stored:
+            raise CheckpointError(f"{root}: hf is missing {name}", path=str(root))
+        want = piece.local_shape(config.param_shapes()[piece.source])
+        if stored.shape(name) != want:
+            raise CheckpointError(f"{stored.file_of(name)}: hf {name} has shape "
+                                  f"{list(stored.shape(name))}, declared {list(want)}",
+                                  path=str(stored.file_of(name)))
+    return CanonicalWeights(stored, pieces, config.param_shapes())
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Tensors in checked safetensors files (``where``: name -> file), each read with
+    ``safe_open`` when asked for, nothing kept: one tensor in memory at a time."""
+
+    def __init__(self, where: Mapping[str, Path]) -> None:
+        self.where = dict(where)
+
+    def file_of(self, name: str) -> Path:
+        return self.where[name]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        with _opened(self.where[name]) as f:
+            return f.get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self.where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        with _opened(self.where[name]) as f:
+            return tuple(f.get_slice(name).get_shape())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
+class CanonicalWeights(Mapping[str, torch.Tensor]):
+    """Canonical parameters assembled on demand from a convention's stored tensors at
+    degree 1 (``stored``: name -> tensor, lazily read): ``weights[source]`` reads the tensors
+    of that one parameter and writes them back into place (``gather_canonical``)."""
+
+    def __init__(self, stored: Mapping[str, torch.Tensor], pieces: Mapping[str, Any],
+                 shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.stored, self.pieces, self.shapes = stored, pieces, shapes
+        self.names: dict[str, list[str]] = {}
+        for name, piece in pieces.items():
+            self.names.setdefault(piece.source, []).append(name)
+
+    def __getitem__(self, source: str) -> torch.Tensor:
+        names = self.names[source]
+        return gather_canonical([{n: self.stored[n] for n in names}],
+                                [{n: self.pieces[n] for n in names}],
+                                {source: self.shapes[source]}, [source])[source]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """``safe_open`` of a checked file, its errors as ``CheckpointError`` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: not a readable safetensors file, truncated or corrupt "
+                              f"({exc})", path=str(path)) from None
+
+
 @dataclass(frozen=True)
 class _Files:
     """A checkpoint directory's files, each opened only once ``files.inside`` allows it."""
@@ -484,7 +595,10 @@ def _strays(root: Path, suffix: str, known: set[str], pattern: str) -> None:
                                   f"(expected {pattern})", path=str(path))
 
 
-def _read_hf(files: _Files) -> tuple[list[Params], list[dict[str, Path]]]:
+def _read_hf(files: _Files, *, lazy: bool = False
+             ) -> tuple[list[Any], list[dict[str, Path]]]:
+    """The one rank of an HF directory: its tensors (``lazy``: a ``LazyTensors`` over the
+    checked files, read from their headers only) and the file of each."""
     root = files.root
     index_path = root / HF_INDEX
     if not index_path.exists() and not index_path.is_symlink():
@@ -493,6 +607,11 @@ def _read_hf(files: _Files) -> tuple[list[Params], list[dict[str, Path]]]:
             raise CheckpointError(f"{index_path}: missing (and no single {HF_SINGLE})",
                                   path=str(index_path))
         _strays(root, ".safetensors", {HF_SINGLE}, HF_SINGLE)
+        if lazy:
+            path = files.checked(HF_SINGLE)
+            with _opened(path) as f:
+                where = dict.fromkeys(f.keys(), single)
+            return [LazyTensors({n: path for n in where})], [where]
         params = files.safetensors(HF_SINGLE)
         return [params], [dict.fromkeys(params, single)]
     index = files.json(HF_INDEX)
@@ -511,9 +630,17 @@ def _read_hf(files: _Files) -> tuple[list[Params], list[dict[str, Path]]]:
             + ", ".join(names))
     params: Params = {}
     where: dict[str, Path] = {}
+    resolved: dict[str, Path] = {}
     for name in names:
         path = root / name
-        for tensor, x in files.safetensors(name, said[name], said[name]).items():
+        if lazy:
+            resolved_path = files.checked(name, said[name], said[name])
+            with _opened(resolved_path) as f:
+                held = dict.fromkeys(f.keys())
+            resolved.update(dict.fromkeys(held, resolved_path))
+        else:
+            held = files.safetensors(name, said[name], said[name])
+        for tensor, x in held.items():
             if weight_map.get(tensor) != name:
                 raise CheckpointError(f"{path}: holds {tensor}, which {index_path.name} maps "
                                       f"to {weight_map.get(tensor)!r}", path=str(path))
@@ -522,6 +649,8 @@ def _read_hf(files: _Files) -> tuple[list[Params], list[dict[str, Path]]]:
         if tensor not in params:
             raise CheckpointError(f"{root / name}: has no {tensor} ({index_path.name} maps "
                                   "it there)", path=str(root / name))
+    if lazy:
+        return [LazyTensors(resolved)], [where]
     return [params], [where]
 
 
@@ -566,7 +695,10 @@ def _read_meta(files: _Files, degree: int) -> tuple[list[Params], list[dict[str,
     return shards, where
 
 
-def _read_ranks(files: _Files, degree: int) -> tuple[list[Params], list[dict[str, Path]]]:
+def _read_ranks(files: _Files, degree: int, *, lazy: bool = False
+                ) -> tuple[list[Any], list[dict[str, Path]]]:
+    """Each rank's tensors from its files (``lazy``: a ``LazyTensors`` over the checked files,
+    read from their headers only) and the file of each."""
     root = files.root
     pattern = RANK_FILE.format(rank="{rank}", part="{part}")
     parts: dict[int, list[tuple[int, Path]]] = {}
@@ -588,13 +720,22 @@ def _read_ranks(files: _Files, degree: int) -> tuple[list[Params], list[dict[str
                                   f" for rank {rank} of t={degree})", path=str(path))
         params: Params = {}
         where: dict[str, Path] = {}
+        resolved: dict[str, Path] = {}
         for _, path in sorted(parts[rank]):
-            for name, x in files.safetensors(path.name).items():
+            if lazy:
+                checked = files.checked(path.name)
+                with _opened(checked) as f:
+                    held = dict.fromkeys(f.keys())
+            else:
+                held = files.safetensors(path.name)
+            for name, x in held.items():
                 if name in params:
                     raise CheckpointError(f"{path}: {name} is also in {where[name].name}",
                                           path=str(path))
                 params[name], where[name] = x, path
-        shards.append(params)
+                if lazy:
+                    resolved[name] = checked
+        shards.append(LazyTensors(resolved) if lazy else params)
         found.append(where)
     return shards, found
 

@@ -1,0 +1,281 @@
+"""``verify_state``: is what an engine rank holds after a sync exactly what it must hold?
+
+Given the trainer's weights (canonical parameters, or anything that maps a canonical name to
+its full tensor, read one at a time) and the endpoint the engine stores them in
+(``vllm:tp=4``, ``vllm:tp=2,ep=2``, ``megatron:tp=2,pp=2``), each stored tensor of a rank is
+declared (``Piece.take``, cast to the engine's dtype by ``Tensor.to``, torch's
+round-to-nearest-even) and the tensor the engine holds is compared with it bit for bit.
+Every tensor gets one outcome (``OUTCOMES``):
+
+- ``equal``: the declared bytes;
+- ``stale``: the bytes the *previous* weights declare for it (``previous=``): a sync that
+  never reached it (a chunk restored, a tied ``lm_head`` left behind);
+- ``never written``: the sentinel a recipe filled in before the sync (``sentinel=``), in
+  every element, or ``partly never written`` with the count;
+- ``misplaced``: another tensor's declared bytes, said whose: another layer's same
+  parameter (two pipeline stages publishing the same local names), another rank's cut of
+  it, another stored tensor of this rank;
+- ``wrong``: anything else, with the diagnosis every check gives (``check.diagnosis``, in
+  the convention's vocabulary: heads, experts, vocabulary rows), and where it is one, the
+  declared values cast to bfloat16 by truncation instead of rounding;
+- ``missing`` / ``unexpected``: a declared name the engine lacks, or a name it holds that
+  the endpoint does not declare on that rank.
+
+Nothing is gathered: one declared tensor (and one canonical parameter, for a diagnosis) at a
+time. ``StateReport.coverage`` closes the report per layer (and per expert where a stored
+tensor holds experts). The comparison is of bytes only: no forward runs, so no threshold is
+involved.
+
+The stand-in for an engine in the tests is a dict per rank of the ``vllm`` convention's
+tensors, synced by a recipe with planted faults (``tests/check/test_state.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from weight_sync_bench.check.diagnosis import (
+    bit_equal,
+    diagnose_rank,
+    format_indices,
+    held_layer,
+)
+from weight_sync_bench.conventions import endpoint
+from weight_sync_bench.errors import InvalidShards
+
+if TYPE_CHECKING:
+    from weight_sync_bench.conventions import Endpoint
+    from weight_sync_bench.conventions.maps import Piece
+    from weight_sync_bench.model.config import ModelConfig
+
+OUTCOMES = ("equal", "stale", "never written", "partly never written", "misplaced", "wrong",
+            "missing", "unexpected")
+
+
+@dataclass(frozen=True)
+class TensorOutcome:
+    """One stored tensor of one rank: its ``outcome`` (``OUTCOMES``), a line saying why
+    (empty for ``equal``), and the canonical parameter it is declared to hold (None for an
+    ``unexpected`` name)."""
+
+    name: str
+    outcome: str
+    detail: str = ""
+    source: str | None = None
+    experts: tuple[int, ...] = ()  # the global experts it is declared to hold, if any
+
+    @property
+    def layer(self) -> int | None:
+        parts = (self.source or "").split(".")
+        return int(parts[1]) if parts[0] == "layers" and len(parts) > 2 else None
+
+
+@dataclass(frozen=True)
+class StateReport:
+    """``verify_state``'s report on one engine rank: every tensor's outcome, in the
+    endpoint's order (unexpected names last)."""
+
+    where: str
+    rank: int
+    outcomes: tuple[TensorOutcome, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(o.outcome == "equal" for o in self.outcomes)
+
+    def counts(self) -> dict[str, int]:
+        found = Counter(o.outcome for o in self.outcomes)
+        return {k: found[k] for k in OUTCOMES if found[k]}
+
+    def coverage(self) -> list[str]:
+        """Per layer (``embedding and output`` for the rest), and per expert where stored
+        tensors hold experts: how many of its tensors had each outcome."""
+        rows: dict[str, Counter[str]] = defaultdict(Counter)
+        for o in self.outcomes:
+            if o.source is None:
+                continue
+            rows["layer " + str(o.layer) if o.layer is not None else "embedding and output"][
+                o.outcome] += 1
+            if o.experts:
+                rows[f"layer {o.layer} expert{'s' if len(o.experts) > 1 else ''} "
+                     f"{format_indices(list(o.experts))}"][o.outcome] += 1
+
+        def key(label: str) -> tuple[int, int, str]:
+            found = re.match(r"layer (\d+)", label)
+            return (0, int(found.group(1)), label) if found else (1, 0, label)
+
+        return [f"{label}: " + ", ".join(f"{n} {k}" for k, n in sorted(
+            counts.items(), key=lambda kv: OUTCOMES.index(kv[0])))
+                for label, counts in sorted(rows.items(), key=lambda kv: key(kv[0]))]
+
+    def summary(self) -> str:
+        head = (f"{'PASS' if self.passed else 'FAIL'} {self.where} rank {self.rank}: "
+                + ", ".join(f"{n} {k}" for k, n in self.counts().items()))
+        lines = [head]
+        lines += [f"  {o.outcome}: {o.name}" + (f": {o.detail}" if o.detail else "")
+                  for o in self.outcomes if o.outcome != "equal"]
+        lines += ["  coverage:"] + [f"    {line}" for line in self.coverage()]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def verify_state(tensors: Mapping[str, torch.Tensor], where: str | Endpoint, rank: int,
+                 weights: Mapping[str, torch.Tensor], *, config: ModelConfig,
+                 previous: Mapping[str, torch.Tensor] | None = None,
+                 sentinel: float | None = None,
+                 dtype: torch.dtype | None = None) -> StateReport:
+    """Compare what engine rank ``rank`` of ``where`` holds (``tensors``: its stored names,
+    as the engine's ``named_parameters()`` of that rank, dumped) with what the endpoint
+    declares for it given ``weights`` (canonical parameters of ``config``, read one at a
+    time), bit for bit, and say for each tensor what it holds (the module docstring).
+
+    ``dtype``: the engine's dtype (default: each canonical parameter's own); the declared
+    tensor is ``Piece.take(weights[source]).to(dtype)``. ``previous``: the weights before
+    this sync (names ``stale``); ``sentinel``: the value a recipe filled every tensor with
+    before the sync (names ``never written``). ``InvalidShards`` when ``tensors`` is not a
+    mapping of names to tensors or ``rank`` is outside the endpoint's world."""
+    at = endpoint(where) if isinstance(where, str) else where
+    if not isinstance(tensors, Mapping):  # each value is checked when it is read
+        raise InvalidShards(f"{at} rank {rank}: the engine's tensors must be a mapping of names "
+                            f"to tensors, got {type(tensors).__name__}")
+    pieces = at.pieces(config)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < len(pieces):
+        raise InvalidShards(f"{at}: rank {rank!r} is outside its {len(pieces)} ranks")
+    mine = pieces[rank]
+    judge = _Judge(config, at, pieces, weights, previous, sentinel, dtype)
+    outcomes = [judge.outcome(rank, name, piece, tensors.get(name))
+                for name, piece in mine.items()]
+    outcomes += [TensorOutcome(name, "unexpected", f"{at} declares no {name} on rank {rank}")
+                 for name in tensors if name not in mine]
+    return StateReport(str(at), rank, tuple(outcomes))
+
+
+@dataclass
+class _Judge:
+    config: ModelConfig
+    at: Endpoint
+    pieces: list[dict[str, Piece]]
+    weights: Mapping[str, torch.Tensor]
+    previous: Mapping[str, torch.Tensor] | None
+    sentinel: float | None
+    dtype: torch.dtype | None
+
+    def declared(self, piece: Piece, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        full = weights[piece.source]
+        return piece.take(full).to(self.dtype or full.dtype)
+
+    def outcome(self, rank: int, name: str, piece: Piece, held: torch.Tensor | None
+                ) -> TensorOutcome:
+        experts = _experts_of(self.config, piece)
+        said = dict(source=piece.source, experts=experts)
+        if held is None:
+            return TensorOutcome(name, "missing", f"{self.at} declares it on rank {rank}",
+                                 **said)
+        if not isinstance(held, torch.Tensor):
+            raise InvalidShards(f"{self.at} rank {rank} {name}: the engine's tensors must be a "
+                                f"mapping of names to tensors, got a {type(held).__name__}")
+        want = self.declared(piece, self.weights)
+        if held.shape != want.shape or held.dtype != want.dtype:
+            return TensorOutcome(name, "wrong", f"{held.dtype} {list(held.shape)}, declared "
+                                 f"{want.dtype} {list(want.shape)}", **said)
+        held = held.detach().cpu()
+        if bit_equal(held, want):
+            return TensorOutcome(name, "equal", **said)
+        if self.previous is not None and bit_equal(held, self.declared(piece, self.previous)):
+            return TensorOutcome(name, "stale", "holds the previous weights' declared bytes: "
+                                 "this sync never wrote it", **said)
+        if self.sentinel is not None:
+            mark = torch.full((), self.sentinel, dtype=held.dtype)
+            left = int((_bits(held) == _bits(mark)).sum())
+            if left == held.numel():
+                return TensorOutcome(name, "never written", f"every element holds the "
+                                     f"sentinel {self.sentinel:g} filled in before the sync",
+                                     **said)
+            if left:
+                return TensorOutcome(name, "partly never written", f"{left} of {held.numel()} "
+                                     f"elements hold the sentinel {self.sentinel:g}", **said)
+        whose = self.misplaced(rank, name, piece, held)
+        if whose is not None:
+            return TensorOutcome(name, "misplaced", whose, **said)
+        return TensorOutcome(name, "wrong", self.wrong(rank, name, piece, held, want), **said)
+
+    def misplaced(self, rank: int, name: str, piece: Piece, held: torch.Tensor) -> str | None:
+        """Whose declared bytes ``held`` is: another layer's same parameter, another rank's
+        cut of this name, or another of this rank's stored tensors (None: nobody's)."""
+        dtype = held.dtype
+        cast = _Cast(self.weights, dtype)
+        layer = held_layer(cast, self.config, piece, held)
+        if layer is not None:
+            return (f"holds layer {layer}'s {'.'.join(piece.source.split('.')[2:])}, cut as "
+                    f"declared: a layer stored under another layer's name (two pipeline "
+                    "stages publishing the same local indices, or a stage's offset wrong)")
+        for other, pieces in enumerate(self.pieces):
+            theirs = pieces.get(name)
+            if other != rank and theirs is not None and not theirs.equals(piece) and \
+                    bit_equal(held, self.declared(theirs, self.weights).to(dtype)):
+                return f"holds rank {other}'s declared {name}: another rank's cut"
+        for other_name, theirs in self.pieces[rank].items():
+            if other_name == name or theirs.local_shape(
+                    tuple(self.weights[theirs.source].shape)) != tuple(held.shape):
+                continue
+            if bit_equal(held, self.declared(theirs, self.weights).to(dtype)):
+                return f"holds this rank's declared {other_name}"
+        return None
+
+    def wrong(self, rank: int, name: str, piece: Piece, held: torch.Tensor,
+              want: torch.Tensor) -> str:
+        full = self.weights[piece.source]
+        if held.dtype == torch.bfloat16 and full.dtype == torch.float32 and \
+                bit_equal(held, _truncated(piece.take(full))):
+            return ("holds the declared values cast to bfloat16 by truncation (round toward "
+                    "zero), not by torch's .to() (round to nearest even)")
+        line = diagnose_rank(full.to(held.dtype), self.config, name, rank, piece, held)
+        return line or "differs from its declared bytes"
+
+
+class _Cast(Mapping[str, torch.Tensor]):
+    """``weights`` cast to ``dtype`` when read, one parameter at a time."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
+        self.weights, self.dtype = weights, dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.weights[name].to(self.dtype)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bits of each element (so NaN sentinels compare, and -0.0 is not 0.0)."""
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return x.contiguous().view(view)
+
+
+def _truncated(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) cast to bfloat16 by dropping its low 16 bits: round toward zero."""
+    bits = x.contiguous().view(torch.int32) >> 16
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def _experts_of(config: ModelConfig, piece: Piece) -> tuple[int, ...]:
+    """The global experts a stored piece of an experts' parameter holds (none otherwise)."""
+    if ".experts." not in piece.source or not config.n_experts:
+        return ()
+    per = (2 if piece.source.endswith("gate_up.weight") else 1) * config.expert_ffn
+    real = piece.idx[piece.idx >= 0]
+    return tuple(sorted({int(i) // per for i in real.tolist()}))
+
+
+__all__ = ["OUTCOMES", "StateReport", "TensorOutcome", "verify_state"]

@@ -1,0 +1,64 @@
+"""``wsb verify-state``: an engine's rank dumps against the synced weights, from the command
+line. The stand-in engine is ``wsb emit``'s per-rank files of the destination layout (what a
+correct sync leaves); one tensor replaced by the previous weights' is named stale, exit 1;
+the same dumps pass with the weights given as an HF directory; an unreadable input is exit
+2 naming it."""
+
+from __future__ import annotations
+
+import json
+
+from safetensors.torch import load_file, save_file
+
+from weight_sync_bench.cli import main
+
+RANK1 = "model-rank-1-part-0.safetensors"
+QKV = "model.layers.1.self_attn.qkv_proj.weight"
+
+
+def _emit(directory, convention, seed):
+    assert main(["emit", "--config", "toy_kv4", "--convention", convention, "--seed", str(seed),
+                 "-q", str(directory)]) == 0
+
+
+def test_a_synced_engine_passes_and_a_stale_tensor_is_named(tmp_path, capsys):
+    state, old = tmp_path / "state", tmp_path / "old"
+    _emit(state, "vllm:2", 0)
+    _emit(old, "vllm:2", 1)
+    capsys.readouterr()
+    base = ["verify-state", "--endpoint", "vllm:2", "--config", "toy_kv4", "--seed", "0",
+            "--previous-seed", "1"]
+    assert main([*base, str(state)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS vllm:2 rank 0: 27 equal" in out and "2 passed, 0 failed" in out
+    # the twin: rank 1's layer-1 qkv restored from the previous weights
+    held = load_file(str(state / RANK1))
+    held[QKV] = load_file(str(old / RANK1))[QKV]
+    save_file(held, str(state / RANK1))
+    assert main([*base, "--json", str(state)]) == 1
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    (failed,) = [r for r in records if r.get("passed") is False]
+    assert failed["rank"] == 1 and failed["counts"] == {"equal": 26, "stale": 1}
+    assert failed["outcomes"][0]["name"] == QKV and failed["outcomes"][0]["outcome"] == "stale"
+    assert "layer 1: 5 equal, 1 stale" in failed["coverage"]
+
+
+def test_the_weights_as_an_hf_directory_and_the_geometry_it_states(tmp_path, capsys):
+    state, weights = tmp_path / "state", tmp_path / "weights"
+    _emit(state, "vllm:2", 0)
+    _emit(weights, "hf", 0)
+    capsys.readouterr()
+    code = main(["verify-state", "--endpoint", "vllm:2", "--weights", str(weights), "--rank",
+                 "1", str(state)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "geometry: toy_kv4" in out and "PASS vllm:2 rank 1" in out and "rank 0" not in out
+
+
+def test_unreadable_input_is_exit_2_naming_it(tmp_path, capsys):
+    code = main(["verify-state", "--endpoint", "vllm:2", "--config", "toy_kv4", "--seed", "0",
+                 str(tmp_path / "nowhere")])
+    assert code == 2 and "no such directory of rank dumps" in capsys.readouterr().err
+    code = main(["verify-state", "--endpoint", "vllm:2", "--config", "toy_kv4", "--seed", "0",
+                 "--rank", "2", str(tmp_path)])
+    assert code == 2 and "--rank 2: vllm:2 has ranks 0..1" in capsys.readouterr().err
