@@ -203,3 +203,19 @@ def test_a_dtype_or_shape_other_than_declared_is_wrong_and_bad_input_is_refused(
         verify_state([1, 2], "vllm:2", 0, new, config=CONFIG)
     with pytest.raises(InvalidShards, match=f"rank 0 {QKV.format(0)}: .* got a list"):
         verify_state({**state[0], QKV.format(0): [1]}, "vllm:2", 0, new, config=CONFIG)
+
+
+def test_an_engine_in_the_weights_dtype_is_compared_in_place(weights):
+    """fp32 weights into an fp32 engine: a declared cut that is one run of its parameter is
+    read in place (a view), every rank's (rank 1's o_proj columns start past 0)."""
+    new, _ = weights
+    declared = materialize(endpoint("vllm:2").pieces(CONFIG), new)
+    state = [{n: x.clone() for n, x in rank.items()} for rank in declared]
+    for rank in range(2):
+        assert verify_state(state[rank], "vllm:2", rank, new, config=CONFIG).passed
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    state[1][o_proj] = declared[0][o_proj].clone()
+    (wrong,) = [o for o in verify_state(state[1], "vllm:2", 1, new, config=CONFIG).outcomes
+                if o.outcome != "equal"]
+    assert (wrong.name, wrong.outcome) == (o_proj, "misplaced")
+    assert wrong.detail == f"holds rank 0's declared {o_proj}: another rank's cut"

@@ -43,7 +43,12 @@ def test_a_synced_engine_passes_and_a_stale_tensor_is_named(tmp_path, capsys):
     assert "layer 1: 5 equal, 1 stale" in failed["coverage"]
 
 
-def test_the_weights_as_an_hf_directory_and_the_geometry_it_states(tmp_path, capsys):
+def test_the_weights_as_an_hf_directory_and_the_geometry_it_states(tmp_path, capsys,
+                                                                   monkeypatch):
+    from collections import Counter
+
+    from weight_sync_bench.conventions.checkpoint import LazyTensors
+
     state, weights = tmp_path / "state", tmp_path / "weights"
     _emit(state, "vllm:2", 0)
     _emit(weights, "hf", 0)
@@ -53,6 +58,16 @@ def test_the_weights_as_an_hf_directory_and_the_geometry_it_states(tmp_path, cap
     out = capsys.readouterr().out
     assert code == 0, out
     assert "geometry: toy_kv4" in out and "PASS vllm:2 rank 1" in out and "rank 0" not in out
+    # both ranks: every tensor of both directories read exactly once (a parameter's HF
+    # tensors once for both ranks' cuts of it)
+    reads: Counter = Counter()
+    original = LazyTensors.__getitem__
+    monkeypatch.setattr(LazyTensors, "__getitem__", lambda self, name: reads.update(
+        [(self.where[name], name)]) or original(self, name))
+    assert main(["verify-state", "--endpoint", "vllm:2", "--weights", str(weights), "-q",
+                 str(state)]) == 0
+    assert set(reads.values()) == {1}, [k for k, n in reads.items() if n > 1]
+    assert len(reads) == 2 * 27 + 4 * 9 + 3  # the dumps; HF: 9 tensors a layer, and 3 more
 
 
 def test_unreadable_input_is_exit_2_naming_it(tmp_path, capsys):

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -143,19 +143,67 @@ def verify_state(tensors: Mapping[str, torch.Tensor], where: str | Endpoint, ran
     before the sync (names ``never written``). ``InvalidShards`` when ``tensors`` is not a
     mapping of names to tensors or ``rank`` is outside the endpoint's world."""
     at = endpoint(where) if isinstance(where, str) else where
-    if not isinstance(tensors, Mapping):  # each value is checked when it is read
-        raise InvalidShards(f"{at} rank {rank}: the engine's tensors must be a mapping of names "
-                            f"to tensors, got {type(tensors).__name__}")
+    dumps = [tensors if r == rank else {} for r in range(len(at.pieces(config)))]
+    (report,) = verify_ranks(dumps, at, weights, config=config, ranks=[rank],
+                             previous=previous, sentinel=sentinel, dtype=dtype)
+    return report
+
+
+def verify_ranks(dumps: Sequence[Mapping[str, torch.Tensor]], where: str | Endpoint,
+                 weights: Mapping[str, torch.Tensor], *, config: ModelConfig,
+                 ranks: Sequence[int] | None = None,
+                 previous: Mapping[str, torch.Tensor] | None = None,
+                 sentinel: float | None = None,
+                 dtype: torch.dtype | None = None) -> list[StateReport]:
+    """``verify_state`` of every rank in ``ranks`` (default all) of ``dumps`` (each rank's
+    tensors, ``dumps[rank]``), the same reports, with each canonical parameter of
+    ``weights`` (and ``previous``) read once for all the ranks that hold it: the tensors
+    are judged parameter by parameter, every rank's cut of one before the next. What
+    ``wsb verify-state`` runs, so a lazily read checkpoint is read once, not once a rank."""
+    at = endpoint(where) if isinstance(where, str) else where
     pieces = at.pieces(config)
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < len(pieces):
-        raise InvalidShards(f"{at}: rank {rank!r} is outside its {len(pieces)} ranks")
-    mine = pieces[rank]
-    judge = _Judge(config, at, pieces, weights, previous, sentinel, dtype)
-    outcomes = [judge.outcome(rank, name, piece, tensors.get(name))
-                for name, piece in mine.items()]
-    outcomes += [TensorOutcome(name, "unexpected", f"{at} declares no {name} on rank {rank}")
-                 for name in tensors if name not in mine]
-    return StateReport(str(at), rank, tuple(outcomes))
+    ranks = list(range(len(pieces))) if ranks is None else list(ranks)
+    for rank in ranks:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < len(pieces):
+            raise InvalidShards(f"{at}: rank {rank!r} is outside its {len(pieces)} ranks")
+        if not isinstance(dumps[rank], Mapping):
+            raise InvalidShards(f"{at} rank {rank}: the engine's tensors must be a mapping of "
+                                f"names to tensors, got {type(dumps[rank]).__name__}")
+    judge = _Judge(config, at, pieces, _Recent(weights),
+                   _Recent(previous) if previous is not None else None, sentinel, dtype)
+    found: dict[tuple[int, str], TensorOutcome] = {}
+    for source in config.param_shapes():
+        for rank in ranks:
+            for name, piece in pieces[rank].items():
+                if piece.source == source:
+                    found[rank, name] = judge.outcome(rank, name, piece, dumps[rank].get(name))
+    return [StateReport(str(at), rank, tuple(
+        [found[rank, name] for name in pieces[rank]]
+        + [TensorOutcome(name, "unexpected", f"{at} declares no {name} on rank {rank}")
+           for name in dumps[rank] if name not in pieces[rank]])) for rank in ranks]
+
+
+class _Recent(Mapping[str, torch.Tensor]):
+    """``weights`` with the parameter read last kept: a lazily read checkpoint's parameter
+    is read once while every rank's tensors of it are judged."""
+
+    def __init__(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.weights = weights
+        self.last: tuple[str, torch.Tensor] | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if self.last is None or self.last[0] != name:
+            self.last = (name, self.weights[name])
+        return self.last[1]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.weights
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
 
 
 @dataclass
@@ -169,8 +217,14 @@ class _Judge:
     dtype: torch.dtype | None
 
     def declared(self, piece: Piece, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``piece.take(full).to(dtype)``; a view of ``full`` where the piece is one run of
+        it in the same dtype (the comparison reads it in place: no copy of the tensor)."""
         full = weights[piece.source]
-        return piece.take(full).to(self.dtype or full.dtype)
+        dtype = self.dtype or full.dtype
+        if piece.span is not None and piece.stack == 1 and dtype == full.dtype:
+            a, b = piece.span
+            return full.narrow(piece.dim, a, b - a)
+        return piece.take(full).to(dtype)
 
     def outcome(self, rank: int, name: str, piece: Piece, held: torch.Tensor | None
                 ) -> TensorOutcome:
@@ -278,4 +332,4 @@ def _experts_of(config: ModelConfig, piece: Piece) -> tuple[int, ...]:
     return tuple(sorted({int(i) // per for i in real.tolist()}))
 
 
-__all__ = ["OUTCOMES", "StateReport", "TensorOutcome", "verify_state"]
+__all__ = ["OUTCOMES", "StateReport", "TensorOutcome", "verify_ranks", "verify_state"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from weight_sync_bench.check.state import verify_state
+from weight_sync_bench.check.state import verify_ranks
 from weight_sync_bench.cli.checkpoint import add_model_options, guard, model_of
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
@@ -79,9 +79,9 @@ def cmd_verify_state(args: argparse.Namespace) -> int:
     dtype = parse_dtype(args.dtype) if args.dtype is not None else None
     dumps = read_rank_dumps(args.state, where, roots=args.allow_root)
     failed = 0
-    for rank in ranks:
-        report = verify_state(dumps[rank], where, rank, weights, config=config,
-                              previous=previous, sentinel=args.sentinel, dtype=dtype)
+    for report in verify_ranks(dumps, where, weights, config=config, ranks=ranks,
+                               previous=previous, sentinel=args.sentinel, dtype=dtype):
+        rank = report.rank
         failed += not report.passed
         out.record("state", endpoint=str(where), rank=rank, passed=report.passed,
                    counts=report.counts(), coverage=report.coverage(),

@@ -429,6 +429,16 @@ class CanonicalWeights(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, source: str) -> torch.Tensor:
         names = self.names[source]
+        pieces = [self.pieces[n] for n in names]
+        size = self.shapes[source][pieces[0].dim] if pieces else 0
+        runs = sorted((p.span, n) for n, p in zip(names, pieces)
+                      if p.span is not None and p.stack == 1 and p.dim == pieces[0].dim)
+        if len(runs) == len(names) and runs[0][0][0] == 0 and runs[-1][0][1] == size and all(
+                a[1] == b[0] for (a, _), (b, _) in zip(runs, runs[1:])):
+            # stored tensors that tile it in order (a norm, [q; k; v], [gate; up]): as they
+            # are, or concatenated, without the zeros gather_canonical starts from
+            parts = [self.stored[n] for _, n in runs]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, pieces[0].dim)
         return gather_canonical([{n: self.stored[n] for n in names}],
                                 [{n: self.pieces[n] for n in names}],
                                 {source: self.shapes[source]}, [source])[source]
