@@ -219,3 +219,22 @@ def test_an_engine_in_the_weights_dtype_is_compared_in_place(weights):
                 if o.outcome != "equal"]
     assert (wrong.name, wrong.outcome) == (o_proj, "misplaced")
     assert wrong.detail == f"holds rank 0's declared {o_proj}: another rank's cut"
+
+
+def test_a_tied_output_layers_copy_left_stale_is_named():
+    """vllm PR #51665 / prime-rl PR #2823: with tied embeddings, a copy of the table that the
+    sync never reached. Megatron's last pipeline stage holds one (``output_layer.weight``,
+    cut from the embedding): the engine updated the embedding, not the copy."""
+    config = tiny(2, n_layers=2, tie_embeddings=True).replace(name="tiny_tied")
+    new, old = init_params(config, 0), init_params(config, 1)
+    where = "megatron:tp=1,pp=2"
+    before = materialize(endpoint(where).pieces(config), old)
+    state = sync(engine(config, where, new), config, where, new,
+                 source=lambda r, n: before[r][n] if n == "output_layer.weight" else None)
+    report = verify_state(state[1], where, 1, new, config=config, previous=old,
+                          sentinel=SENTINEL, dtype=torch.bfloat16)
+    (stale,) = [o for o in report.outcomes if o.outcome != "equal"]
+    assert (stale.name, stale.outcome, stale.source) == (
+        "output_layer.weight", "stale", "tok_embeddings.weight")
+    assert verify_state(state[0], where, 0, new, config=config, previous=old,
+                        dtype=torch.bfloat16).passed  # the first stage's embedding: synced
