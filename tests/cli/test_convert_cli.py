@@ -171,3 +171,45 @@ def test_wsb_layout_of_a_degree_the_convention_rejects_names_the_rule(capsys):
     assert main(["layout", "--hf-config", "mistral_nemo", "--convention", "meta",
                  "--degree", "8"]) == 0  # a shipped config by name; no parameters are built
     assert "tok_embeddings.weight" in capsys.readouterr().out
+
+
+def test_a_converter_on_the_users_own_weights_from_the_command_line(tmp_path, monkeypatch,
+                                                                    capsys):
+    """``--weights DIR``: an HF directory of bf16 weights no seed draws; the geometry its
+    config.json states; the converter passes on them and its twin fails (exit 1); flags that
+    would judge other weights are refused (exit 2)."""
+    import torch
+
+    from weight_sync_bench.conventions import endpoint, materialize
+    from weight_sync_bench.conventions.checkpoint import write_checkpoint
+    from weight_sync_bench.model.config import TOY_KV4, init_params
+
+    weights = {n: (x * 1.5).to(torch.bfloat16) for n, x in init_params(TOY_KV4, 7).items()}
+    hf = endpoint("hf")
+    write_checkpoint(tmp_path / "w", materialize(hf.pieces(TOY_KV4), weights), hf, TOY_KV4)
+    (tmp_path / "wsb_cli_weights.py").write_text(textwrap.dedent("""
+        import torch
+        from weight_sync_bench import convert
+
+        def megatron_to_vllm(shards, degree, *, config):
+            return convert(shards, "megatron:2", f"vllm:{degree}", config)
+
+        def up_gate(shards, degree, *, config):  # the twin: [up; gate] where [gate; up] is
+            out = megatron_to_vllm(shards, degree, config=config)
+            for rank in out:
+                for name, x in rank.items():
+                    if name.endswith("gate_up_proj.weight"):
+                        rank[name] = torch.cat(x.chunk(2)[::-1])
+            return out
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["check", "--from", "megatron:2", "--to", "vllm:2", "--weights", str(tmp_path / "w")]
+    assert main([*base, "--converter", "wsb_cli_weights:megatron_to_vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "1 passed, 0 failed" in out, out
+    assert main([*base, "--converter", "wsb_cli_weights:up_gate"]) == 1
+    out = capsys.readouterr().out
+    assert "gate_up_proj.weight" in out and "your weights: the threshold" in out, out
+    assert main([*base, "--converter", "wsb_cli_weights:megatron_to_vllm", "--dtype",
+                 "bf16"]) == 2
+    assert "drop --dtype, --stream and --measure-floor" in capsys.readouterr().err

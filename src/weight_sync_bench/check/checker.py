@@ -227,20 +227,21 @@ def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:
 
 def checker_for(config: ModelConfig, *, seed: int = 0, backend: str = "inprocess",
                 threshold: float | None = None, dtype: torch.dtype | str = torch.float32,
-                measure_floor: bool = False) -> Checker:
+                measure_floor: bool = False, params: Params | None = None) -> Checker:
     """A Checker whose sharded forward runs in this process (phase 1a, ``InProcessCollective``)
     or one process per rank over gloo (phase 1b, the shared rank pool), with that phase's
-    threshold for ``dtype`` weights (see ``Checker``)."""
+    threshold for ``dtype`` weights (see ``Checker``); ``params``: the weights to check
+    with instead of the seed's (in ``dtype``)."""
     if backend == "inprocess":
         return Checker(config, seed=seed, threshold=threshold, dtype=dtype,
-                       measure_floor=measure_floor)
+                       measure_floor=measure_floor, params=params)
     if backend == "gloo":
         from weight_sync_bench.check.forwards import (
             gloo_forward,  # rank processes start on first use
         )
 
         return Checker(config, seed=seed, threshold=threshold, phase="1b", forward=gloo_forward(),
-                       dtype=dtype, measure_floor=measure_floor)
+                       dtype=dtype, measure_floor=measure_floor, params=params)
     raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 

@@ -51,7 +51,8 @@ public names are importable from here too.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -63,15 +64,21 @@ from weight_sync_bench.check.conversion import (
     conversion_checker,
     require_cell,
 )
-from weight_sync_bench.check.shards import validate_convention_shards
-from weight_sync_bench.check.streamed_conversion import ConvertFn, stage_convert, stream_convert
-from weight_sync_bench.check.user_code import call
 from weight_sync_bench.check.floor import convention_logits
+from weight_sync_bench.check.shards import validate_convention_shards
+from weight_sync_bench.check.streamed_conversion import (
+    ConvertFn,
+    stage_convert,
+    stream_convert,
+)
+from weight_sync_bench.check.user_code import call
 from weight_sync_bench.conventions import endpoint, materialize
-from weight_sync_bench.errors import InvalidNumber
+from weight_sync_bench.conventions.checkpoint import hf_weights
+from weight_sync_bench.errors import InvalidNumber, InvalidShards
 from weight_sync_bench.model.config import init_params, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import RoutingGuard
+from weight_sync_bench.model.stepwise import computing
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, derive_threshold
 
 if TYPE_CHECKING:
@@ -89,7 +96,8 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
                   backend: str = "inprocess", threshold: float | None = None,
                   dtype: torch.dtype | str = torch.float32, measure_floor: bool = False,
                   stream: str | None = None,
-                  progress: Callable[[Progress], None] | None = None) -> Verdict:
+                  progress: Callable[[Progress], None] | None = None,
+                  weights: Mapping[str, torch.Tensor] | str | Path | None = None) -> Verdict:
     """Check a user's converter ``fn(shards, degree)`` from ``src`` to ``dst`` (``"megatron:4"``,
     ``"vllm:2"``, ``"hf"`` for degree 1): it gets fresh copies of ``shards_for(config, src)``
     and the destination degree, and must return ``shards_for(config, dst)`` byte for byte.
@@ -102,11 +110,26 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     ``dtype``, ``stream`` and ``progress``: see the module docstring. ``backend="gloo"``
     runs the destination forward one process per rank (phase 1b), its forward inputs
     scattered by ``GlooTransport`` under the destination's forward layout (Meta's
-    hidden-split embedding and vLLM's replicated KV heads included)."""
+    hidden-split embedding and vLLM's replicated KV heads included).
+
+    ``weights``: real weights instead of the seed's: canonical parameters of ``config`` (a
+    mapping, in one dtype, which becomes the check's ``dtype``), or a Hugging Face
+    checkpoint directory (``conventions.checkpoint.hf_weights``: checked against
+    ``config``, e.g. ``checkpoint_geometry(directory, endpoint("hf"))``). Bytes are
+    compared as always; the forward's threshold, unless given, is measured on those weights
+    (``measure_threshold``: the source's and destination's declared shards over four token
+    seeds, 100x the worst), never a floor measured on other weights, and the verdict says
+    so."""
     InvalidNumber.seed("seed", seed)
     source, target = endpoint(src), endpoint(dst)
     source.pieces(config)  # both conventions' rules, before the user's code runs
     target.pieces(config)
+    if weights is not None:
+        if stream is not None:
+            raise ValueError("weights= runs the whole-model check; stream= draws the seed's "
+                             "weights stage by stage")
+        return _check_weights(fn, config, source, target, _held(weights, config),
+                              backend=backend, threshold=threshold)
     if stream is not None:
         if backend != "inprocess":
             raise ValueError(f"stream={stream!r} runs in process (phase 1a); backend "
@@ -123,16 +146,62 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     return checker.verdict(out, src=source, dst=target)
 
 
+def _held(weights: Mapping[str, torch.Tensor] | str | Path, config: ModelConfig
+          ) -> dict[str, torch.Tensor]:
+    """``weights`` as canonical parameters in memory, checked: every parameter of ``config``
+    with its shape, one floating dtype (``InvalidShards`` naming the first that is not)."""
+    if isinstance(weights, (str, Path)):
+        weights = hf_weights(weights, endpoint("hf"), config)
+    shapes = config.param_shapes()
+    missing = [n for n in shapes if n not in weights]
+    if missing:
+        raise InvalidShards(f"weights: {config.name} has {missing[0]}, the weights do not "
+                            f"({len(missing)} missing)")
+    held = {name: weights[name] for name in shapes}
+    for name, x in held.items():
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shapes[name]:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise InvalidShards(f"weights: {name} is {got}, {config.name} declares "
+                                f"{list(shapes[name])}")
+    dtypes = {x.dtype for x in held.values()}
+    if len(dtypes) != 1:
+        raise InvalidShards(f"weights: one dtype expected, found {sorted(map(str, dtypes))}")
+    return held
+
+
+def _check_weights(fn: ConvertFn, config: ModelConfig, source: Endpoint, target: Endpoint,
+                   weights: dict[str, torch.Tensor], *, backend: str,
+                   threshold: float | None) -> Verdict:
+    """``check_convert`` on ``weights`` (see it): the threshold measured on them."""
+    measured = threshold is None
+    if measured:
+        threshold = measure_threshold(config, [source, target], weights=weights)
+    (dtype,) = {x.dtype for x in weights.values()}
+    checker = conversion_checker(config, backend=backend, threshold=threshold, dtype=dtype,
+                                 params=weights)
+    checker.checker.notes += ((f"your weights: the threshold {threshold:g} was measured on "
+                               "them (the declared shards of both ends over token seeds "
+                               "1000-1003, 100x the worst)") if measured else
+                              "your weights: the threshold was given",)
+    out = call(fn, (checker.source(source), target.world), role="converter", config=config,
+               during=f"while converting {config.name} {source} -> {target}",
+               ends=(source, target))
+    return checker.verdict(out, src=source, dst=target)
+
+
 def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
-                      seeds: Iterable[int] = range(4)) -> float:
+                      seeds: Iterable[int] = range(4), *,
+                      weights: Mapping[str, torch.Tensor] | None = None) -> float:
     """A threshold for a geometry with no committed floor (an HF config, reduced): the
     floor measured as the phase 1a artifact is, the max |logits - reference| of every
     endpoint's declared shards over model seeds ``s`` and token seeds ``1000 + s``, then
-    ``derive_threshold`` (the smallest power of ten >= 100x it)."""
+    ``derive_threshold`` (the smallest power of ten >= 100x it). ``weights``: these
+    weights at every seed, only the tokens drawn (a floor measured on real weights)."""
     worst = 0.0
     eps = [endpoint(e) for e in endpoints]
+    held = computing(weights) if weights is not None else None  # fp32, as the forwards read
     for seed in seeds:
-        params = init_params(config, seed)
+        params = init_params(config, seed) if held is None else held
         tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
         model = ReferenceModel(config, params)
         reference = model(tokens)

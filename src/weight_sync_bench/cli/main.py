@@ -29,7 +29,8 @@ import platform
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -87,6 +88,7 @@ from weight_sync_bench.cli.sync import register as register_sync
 from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS
 from weight_sync_bench.conventions import convention_by_name, endpoint, render
+from weight_sync_bench.conventions.checkpoint import checkpoint_geometry
 from weight_sync_bench.conventions.table import render_ranks
 from weight_sync_bench.errors import (
     FloorNotMeasured,
@@ -101,6 +103,9 @@ from weight_sync_bench.errors import (
 from weight_sync_bench.model.config import CONFIGS, DTYPES, ModelConfig, config_by_name
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.rules import floor_for
+
+if TYPE_CHECKING:
+    from weight_sync_bench.conventions import Endpoint
 
 FORWARD_LEGEND = ("forward: declared = the shards equal the declared split byte for byte, so "
                   "the declared split's sharded forward was reused; own = they differ, and ran "
@@ -312,6 +317,8 @@ def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool,
         raise WsbError("--converter needs --from NAME:T and --to NAME:T (e.g. --from "
                        "megatron:4 --to vllm:2; a bare hf means degree 1)")
     src, dst = endpoint(args.convert_from), endpoint(args.convert_to)
+    if args.weights is not None:
+        return [_weights_job(args, fn, src, dst)], []
     jobs: list[tuple[str, Job]] = []
     skipped: list[str] = []
     for config in _models(args):
@@ -332,6 +339,26 @@ def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool,
         ensure_floor(args, config, line, first=job)
         jobs.append(job)
     return jobs, skipped
+
+
+def _weights_job(args: argparse.Namespace, fn: Callable[..., Any], src: Endpoint,
+                 dst: Endpoint) -> tuple[str, Job]:
+    """``--weights DIR``: the converter checked on an HF directory's weights (``check_convert
+    (..., weights=DIR)``): the geometry the directory states (or --config / --hf-config,
+    checked against it), the weights' own dtype, a threshold measured on them."""
+    if args.dtype != "fp32" or args.stream is not None or args.measure_floor:
+        raise WsbError("--weights checks your weights whole, in their own dtype, with a "
+                       "threshold measured on them: drop --dtype, --stream and --measure-floor")
+    if args.converter is None:
+        raise WsbError("--weights is a converter's input: give --converter")
+    config = (checkpoint_geometry(args.weights, endpoint("hf"))
+              if args.config is None and args.hf_config is None else model_of(args))
+    src.pieces(config)
+    dst.pieces(config)
+    return (f"{config.name} {src} -> {dst} on {args.weights}",
+            lambda progress, **over: check_convert(
+                fn, config, str(src), str(dst), seed=args.seed, backend=args.backend,
+                weights=args.weights, **over))
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -466,6 +493,10 @@ def build_parser(prog: str = "wsb") -> argparse.ArgumentParser:
                             "hf, meta) and degree, e.g. megatron:4")
     check.add_argument("--to", dest="convert_to", metavar="NAME:T", default=None,
                        help="with --converter: the destination, e.g. vllm:2 (hf: degree 1)")
+    check.add_argument("--weights", type=Path, default=None, metavar="DIR",
+                       help="with --converter: check it on these weights (a Hugging Face "
+                            "checkpoint directory; its config.json states the geometry) instead "
+                            "of the seed's, in their dtype, the threshold measured on them")
     check.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                        help="the synced weights' dtype: shards compared bit for bit in it, "
                             "the forwards computed in fp32 from those values, judged by that "

@@ -1,0 +1,93 @@
+"""``check_convert(..., weights=)``: a converter checked on real weights instead of a seed's:
+a mapping of canonical parameters, or a Hugging Face directory (read with the file checks of
+``wsb verify``). The converter gets those weights' cuts; bytes are compared in their dtype;
+the threshold is measured on them (never a floor of other weights) and the verdict says so.
+The twin of each failure is the correct converter passing on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.sync.conftest import tiny
+from weight_sync_bench import check_convert, convert
+from weight_sync_bench.conventions import endpoint, materialize
+from weight_sync_bench.conventions.checkpoint import checkpoint_geometry, write_checkpoint
+from weight_sync_bench.errors import InvalidShards
+from weight_sync_bench.model.config import init_params
+
+CONFIG = tiny(2, n_layers=2)
+
+
+def real_weights():
+    """Weights no seed draws: seed 5's, scaled, in bfloat16 (as a trainer saves them)."""
+    return {n: (x * 1.5 + 0.01).to(torch.bfloat16) for n, x in init_params(CONFIG, 5).items()}
+
+
+def megatron_to_vllm(shards, degree, *, config):
+    return convert(shards, f"megatron:{len(shards)}", f"vllm:{degree}", config)
+
+
+def gate_up_swapped(shards, degree, *, config):
+    out = megatron_to_vllm(shards, degree, config=config)
+    for rank in out:
+        for name, x in rank.items():
+            if name.endswith("gate_up_proj.weight"):
+                rank[name] = torch.cat(x.chunk(2)[::-1])
+    return out
+
+
+def test_a_converter_is_checked_on_the_weights_given():
+    weights = real_weights()
+    seen = []
+
+    def recording(shards, degree, *, config):
+        seen.append(shards)
+        return megatron_to_vllm(shards, degree, config=config)
+
+    verdict = check_convert(recording, CONFIG, "megatron:2", "vllm:2", weights=weights)
+    assert verdict.passed and verdict.dtype == "bf16", verdict
+    declared = materialize(endpoint("megatron:2").pieces(CONFIG), weights)
+    assert all(torch.equal(seen[0][r][n], x) for r in range(2) for n, x in declared[r].items())
+    assert any(n.startswith("your weights: the threshold ") and "measured on them" in n
+               for n in verdict.notes), verdict.notes
+    failed = check_convert(gate_up_swapped, CONFIG, "megatron:2", "vllm:2", weights=weights)
+    assert not failed.passed and failed.first_mismatch.endswith("gate_up_proj.weight")
+    assert failed.threshold == verdict.threshold  # measured on the same weights
+
+
+def test_the_weights_as_a_hugging_face_directory(tmp_path):
+    weights = real_weights()
+    hf = endpoint("hf")
+    write_checkpoint(tmp_path / "w", materialize(hf.pieces(CONFIG), weights), hf, CONFIG)
+    config = checkpoint_geometry(tmp_path / "w", hf)  # the geometry the directory states
+    assert config.geometry() == CONFIG.geometry()
+    verdict = check_convert(megatron_to_vllm, config, "megatron:2", "vllm:2",
+                            weights=tmp_path / "w")
+    assert verdict.passed and verdict.dtype == "bf16", verdict
+
+
+def test_weights_that_are_not_the_geometrys_are_refused_naming_the_parameter():
+    weights = real_weights()
+    with pytest.raises(InvalidShards, match=r"weights: tiny_kv2 has layers.1.qkv.weight, the "
+                                            r"weights do not \(1 missing\)"):
+        check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2",
+                      weights={n: x for n, x in weights.items() if n != "layers.1.qkv.weight"})
+    with pytest.raises(InvalidShards, match="weights: one dtype expected"):
+        check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2",
+                      weights={**weights, "norm.weight": weights["norm.weight"].float()})
+    with pytest.raises(InvalidShards, match=r"weights: norm.weight is \[3\]"):
+        check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2",
+                      weights={**weights, "norm.weight": torch.zeros(3, dtype=torch.bfloat16)})
+
+
+def test_the_threshold_is_measured_on_the_weights_not_on_a_seeds():
+    """Weights 2^8 times larger (exact in bfloat16) deviate more under the same layout: a
+    threshold measured on them is larger; one read from a floor of the seed's weights would
+    be the same for both."""
+    weights = real_weights()
+    large = {n: x * 256 for n, x in weights.items()}
+    small = check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2", weights=weights)
+    big = check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2", weights=large)
+    assert small.passed and big.passed
+    assert big.threshold > small.threshold, (big.threshold, small.threshold)
