@@ -181,9 +181,22 @@ def test_an_expert_bucket_never_written_is_named_per_expert():
                  skip=lambda r, n: r == 1 and "layers.1.mlp.experts" in n)
     report = verify_state(state[1], where, 1, new, config=MOE, sentinel=SENTINEL,
                           dtype=torch.bfloat16)
-    assert report.counts() == {"equal": len(state[1]) - 2, "never written": 2}
-    assert "layer 1 experts 2-3: 2 never written" in report.coverage()
+    # the stacked tensors (w13, w2: experts 2-3 of rank 1) said member by member
+    assert report.counts() == {"equal": len(state[1]) - 2, "never written": 4}
+    w13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
+    assert [o.name for o in report.outcomes if o.outcome == "never written"][:2] == [
+        f"{w13}[0]", f"{w13}[1]"]
+    assert "layer 1 expert 2: 2 never written" in report.coverage()
+    assert "layer 1 expert 3: 2 never written" in report.coverage()
     assert "layer 0 experts 2-3: 2 equal" in report.coverage()
+    # one expert of the bucket dropped: the other is equal, and said so
+    one = sync(engine(MOE, where, new), MOE, where, new)
+    one[1][w13][1].fill_(SENTINEL)
+    report = verify_state(one[1], where, 1, new, config=MOE, sentinel=SENTINEL,
+                          dtype=torch.bfloat16)
+    assert {o.name: o.outcome for o in report.outcomes if o.name.startswith(w13)} == {
+        f"{w13}[0]": "equal", f"{w13}[1]": "never written"}
+    assert "layer 1 expert 3: 1 never written" in report.coverage()
     twin = verify_state(sync(engine(MOE, where, new), MOE, where, new)[1], where, 1, new,
                         config=MOE, sentinel=SENTINEL, dtype=torch.bfloat16)
     assert twin.passed

@@ -171,14 +171,14 @@ def verify_ranks(dumps: Sequence[Mapping[str, torch.Tensor]], where: str | Endpo
                                 f"names to tensors, got {type(dumps[rank]).__name__}")
     judge = _Judge(config, at, pieces, _Recent(weights),
                    _Recent(previous) if previous is not None else None, sentinel, dtype)
-    found: dict[tuple[int, str], TensorOutcome] = {}
+    found: dict[tuple[int, str], list[TensorOutcome]] = {}
     for source in config.param_shapes():
         for rank in ranks:
             for name, piece in pieces[rank].items():
                 if piece.source == source:
-                    found[rank, name] = judge.outcome(rank, name, piece, dumps[rank].get(name))
+                    found[rank, name] = judge.judged(rank, name, piece, dumps[rank].get(name))
     return [StateReport(str(at), rank, tuple(
-        [found[rank, name] for name in pieces[rank]]
+        [o for name in pieces[rank] for o in found[rank, name]]
         + [TensorOutcome(name, "unexpected", f"{at} declares no {name} on rank {rank}")
            for name in dumps[rank] if name not in pieces[rank]])) for rank in ranks]
 
@@ -225,6 +225,19 @@ class _Judge:
             a, b = piece.span
             return full.narrow(piece.dim, a, b - a)
         return piece.take(full).to(dtype)
+
+    def judged(self, rank: int, name: str, piece: Piece, held: torch.Tensor | None
+               ) -> list[TensorOutcome]:
+        """The outcome of a stored tensor; a stacked one that is not equal (vLLM's fused-MoE
+        ``w13_weight``: a rank's experts stacked), member by member, each named
+        ``{name}[{i}]`` with its experts: a bucket of experts never written is said expert
+        by expert."""
+        whole = self.outcome(rank, name, piece, held)
+        if piece.stack == 1 or whole.outcome in ("equal", "missing") or held is None or \
+                tuple(held.shape) != tuple(self.declared(piece, self.weights).shape):
+            return [whole]
+        return [self.outcome(rank, f"{name}[{i}]", member, held[i])
+                for i, member in enumerate(piece.members())]
 
     def outcome(self, rank: int, name: str, piece: Piece, held: torch.Tensor | None
                 ) -> TensorOutcome:

@@ -113,6 +113,16 @@ class Piece:
             return stored
         return stored.movedim(0, self.dim).flatten(self.dim, self.dim + 1)
 
+    def members(self) -> list[Piece]:
+        """The plain selections a stacked piece stacks, in order (member i is ``stored[i]``,
+        the flat selection's i-th run along ``dim``); a piece that stacks nothing is its
+        own one member."""
+        if self.stack == 1:
+            return [self]
+        m = self.idx.numel() // self.stack
+        return [Piece(self.source, self.dim, self.idx[i * m:(i + 1) * m].clone())
+                for i in range(self.stack)]
+
     def equals(self, other: Piece) -> bool:
         return (self.source == other.source and self.dim == other.dim
                 and self.stack == other.stack and torch.equal(self.idx, other.idx))

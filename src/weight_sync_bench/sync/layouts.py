@@ -186,13 +186,10 @@ def _sync_layout(config: ModelConfig, text: str, dp: int) -> SyncLayout:
 
 def _members(name: str, piece: Piece) -> list[tuple[str, Piece]]:
     """A stored tensor as the plain selections phase 2 addresses: itself, or each member of
-    a stacked one (``Piece.stacked``: member i is the flat selection's i-th run along
-    ``dim``, ``stored[i]``)."""
+    a stacked one (``Piece.members``), named ``{name}[{i}]``."""
     if piece.stack == 1:
         return [(name, piece)]
-    m = piece.idx.numel() // piece.stack
-    return [(f"{name}[{i}]", Piece(piece.source, piece.dim, piece.idx[i * m:(i + 1) * m].clone()))
-            for i in range(piece.stack)]
+    return [(f"{name}[{i}]", member) for i, member in enumerate(piece.members())]
 
 
 def fsdp_table(config: ModelConfig) -> LayoutTable:
