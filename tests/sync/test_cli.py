@@ -29,6 +29,16 @@ def test_wsb_sync_prints_the_figures_and_the_verdict_and_exits_0(capsys):
         assert claim in out, claim
 
 
+def test_wsb_sync_shows_its_steps_with_an_eta_on_stderr_unless_quiet(capsys):
+    code = main(["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1",
+                 "--naive", "--no-forward"])
+    err = capsys.readouterr().err
+    assert code == 0
+    assert ("wsb sync megatron:2 -> vllm:1: starting the rank processes, loading the source "
+            "shards: 0/3, ") in err and "ETA ?" in err
+    assert "wsb sync megatron:2 -> vllm:1: done: 3/3, " in err and "ETA 0s" in err
+
+
 def test_wsb_sync_exits_1_when_a_planner_mutation_is_run(capsys):
     code = main(["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1",
                  "--mutation", "dropped_transfer", "--no-forward", "-q"])

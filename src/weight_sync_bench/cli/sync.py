@@ -31,6 +31,7 @@ from weight_sync_bench.cli.output import (
     EXIT_FAILED,
     EXIT_OK,
     Output,
+    Ticker,
     add_deadline_option,
     add_limit_options,
     add_output_options,
@@ -103,14 +104,26 @@ def cmd_sync(args: argparse.Namespace) -> int:
             raise UnsupportedLauncher(f"--backend {args.backend} needs --launcher torchrun "
                                       "(the rank pool runs gloo on CPU)")
         apply_deadline(args.deadline, True)
-        with SyncSession(config, args.src, args.dst, seed=args.seed, dp=args.dp,
-                         forward=not args.no_forward) as session:
-            plan = PLAN_MUTATIONS[args.mutation](session.plan) if args.mutation else None
-            results.append(session.run(plan=plan, bucket_bytes=args.bucket, calibrate=True,
-                                       into=args.into))
-            if args.naive:
-                results.append(session.run(gather_scatter, bucket_bytes=args.bucket,
-                                           calibrate=True, forward=False, into=args.into))
+        line = out.progress()  # stderr: what runs, the steps done, elapsed and an ETA
+        steps = 2 + bool(args.naive)
+        tick = Ticker(line, "wsb sync ")
+        try:
+            tick(0, steps, f"{args.src} -> {args.dst}: starting the rank processes, loading "
+                           "the source shards")
+            with SyncSession(config, args.src, args.dst, seed=args.seed, dp=args.dp,
+                             forward=not args.no_forward) as session:
+                plan = PLAN_MUTATIONS[args.mutation](session.plan) if args.mutation else None
+                tick(1, steps, f"{session.plan.label}: resharding, checking every element"
+                               + (", the destination forward" if session.forward else ""))
+                results.append(session.run(plan=plan, bucket_bytes=args.bucket,
+                                           calibrate=True, into=args.into))
+                if args.naive:
+                    tick(2, steps, f"{session.plan.label}: the naive gather-then-scatter")
+                    results.append(session.run(gather_scatter, bucket_bytes=args.bucket,
+                                               calibrate=True, forward=False, into=args.into))
+                tick(steps, steps, f"{session.plan.label}: done")
+        finally:
+            line.close()
     plan = results[0].plan
     out.text(str(plan))
     if args.transfers:
