@@ -13,7 +13,7 @@ from tests.sync.conftest import tiny
 from weight_sync_bench import check_convert, convert
 from weight_sync_bench.conventions import endpoint, materialize
 from weight_sync_bench.conventions.checkpoint import checkpoint_geometry, write_checkpoint
-from weight_sync_bench.errors import InvalidShards
+from weight_sync_bench.errors import InvalidConfig
 from weight_sync_bench.model.config import init_params
 
 CONFIG = tiny(2, n_layers=2)
@@ -69,14 +69,15 @@ def test_the_weights_as_a_hugging_face_directory(tmp_path):
 
 def test_weights_that_are_not_the_geometrys_are_refused_naming_the_parameter():
     weights = real_weights()
-    with pytest.raises(InvalidShards, match=r"weights: tiny_kv2 has layers.1.qkv.weight, the "
+    with pytest.raises(InvalidConfig, match=r"weights: tiny_kv2 has layers.1.qkv.weight, the "
                                             r"weights do not \(1 missing\)"):
         check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2",
                       weights={n: x for n, x in weights.items() if n != "layers.1.qkv.weight"})
-    with pytest.raises(InvalidShards, match="weights: one dtype expected"):
+    with pytest.raises(InvalidConfig, match=r"weights: one dtype expected .* found "
+                                            r"torch.bfloat16 \(.*\), torch.float32 \(norm.weight"):
         check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2",
                       weights={**weights, "norm.weight": weights["norm.weight"].float()})
-    with pytest.raises(InvalidShards, match=r"weights: norm.weight is \[3\]"):
+    with pytest.raises(InvalidConfig, match=r"weights: norm.weight is \[3\]"):
         check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2",
                       weights={**weights, "norm.weight": torch.zeros(3, dtype=torch.bfloat16)})
 
@@ -91,3 +92,18 @@ def test_the_threshold_is_measured_on_the_weights_not_on_a_seeds():
     big = check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2", weights=large)
     assert small.passed and big.passed
     assert big.threshold > small.threshold, (big.threshold, small.threshold)
+
+
+def test_two_one_rank_ends_are_judged_by_a_floor_of_a_sharded_forward():
+    """hf -> vllm:1 computes exactly the reference's sums on any weights: the threshold is
+    measured with the plain layout at 2 ranks beside them (a floor of zero sets none); the
+    twin fails; dtype= beside weights= is refused (the weights' own dtype is the check's)."""
+    weights = real_weights()
+
+    def hf_to_vllm(shards, degree, *, config):
+        return convert(shards, "hf", f"vllm:{degree}", config)
+
+    verdict = check_convert(hf_to_vllm, CONFIG, "hf", "vllm:1", weights=weights)
+    assert verdict.passed and verdict.max_abs_error == 0.0 and verdict.threshold > 0
+    with pytest.raises(ValueError, match="drop dtype="):
+        check_convert(hf_to_vllm, CONFIG, "hf", "vllm:1", weights=weights, dtype="bf16")

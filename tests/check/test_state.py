@@ -169,7 +169,8 @@ def test_missing_partly_written_and_unexpected_names(weights):
     assert by["model.layers.0.mlp.extra"].outcome == "unexpected"
     assert by[QKV.format(3)].outcome == "partly never written"
     assert by[QKV.format(3)].detail == f"{4 * CONFIG.d_model} of " \
-        f"{state[0][QKV.format(3)].numel()} elements hold the sentinel -7"
+        f"{state[0][QKV.format(3)].numel()} elements hold the sentinel -7, the others their " \
+        "declared bytes"
     assert list(report.counts()) == [o for o in OUTCOMES if o in report.counts()]
 
 
@@ -181,13 +182,10 @@ def test_an_expert_bucket_never_written_is_named_per_expert():
                  skip=lambda r, n: r == 1 and "layers.1.mlp.experts" in n)
     report = verify_state(state[1], where, 1, new, config=MOE, sentinel=SENTINEL,
                           dtype=torch.bfloat16)
-    # the stacked tensors (w13, w2: experts 2-3 of rank 1) said member by member
-    assert report.counts() == {"equal": len(state[1]) - 2, "never written": 4}
+    # the stacked tensors (w13, w2: experts 2-3 of rank 1), never written as a whole
+    assert report.counts() == {"equal": len(state[1]) - 2, "never written": 2}
     w13 = "model.layers.1.mlp.experts.routed_experts.w13_weight"
-    assert [o.name for o in report.outcomes if o.outcome == "never written"][:2] == [
-        f"{w13}[0]", f"{w13}[1]"]
-    assert "layer 1 expert 2: 2 never written" in report.coverage()
-    assert "layer 1 expert 3: 2 never written" in report.coverage()
+    assert "layer 1 experts 2-3: 2 never written" in report.coverage()
     assert "layer 0 experts 2-3: 2 equal" in report.coverage()
     # one expert of the bucket dropped: the other is equal, and said so
     one = sync(engine(MOE, where, new), MOE, where, new)
@@ -251,3 +249,58 @@ def test_a_tied_output_layers_copy_left_stale_is_named():
         "output_layer.weight", "stale", "tok_embeddings.weight")
     assert verify_state(state[0], where, 0, new, config=config, previous=old,
                         dtype=torch.bfloat16).passed  # the first stage's embedding: synced
+
+
+def test_the_sentinel_counts_only_where_the_declared_bytes_differ_from_it(weights):
+    """Sentinel 0 where the declared tensor has zeros (vLLM's vocabulary padding): a fully
+    written tensor is equal; one wrong element elsewhere is wrong, not partly never written;
+    a misplaced tensor that holds the sentinel somewhere is still misplaced."""
+    new, _ = weights
+    config = CONFIG.replace(vocab=250, name="tiny_padded")  # vLLM pads 250 rows to 256
+    full = init_params(config, 0)
+    declared = materialize(endpoint("vllm:2").pieces(config), full)
+    emb = "model.embed_tokens.weight"
+    state = [{n: x.clone() for n, x in rank.items()} for rank in declared]
+    assert verify_state(state[1], "vllm:2", 1, full, config=config, sentinel=0.0).passed
+    state[1][emb][0, 0] += 1.0
+    (bad,) = [o for o in verify_state(state[1], "vllm:2", 1, full, config=config,
+                                      sentinel=0.0).outcomes if o.outcome != "equal"]
+    assert (bad.name, bad.outcome) == (emb, "wrong"), bad
+    state[1][emb] = declared[1][emb].clone()
+    state[1][emb][:2] = 0.0  # two rows left at the sentinel, and one element wrong besides
+    state[1][emb][5, 0] += 1.0
+    (bad,) = [o for o in verify_state(state[1], "vllm:2", 1, full, config=config,
+                                      sentinel=0.0).outcomes if o.outcome != "equal"]
+    assert bad.outcome == "wrong", bad  # not "partly never written": it is more than that
+    state[1][emb] = declared[0][emb].clone()  # rank 0's rows: no padding, but a misplace
+    (moved,) = [o for o in verify_state(state[1], "vllm:2", 1, full, config=config,
+                                        sentinel=0.0).outcomes if o.outcome != "equal"]
+    assert moved.outcome == "misplaced" and "rank 0's declared" in moved.detail
+
+
+def test_whose_bytes_a_tensor_holds_costs_one_read_of_each_parameter():
+    """Every tensor of a rank holding another layer's bytes (8 layers rotated by one): the
+    misplaced search reads each parameter at most three times (its own check, its digests,
+    the confirmation of the one candidate that matches), not once per other layer."""
+    config = tiny(2, n_layers=8).replace(name="tiny_deep8")
+    new = init_params(config, 0)
+    declared = materialize(endpoint("vllm:2").pieces(config), new)
+
+    def layer(name):
+        return next((j for j in range(8) if f"layers.{j}." in name), None)
+
+    rotated = {n: declared[0][n.replace(f"layers.{layer(n)}.", f"layers.{(layer(n) + 1) % 8}.")]
+               if layer(n) is not None else x for n, x in declared[0].items()}
+    reads: list[str] = []
+
+    class Counted(dict):
+        def __getitem__(self, name):
+            reads.append(name)
+            return super().__getitem__(name)
+
+    report = verify_state(rotated, "vllm:2", 0, Counted(new), config=config)
+    assert report.counts() == {"equal": 3, "misplaced": 48}
+    assert all(o.detail.startswith(f"holds layer {(o.layer + 1) % 8}'s") for o in
+               report.outcomes if o.outcome == "misplaced")
+    assert max(reads.count(n) for n in set(reads)) <= 3, sorted(
+        (reads.count(n), n) for n in set(reads))[-3:]

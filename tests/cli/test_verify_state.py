@@ -77,3 +77,15 @@ def test_unreadable_input_is_exit_2_naming_it(tmp_path, capsys):
     code = main(["verify-state", "--endpoint", "vllm:2", "--config", "toy_kv4", "--seed", "0",
                  "--rank", "2", str(tmp_path)])
     assert code == 2 and "--rank 2: vllm:2 has ranks 0..1" in capsys.readouterr().err
+
+
+def test_rank_needs_only_its_own_dump_and_is_counted_once(tmp_path, capsys):
+    state = tmp_path / "state"
+    _emit(state, "vllm:2", 0)
+    (state / "model-rank-0-part-0.safetensors").unlink()
+    capsys.readouterr()
+    base = ["verify-state", "--endpoint", "vllm:2", "--config", "toy_kv4", "--seed", "0"]
+    assert main([*base, "--rank", "1", "--rank", "1", str(state)]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+    assert main([*base, str(state)]) == 2  # every rank: rank 0's dump is missing, named
+    assert "model-rank-0-part-0.safetensors: missing" in capsys.readouterr().err

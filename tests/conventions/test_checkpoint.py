@@ -320,7 +320,8 @@ def test_hf_weights_assembles_each_canonical_parameter_when_asked_for(tmp_path, 
     monkeypatch.setattr(LazyTensors, "__getitem__",
                         lambda self, name: reads.append(name) or original(self, name))
     weights = hf_weights(directory, endpoint("hf"), SMALL)
-    assert reads == []  # checked from the headers: nothing read yet
+    assert "layers.0.qkv.weight" in weights and "layers.9.qkv.weight" not in weights
+    assert reads == []  # checked from the headers: nothing read yet, nor by `in`
     full = init_params(SMALL, 0)
     assert torch.equal(weights["layers.0.qkv.weight"], full["layers.0.qkv.weight"])
     assert sorted(reads) == [f"model.layers.0.self_attn.{x}_proj.weight" for x in "kqv"]
@@ -340,3 +341,18 @@ def test_hf_weights_refuses_a_directory_that_is_not_the_geometry(tmp_path):
         hf_weights(directory, endpoint("hf"), SMALL)
     with pytest.raises(CheckpointError, match="reads a Hugging Face directory, not vllm:2"):
         hf_weights(directory, endpoint("vllm:2"), SMALL)
+
+
+def test_a_file_swapped_for_a_symlink_out_after_the_check_is_refused_when_read(tmp_path):
+    """``hf_weights`` reads lazily: each open checks the file again, so a file replaced by a
+    symlink leading out of the directory between the check and the read is refused."""
+    from weight_sync_bench.conventions.checkpoint import hf_weights
+    from weight_sync_bench.errors import UnsafeFile
+
+    directory = emit(tmp_path, "hf", max_shard_size=10**9)
+    weights = hf_weights(directory, endpoint("hf"), SMALL)
+    outside = tmp_path / "outside.safetensors"
+    (directory / HF_SINGLE).rename(outside)
+    (directory / HF_SINGLE).symlink_to(outside)
+    with pytest.raises(UnsafeFile):
+        weights["norm.weight"]

@@ -74,8 +74,9 @@ from weight_sync_bench.check.streamed_conversion import (
 from weight_sync_bench.check.user_code import call
 from weight_sync_bench.conventions import endpoint, materialize
 from weight_sync_bench.conventions.checkpoint import hf_weights
-from weight_sync_bench.errors import InvalidNumber, InvalidShards
-from weight_sync_bench.model.config import init_params, make_tokens
+from weight_sync_bench.errors import InvalidConfig, InvalidNumber
+from weight_sync_bench.model.config import init_params, make_tokens, parse_dtype
+from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.model.stepwise import computing
@@ -128,6 +129,8 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
         if stream is not None:
             raise ValueError("weights= runs the whole-model check; stream= draws the seed's "
                              "weights stage by stage")
+        if parse_dtype(dtype) != torch.float32:
+            raise ValueError("weights= checks the weights in their own dtype: drop dtype=")
         return _check_weights(fn, config, source, target, _held(weights, config),
                               backend=backend, threshold=threshold)
     if stream is not None:
@@ -149,23 +152,26 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
 def _held(weights: Mapping[str, torch.Tensor] | str | Path, config: ModelConfig
           ) -> dict[str, torch.Tensor]:
     """``weights`` as canonical parameters in memory, checked: every parameter of ``config``
-    with its shape, one floating dtype (``InvalidShards`` naming the first that is not)."""
+    with its shape, one dtype (``InvalidConfig``, exit 2, naming the first that is not)."""
     if isinstance(weights, (str, Path)):
         weights = hf_weights(weights, endpoint("hf"), config)
     shapes = config.param_shapes()
     missing = [n for n in shapes if n not in weights]
     if missing:
-        raise InvalidShards(f"weights: {config.name} has {missing[0]}, the weights do not "
+        raise InvalidConfig(f"weights: {config.name} has {missing[0]}, the weights do not "
                             f"({len(missing)} missing)")
     held = {name: weights[name] for name in shapes}
     for name, x in held.items():
         if not isinstance(x, torch.Tensor) or tuple(x.shape) != shapes[name]:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise InvalidShards(f"weights: {name} is {got}, {config.name} declares "
+            raise InvalidConfig(f"weights: {name} is {got}, {config.name} declares "
                                 f"{list(shapes[name])}")
     dtypes = {x.dtype for x in held.values()}
-    if len(dtypes) != 1:
-        raise InvalidShards(f"weights: one dtype expected, found {sorted(map(str, dtypes))}")
+    if len(dtypes) != 1:  # the check syncs one dtype (a norm kept in fp32 beside bf16 is not)
+        first = {d: next(n for n, x in held.items() if x.dtype == d) for d in dtypes}
+        raise InvalidConfig("weights: one dtype expected (the check compares and syncs one), "
+                            "found " + ", ".join(f"{d} ({first[d]}, ...)" for d in
+                                                 sorted(dtypes, key=str)))
     return held
 
 
@@ -174,14 +180,18 @@ def _check_weights(fn: ConvertFn, config: ModelConfig, source: Endpoint, target:
                    threshold: float | None) -> Verdict:
     """``check_convert`` on ``weights`` (see it): the threshold measured on them."""
     measured = threshold is None
-    if measured:
-        threshold = measure_threshold(config, [source, target], weights=weights)
+    if measured:  # with the plain layout at its smallest sharded degree: two one-rank ends
+        # compute exactly the reference's sums, and a floor of zero sets no threshold
+        sharded = [t for t in layout_for(config).supported_degrees() if t > 1][:1]
+        threshold = measure_threshold(config, [source, target, *(f"plain:{t}" for t in sharded)],
+                                      weights=weights)
     (dtype,) = {x.dtype for x in weights.values()}
     checker = conversion_checker(config, backend=backend, threshold=threshold, dtype=dtype,
                                  params=weights)
     checker.checker.notes += ((f"your weights: the threshold {threshold:g} was measured on "
-                               "them (the declared shards of both ends over token seeds "
-                               "1000-1003, 100x the worst)") if measured else
+                               "them (the declared shards of both ends and of the plain layout "
+                               "at its smallest sharded degree, token seeds 1000-1003, 100x "
+                               "the worst)") if measured else
                               "your weights: the threshold was given",)
     out = call(fn, (checker.source(source), target.world), role="converter", config=config,
                during=f"while converting {config.name} {source} -> {target}",

@@ -32,6 +32,8 @@ tensors, synced by a recipe with planted faults (``tests/check/test_state.py``).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -40,12 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weight_sync_bench.check.diagnosis import (
-    bit_equal,
-    diagnose_rank,
-    format_indices,
-    held_layer,
-)
+from weight_sync_bench.check.diagnosis import bit_equal, diagnose_rank, format_indices
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.errors import InvalidShards
 
@@ -215,6 +212,7 @@ class _Judge:
     previous: Mapping[str, torch.Tensor] | None
     sentinel: float | None
     dtype: torch.dtype | None
+    _digests: _Digests | None = None
 
     def declared(self, piece: Piece, weights: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """``piece.take(full).to(dtype)``; a view of ``full`` where the piece is one run of
@@ -233,9 +231,11 @@ class _Judge:
         ``{name}[{i}]`` with its experts: a bucket of experts never written is said expert
         by expert."""
         whole = self.outcome(rank, name, piece, held)
-        if piece.stack == 1 or whole.outcome in ("equal", "missing") or held is None or \
-                tuple(held.shape) != tuple(self.declared(piece, self.weights).shape):
-            return [whole]
+        if piece.stack == 1 or whole.outcome not in ("wrong", "partly never written") or \
+                held is None or tuple(held.shape) != tuple(
+                    self.declared(piece, self.weights).shape) or held.dtype != (
+                    self.dtype or self.weights[piece.source].dtype):
+            return [whole]  # equal, stale, never written or misplaced as a whole
         return [self.outcome(rank, f"{name}[{i}]", member, held[i])
                 for i, member in enumerate(piece.members())]
 
@@ -260,15 +260,19 @@ class _Judge:
             return TensorOutcome(name, "stale", "holds the previous weights' declared bytes: "
                                  "this sync never wrote it", **said)
         if self.sentinel is not None:
-            mark = torch.full((), self.sentinel, dtype=held.dtype)
-            left = int((_bits(held) == _bits(mark)).sum())
-            if left == held.numel():
+            # every element the sentinel (and the declared bytes not all the sentinel), or
+            # every element either its declared bytes or the sentinel where those differ
+            mark = _bits(torch.full((), self.sentinel, dtype=held.dtype))
+            sentinel, right = _bits(held) == mark, _bits(held) == _bits(want)
+            left = int((sentinel & ~right).sum())
+            if bool(sentinel.all()):
                 return TensorOutcome(name, "never written", f"every element holds the "
                                      f"sentinel {self.sentinel:g} filled in before the sync",
                                      **said)
-            if left:
+            if left and bool((sentinel | right).all()):
                 return TensorOutcome(name, "partly never written", f"{left} of {held.numel()} "
-                                     f"elements hold the sentinel {self.sentinel:g}", **said)
+                                     f"elements hold the sentinel {self.sentinel:g}, the "
+                                     "others their declared bytes", **said)
         whose = self.misplaced(rank, name, piece, held)
         if whose is not None:
             return TensorOutcome(name, "misplaced", whose, **said)
@@ -276,26 +280,48 @@ class _Judge:
 
     def misplaced(self, rank: int, name: str, piece: Piece, held: torch.Tensor) -> str | None:
         """Whose declared bytes ``held`` is: another layer's same parameter, another rank's
-        cut of this name, or another of this rank's stored tensors (None: nobody's)."""
-        dtype = held.dtype
-        cast = _Cast(self.weights, dtype)
-        layer = held_layer(cast, self.config, piece, held)
-        if layer is not None:
-            return (f"holds layer {layer}'s {'.'.join(piece.source.split('.')[2:])}, cut as "
-                    f"declared: a layer stored under another layer's name (two pipeline "
-                    "stages publishing the same local indices, or a stage's offset wrong)")
+        cut of this name, or another of this rank's stored tensors (None: nobody's). Told by
+        slice digests first (``_Digests``: each parameter read once for them, whatever
+        number of tensors differ), a candidate read again only to confirm it byte for byte."""
+        digests = self.digests(held.dtype)
+        shapes = self.config.param_shapes()
+        mine: dict[int, list[bytes]] = {}
+
+        def holds(theirs: Piece) -> bool:
+            if theirs.padding is not None or theirs.idx.numel() == 0 or tuple(
+                    theirs.local_shape(shapes[theirs.source])) != tuple(held.shape):
+                return False
+            if theirs.dim not in mine:
+                mine[theirs.dim] = _slice_digests(theirs.flat(held) if theirs.stack > 1
+                                                  else held, theirs.dim)
+            want = digests.of(theirs.source, theirs.dim)
+            if mine[theirs.dim] != [want[i] for i in theirs.idx.tolist()]:
+                return False
+            return bit_equal(held, self.declared(theirs, self.weights).to(held.dtype))
+
+        parts = piece.source.split(".")
+        if parts[0] == "layers" and len(parts) > 2:
+            for k in range(self.config.n_layers):
+                source = ".".join(["layers", str(k), *parts[2:]])
+                if k != int(parts[1]) and shapes.get(source) == shapes[piece.source] and \
+                        holds(dataclasses.replace(piece, source=source)):
+                    return (f"holds layer {k}'s {'.'.join(parts[2:])}, cut as declared: a "
+                            "layer stored under another layer's name (two pipeline stages "
+                            "publishing the same local indices, or a stage's offset wrong)")
         for other, pieces in enumerate(self.pieces):
             theirs = pieces.get(name)
             if other != rank and theirs is not None and not theirs.equals(piece) and \
-                    bit_equal(held, self.declared(theirs, self.weights).to(dtype)):
+                    holds(theirs):
                 return f"holds rank {other}'s declared {name}: another rank's cut"
         for other_name, theirs in self.pieces[rank].items():
-            if other_name == name or theirs.local_shape(
-                    tuple(self.weights[theirs.source].shape)) != tuple(held.shape):
-                continue
-            if bit_equal(held, self.declared(theirs, self.weights).to(dtype)):
+            if other_name != name and holds(theirs):
                 return f"holds this rank's declared {other_name}"
         return None
+
+    def digests(self, dtype: torch.dtype) -> _Digests:
+        if self._digests is None or self._digests.dtype != dtype:
+            self._digests = _Digests(self.weights, dtype)
+        return self._digests
 
     def wrong(self, rank: int, name: str, piece: Piece, held: torch.Tensor,
               want: torch.Tensor) -> str:
@@ -308,20 +334,24 @@ class _Judge:
         return line or "differs from its declared bytes"
 
 
-class _Cast(Mapping[str, torch.Tensor]):
-    """``weights`` cast to ``dtype`` when read, one parameter at a time."""
+class _Digests:
+    """Per (canonical parameter, dim): a 16-byte digest of each of its slices along ``dim``,
+    cast to ``dtype``, each parameter read once for them (``misplaced``'s index)."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
         self.weights, self.dtype = weights, dtype
+        self.made: dict[tuple[str, int], list[bytes]] = {}
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.weights[name].to(self.dtype)
+    def of(self, source: str, dim: int) -> list[bytes]:
+        if (source, dim) not in self.made:
+            self.made[source, dim] = _slice_digests(self.weights[source].to(self.dtype), dim)
+        return self.made[source, dim]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.weights)
 
-    def __len__(self) -> int:
-        return len(self.weights)
+def _slice_digests(x: torch.Tensor, dim: int) -> list[bytes]:
+    """A 16-byte digest of the bytes of each slice of ``x`` along ``dim``."""
+    rows = _bits(x.movedim(dim, 0).reshape(x.shape[dim], -1)).numpy()
+    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in rows]
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

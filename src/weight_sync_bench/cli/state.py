@@ -69,7 +69,7 @@ def cmd_verify_state(args: argparse.Namespace) -> int:
         config = model_of(args)
     guard(args, config)
     world = where.world
-    ranks = args.rank or list(range(world))
+    ranks = list(dict.fromkeys(args.rank)) if args.rank else list(range(world))
     bad = [r for r in ranks if r >= world]
     if bad:
         raise WsbError(f"--rank {bad[0]}: {where} has ranks 0..{world - 1}")
@@ -77,7 +77,7 @@ def cmd_verify_state(args: argparse.Namespace) -> int:
     previous = (None if args.previous is None and args.previous_seed is None
                 else _weights(args, config, args.previous, args.previous_seed))
     dtype = parse_dtype(args.dtype) if args.dtype is not None else None
-    dumps = read_rank_dumps(args.state, where, roots=args.allow_root)
+    dumps = read_rank_dumps(args.state, where, roots=args.allow_root, ranks=ranks)
     failed = 0
     for report in verify_ranks(dumps, where, weights, config=config, ranks=ranks,
                                previous=previous, sentinel=args.sentinel, dtype=dtype):

@@ -344,17 +344,19 @@ def read_checkpoint(directory: str | Path, where: Endpoint, config: ModelConfig,
 
 
 def read_rank_dumps(directory: str | Path, where: Endpoint, *,
-                    roots: Sequence[str | Path] = ()) -> list[LazyTensors]:
+                    roots: Sequence[str | Path] = (),
+                    ranks: Sequence[int] | None = None) -> list[LazyTensors]:
     """Each rank's tensors as an engine dumped them after a sync (``wsb verify-state``):
     ``model-rank-{rank}-part-{part}.safetensors`` per rank of ``where`` (vLLM's sharded-state
     pattern, as ``wsb emit`` writes ranks), with the same file checks as ``read_checkpoint``
     but not held to the declared names and shapes (which tensors are missing, unexpected or
     wrong is what the state check reports), each tensor read when asked for
-    (``LazyTensors``)."""
+    (``LazyTensors``). ``ranks``: only these ranks' files must be there (the others' are
+    empty mappings)."""
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such directory of rank dumps", path=str(root))
-    return _read_ranks(_Files(root, tuple(roots)), where.world, lazy=True)[0]
+    return _read_ranks(_Files(root, tuple(roots)), where.world, lazy=True, needed=ranks)[0]
 
 
 def hf_weights(directory: str | Path, where: Endpoint, config: ModelConfig, *,
@@ -388,24 +390,31 @@ def hf_weights(directory: str | Path, where: Endpoint, config: ModelConfig, *,
 
 
 class LazyTensors(Mapping[str, torch.Tensor]):
-    """Tensors in checked safetensors files (``where``: name -> file), each read with
-    ``safe_open`` when asked for, nothing kept: one tensor in memory at a time."""
+    """Tensors in a checkpoint directory's safetensors files (``where``: tensor name -> file
+    name in it), each read with ``safe_open`` when asked for, nothing kept: one tensor in
+    memory at a time. Each open checks the file again (``files.inside``, as when the
+    directory was read), so a file swapped for a symlink out of it since is refused."""
 
-    def __init__(self, where: Mapping[str, Path]) -> None:
-        self.where = dict(where)
+    def __init__(self, where: Mapping[str, str], files: _Files | None = None) -> None:
+        self.where, self.files = dict(where), files
 
     def file_of(self, name: str) -> Path:
-        return self.where[name]
+        assert self.files is not None
+        return self.files.root / self.where[name]
+
+    def _path(self, name: str) -> Path:
+        assert self.files is not None
+        return self.files.checked(self.where[name])
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        with _opened(self.where[name]) as f:
+        with _opened(self._path(name)) as f:
             return f.get_tensor(name)
 
     def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
         return name in self.where
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with _opened(self.where[name]) as f:
+        with _opened(self._path(name)) as f:
             return tuple(f.get_slice(name).get_shape())
 
     def __iter__(self) -> Iterator[str]:
@@ -426,6 +435,9 @@ class CanonicalWeights(Mapping[str, torch.Tensor]):
         self.names: dict[str, list[str]] = {}
         for name, piece in pieces.items():
             self.names.setdefault(piece.source, []).append(name)
+
+    def __contains__(self, source: object) -> bool:  # Mapping's would assemble it
+        return source in self.shapes
 
     def __getitem__(self, source: str) -> torch.Tensor:
         names = self.names[source]
@@ -618,10 +630,9 @@ def _read_hf(files: _Files, *, lazy: bool = False
                                   path=str(index_path))
         _strays(root, ".safetensors", {HF_SINGLE}, HF_SINGLE)
         if lazy:
-            path = files.checked(HF_SINGLE)
-            with _opened(path) as f:
+            with _opened(files.checked(HF_SINGLE)) as f:
                 where = dict.fromkeys(f.keys(), single)
-            return [LazyTensors({n: path for n in where})], [where]
+            return [LazyTensors(dict.fromkeys(where, HF_SINGLE), files)], [where]
         params = files.safetensors(HF_SINGLE)
         return [params], [dict.fromkeys(params, single)]
     index = files.json(HF_INDEX)
@@ -644,10 +655,9 @@ def _read_hf(files: _Files, *, lazy: bool = False
     for name in names:
         path = root / name
         if lazy:
-            resolved_path = files.checked(name, said[name], said[name])
-            with _opened(resolved_path) as f:
+            with _opened(files.checked(name, said[name], said[name])) as f:
                 held = dict.fromkeys(f.keys())
-            resolved.update(dict.fromkeys(held, resolved_path))
+            resolved.update(dict.fromkeys(held, name))
         else:
             held = files.safetensors(name, said[name], said[name])
         for tensor, x in held.items():
@@ -660,7 +670,7 @@ def _read_hf(files: _Files, *, lazy: bool = False
             raise CheckpointError(f"{root / name}: has no {tensor} ({index_path.name} maps "
                                   "it there)", path=str(root / name))
     if lazy:
-        return [LazyTensors(resolved)], [where]
+        return [LazyTensors(resolved, files)], [where]
     return [params], [where]
 
 
@@ -705,10 +715,12 @@ def _read_meta(files: _Files, degree: int) -> tuple[list[Params], list[dict[str,
     return shards, where
 
 
-def _read_ranks(files: _Files, degree: int, *, lazy: bool = False
+def _read_ranks(files: _Files, degree: int, *, lazy: bool = False,
+                needed: Sequence[int] | None = None
                 ) -> tuple[list[Any], list[dict[str, Path]]]:
     """Each rank's tensors from its files (``lazy``: a ``LazyTensors`` over the checked files,
-    read from their headers only) and the file of each."""
+    read from their headers only) and the file of each; ``needed``: the ranks whose files
+    must be there (default all; another's missing files leave it empty)."""
     root = files.root
     pattern = RANK_FILE.format(rank="{rank}", part="{part}")
     parts: dict[int, list[tuple[int, Path]]] = {}
@@ -724,17 +736,19 @@ def _read_ranks(files: _Files, degree: int, *, lazy: bool = False
         parts.setdefault(rank, []).append((part, path))
     shards, found = [], []
     for rank in range(degree):
+        if rank not in parts and needed is not None and rank not in needed:
+            shards.append(LazyTensors({}, files) if lazy else {})
+            found.append({})
+            continue
         if rank not in parts:
             path = root / RANK_FILE.format(rank=rank, part=0)
             raise CheckpointError(f"{path}: missing (no {RANK_FILE.format(rank=rank, part='*')}"
                                   f" for rank {rank} of t={degree})", path=str(path))
         params: Params = {}
         where: dict[str, Path] = {}
-        resolved: dict[str, Path] = {}
         for _, path in sorted(parts[rank]):
             if lazy:
-                checked = files.checked(path.name)
-                with _opened(checked) as f:
+                with _opened(files.checked(path.name)) as f:
                     held = dict.fromkeys(f.keys())
             else:
                 held = files.safetensors(path.name)
@@ -743,9 +757,8 @@ def _read_ranks(files: _Files, degree: int, *, lazy: bool = False
                     raise CheckpointError(f"{path}: {name} is also in {where[name].name}",
                                           path=str(path))
                 params[name], where[name] = x, path
-                if lazy:
-                    resolved[name] = checked
-        shards.append(LazyTensors(resolved) if lazy else params)
+        shards.append(LazyTensors({n: p.name for n, p in where.items()}, files) if lazy
+                      else params)
         found.append(where)
     return shards, found
 
