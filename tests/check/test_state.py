@@ -304,3 +304,16 @@ def test_whose_bytes_a_tensor_holds_costs_one_read_of_each_parameter():
                report.outcomes if o.outcome == "misplaced")
     assert max(reads.count(n) for n in set(reads)) <= 3, sorted(
         (reads.count(n), n) for n in set(reads))[-3:]
+
+
+def test_a_stacked_tensor_of_another_rank_is_misplaced_as_a_whole():
+    new = init_params(MOE, 0)
+    where = "vllm:tp=2,ep=2"
+    declared = materialize(endpoint(where).pieces(MOE), new)
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    state = [{n: x.clone() for n, x in rank.items()} for rank in declared]
+    state[1][w13] = declared[0][w13].clone()  # rank 0's experts 0-1 where 2-3 belong
+    (moved,) = [o for o in verify_state(state[1], where, 1, new, config=MOE).outcomes
+                if o.outcome != "equal"]
+    assert (moved.name, moved.outcome) == (w13, "misplaced")
+    assert moved.detail == f"holds rank 0's declared {w13}: another rank's cut"
