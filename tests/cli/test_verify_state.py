@@ -89,3 +89,25 @@ def test_rank_needs_only_its_own_dump_and_is_counted_once(tmp_path, capsys):
     assert "1 passed, 0 failed" in capsys.readouterr().out
     assert main([*base, str(state)]) == 2  # every rank: rank 0's dump is missing, named
     assert "model-rank-0-part-0.safetensors: missing" in capsys.readouterr().err
+
+
+def test_the_weights_as_a_megatron_legacy_checkpoint(tmp_path, capsys):
+    """The trainer's own checkpoint (Megatron TP 2 x PP 2, legacy torch format) against the
+    engine's vllm:2 dumps of the same weights: passes; without --weights-from it says what
+    to give (exit 2)."""
+    from weight_sync_bench.conventions import endpoint, materialize
+    from weight_sync_bench.conventions.checkpoint import write_megatron_legacy
+    from weight_sync_bench.model.config import TOY_KV4, init_params
+
+    state, trainer = tmp_path / "state", tmp_path / "trainer"
+    _emit(state, "vllm:2", 0)
+    at = endpoint("megatron:tp=2,pp=2")
+    write_megatron_legacy(trainer, materialize(at.pieces(TOY_KV4), init_params(TOY_KV4, 0)),
+                          at, TOY_KV4)
+    capsys.readouterr()
+    base = ["verify-state", "--endpoint", "vllm:2", "--config", "toy_kv4", "--weights",
+            str(trainer)]
+    assert main([*base, "--weights-from", "megatron:tp=2,pp=2", str(state)]) == 0
+    assert "2 passed, 0 failed" in capsys.readouterr().out
+    assert main([*base, str(state)]) == 2
+    assert "say the layout it was saved at with --weights-from" in capsys.readouterr().err

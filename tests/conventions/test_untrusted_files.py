@@ -256,6 +256,7 @@ def test_a_refused_pickle_is_named_without_advice_to_disable_weights_only(tmp_pa
         verify_checkpoint(ckpt, SMALL, "meta:2", threshold=threshold)
     assert "GLOBAL" in str(info.value)  # what the pickle calls is named
     assert "weights_only" not in str(info.value) and "likely succeed" not in str(info.value)
+    assert "can still be loaded" not in str(info.value) and "trust" not in str(info.value)
     assert not marker.exists()
 
 

@@ -7,7 +7,9 @@
 STATE_DIR holds each engine rank's tensors as it dumped them after the sync
 (``model-rank-{rank}-part-{part}.safetensors``: vLLM's sharded-state pattern); the weights
 the trainer synced are an HF checkpoint directory (``--weights``, read with the file checks
-of ``wsb verify``) or the synthetic model of a seed (``--seed``, what ``wsb emit`` writes).
+of ``wsb verify``), Megatron's legacy ``torch`` checkpoint (``--weights`` with
+``--weights-from megatron:tp=2,pp=2``: the layout it was saved at) or the synthetic model of
+a seed (``--seed``, what ``wsb emit`` writes).
 Each rank gets ``check.state.verify_state``'s report: every tensor equal, stale, never
 written, misplaced (whose), wrong (the diagnosis), missing or unexpected, and its coverage
 per layer and expert. Exit 0 when every tensor of every rank checked is equal, 1 when one
@@ -34,8 +36,10 @@ from weight_sync_bench.cli.output import (
 )
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.conventions.checkpoint import (
+    MEGATRON_TRACKER,
     checkpoint_geometry,
     hf_weights,
+    megatron_weights,
     read_rank_dumps,
 )
 from weight_sync_bench.errors import WsbError
@@ -51,7 +55,21 @@ def _weights(args: argparse.Namespace, config: ModelConfig, directory: Path | No
     if directory is None:
         assert seed_value is not None
         return init_params(config, seed_value)
+    if _is_megatron(directory):
+        if args.weights_from is None:
+            raise WsbError(f"{directory}: a Megatron checkpoint; say the layout it was saved at "
+                           "with --weights-from (e.g. megatron:tp=2,pp=2)")
+        return megatron_weights(directory, endpoint(args.weights_from), config,
+                                roots=args.allow_root)
     return hf_weights(directory, endpoint(HF), config, roots=args.allow_root)
+
+
+def _is_megatron(directory: Path) -> bool:
+    """Megatron's legacy layout: its tracker file, or ``mp_rank_*`` directories."""
+    if not directory.is_dir():
+        return False
+    return (directory / MEGATRON_TRACKER).exists() or any(
+        p.name.startswith("mp_rank_") for p in directory.iterdir())
 
 
 def cmd_verify_state(args: argparse.Namespace) -> int:
@@ -59,6 +77,9 @@ def cmd_verify_state(args: argparse.Namespace) -> int:
     where = endpoint(args.endpoint)
     if args.config is None and args.hf_config is None and args.layers is None \
             and args.vocab is None:  # the geometry the weights (else the dumps) state
+        if args.weights is not None and _is_megatron(args.weights):
+            raise WsbError(f"{args.weights}: a Megatron checkpoint states no geometry the "
+                           "harness reads; give --config or --hf-config")
         stated = args.weights if args.weights is not None else args.state
         config = checkpoint_geometry(stated, endpoint(HF) if args.weights is not None else where,
                                      roots=args.allow_root)
@@ -105,9 +126,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="the engine's layout (vllm:tp=4, vllm:tp=2,ep=2, megatron:2)")
     source = state.add_mutually_exclusive_group(required=True)
     source.add_argument("--weights", type=Path, default=None, metavar="DIR",
-                        help="the synced weights: a Hugging Face checkpoint directory")
+                        help="the synced weights: a Hugging Face checkpoint directory, or "
+                             "Megatron's legacy torch checkpoint (with --weights-from)")
     source.add_argument("--seed", type=seed, default=None,
                         help="the synced weights: the synthetic model `wsb emit --seed` writes")
+    state.add_argument("--weights-from", default=None, metavar="ENDPOINT",
+                       help="the layout a Megatron --weights (and --previous) checkpoint was "
+                            "saved at (megatron:tp=2,pp=2,ep=2)")
     before = state.add_mutually_exclusive_group()
     before.add_argument("--previous", type=Path, default=None, metavar="DIR",
                         help="the weights before the sync (an HF directory): a tensor "

@@ -52,6 +52,7 @@ import torch
 
 from weight_sync_bench.errors import CheckpointError, InvalidConfig, UnsupportedConvention
 from weight_sync_bench.files import inside, read_bounded
+from weight_sync_bench.conventions.coordinates import rank_coordinates
 from weight_sync_bench.conventions.maps import gather_canonical
 from weight_sync_bench.model.config import MOE_FIELDS
 
@@ -674,13 +675,214 @@ def _read_hf(files: _Files, *, lazy: bool = False
     return [params], [where]
 
 
+# -- Megatron's legacy ``torch`` checkpoint format (``--ckpt-format torch``), read as the
+# weights a sync sends. Followed: Megatron-LM d98e8a64, megatron/training/checkpointing.py
+# ``get_checkpoint_name`` (``iter_{:07d}`` or ``release``, then ``mp_rank_{tp:02d}``,
+# ``_{pp:03d}`` with pipeline stages, ``_{ep:03d}`` with expert parallelism, then
+# ``model_optim_rng.pt``), ``get_checkpoint_tracker_filename`` / ``read_metadata``
+# (``latest_checkpointed_iteration.txt``: an iteration or ``release``) and
+# ``generate_state_dict`` (``args``, ``checkpoint_version`` 3.0, ``iteration``, and the model
+# under ``model``, or ``model{v}`` per virtual stage); megatron/core/safe_globals.py for what
+# Megatron itself loads with ``weights_only=True`` (an argparse Namespace, numpy arrays of
+# the RNG state, BytesIO extra state, a few enums and configs of its own).
+
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+MEGATRON_FILE = "model_optim_rng.pt"
+
+
+def megatron_rank_dir(config: ModelConfig, where: Endpoint, rank: int) -> str:
+    """The legacy checkpoint directory of ``where``'s rank (``get_checkpoint_name``)."""
+    at = rank_coordinates(config, where, rank)
+    return (f"mp_rank_{at.tp:02d}" + (f"_{at.pp:03d}" if where.pp > 1 else "")
+            + (f"_{at.ep:03d}" if where.ep > 1 else ""))
+
+
+def _chunks(params: Mapping[str, torch.Tensor], where: Endpoint) -> dict[str, Params]:
+    """A rank's stored tensors as Megatron's state dict holds them: ``model`` (or ``model{v}``
+    per virtual stage, the ``model{v}.`` prefix of the harness's names taken off)."""
+    if where.vpp <= 1:
+        return {"model": dict(params)}
+    out: dict[str, Params] = {f"model{v}": {} for v in range(where.vpp)}
+    for name, x in params.items():
+        chunk, _, rest = name.partition(".")
+        out[chunk][rest] = x
+    return out
+
+
+def write_megatron_legacy(directory: str | Path, shards: Sequence[Mapping[str, torch.Tensor]],
+                          where: Endpoint, config: ModelConfig, *, iteration: int = 1) -> Path:
+    """``shards`` (``where``'s rank-local tensors, a ``megatron`` endpoint) written as
+    Megatron's legacy ``torch`` checkpoint: the tracker file, and per (TP, PP, EP) rank
+    ``iter_{iteration:07d}/mp_rank_.../model_optim_rng.pt`` holding ``args`` (a Namespace of
+    the degrees and sizes), ``checkpoint_version`` 3.0, ``iteration`` and the model (data
+    parallel replicas of a rank write nothing more: they hold the same tensors). Atomic as
+    ``write_checkpoint``. Returns the iteration directory."""
+    import argparse
+
+    out = Path(directory)
+    if where.name != "megatron":
+        raise CheckpointError(f"{where}: Megatron's legacy format holds a megatron endpoint",
+                              path=str(out))
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: not a new or empty directory", path=str(out))
+    if len(shards) != where.world:
+        raise CheckpointError(f"{where}: {len(shards)} rank dicts to write, expected "
+                              f"{where.world}", path=str(out))
+    args = argparse.Namespace(
+        tensor_model_parallel_size=where.degree, pipeline_model_parallel_size=where.pp,
+        expert_model_parallel_size=where.ep, num_layers=config.n_layers,
+        hidden_size=config.d_model, num_attention_heads=config.n_heads,
+        num_query_groups=config.n_kv_heads, ffn_hidden_size=config.ffn, ckpt_format="torch")
+    step = f"iter_{iteration:07d}"
+    with _staged(out) as stage:
+        _write_text(stage / MEGATRON_TRACKER, str(iteration))
+        for rank, params in enumerate(shards):
+            path = stage / step / megatron_rank_dir(config, where, rank) / MEGATRON_FILE
+            if path.exists():
+                continue  # a data-parallel replica of a rank already written
+            path.parent.mkdir(parents=True)
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                        **_chunks(params, where)}, path)
+        mode = 0o666 & ~_umask()
+        for path in (stage / step).rglob("*"):
+            path.chmod(mode | (0o111 & ~_umask()) if path.is_dir() else mode)
+    return out / step
+
+
+def megatron_weights(directory: str | Path, where: Endpoint, config: ModelConfig, *,
+                     roots: Sequence[str | Path] = ()) -> Params:
+    """The canonical parameters of a Megatron legacy ``torch`` checkpoint of ``where``
+    (``megatron:tp=2,pp=2``: the degrees it was saved at): the tracker's iteration (or
+    ``release``; ``directory`` may also be an ``iter_*`` directory itself), each rank's
+    ``model_optim_rng.pt`` loaded with ``weights_only=True`` (memory-mapped), Megatron's own
+    classes in it (enums and configs of its ``args`` and optimizer state) replaced by inert
+    stand-ins and anything else refused naming it, TE's ``_extra_state`` entries left out,
+    every rank's names and shapes checked against ``where`` (``CheckpointError`` naming the
+    file), then written back into canonical parameters (``gather_canonical``)."""
+    root = Path(directory)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such checkpoint directory", path=str(root))
+    if where.name != "megatron":
+        raise CheckpointError(f"{root}: a Megatron checkpoint is read as a megatron endpoint, "
+                              f"not {where}", path=str(root))
+    files = _Files(root, tuple(roots))
+    step = _megatron_step(files)
+    shards: list[Params] = []
+    found: list[dict[str, Path]] = []
+    loaded: dict[str, Params] = {}
+    for rank in range(where.world):
+        rel = "/".join(p for p in (step, megatron_rank_dir(config, where, rank), MEGATRON_FILE)
+                       if p)
+        if rel not in loaded:
+            loaded[rel] = _megatron_model(files, rel, where)
+        shards.append(loaded[rel])
+        found.append(dict.fromkeys(loaded[rel], root / rel))
+    _check_names_and_shapes(Checkpoint(root, shards, found), where, config)
+    return gather_canonical(shards, where.pieces(config), config.param_shapes())
+
+
+def _megatron_step(files: _Files) -> str:
+    """The iteration directory to read, relative to the checkpoint's root ("" where the root
+    holds the ``mp_rank_*`` directories itself)."""
+    root = files.root
+    if any(p.name.startswith("mp_rank_") for p in root.iterdir()):
+        return ""
+    if not (root / MEGATRON_TRACKER).exists():
+        raise CheckpointError(f"{root / MEGATRON_TRACKER}: missing (a Megatron checkpoint "
+                              "directory has it, or is an iter_* directory holding mp_rank_*)",
+                              path=str(root / MEGATRON_TRACKER))
+    said = read_bounded(files.checked(MEGATRON_TRACKER), shown=root / MEGATRON_TRACKER).strip()
+    if said == "release":
+        return "release"
+    if not said.isdigit():
+        raise CheckpointError(f"{root / MEGATRON_TRACKER}: {said[:40]!r} is neither an "
+                              "iteration nor 'release'", path=str(root / MEGATRON_TRACKER))
+    return f"iter_{int(said):07d}"
+
+
+class MegatronObject:
+    """An inert stand-in for one of Megatron's own classes in a checkpoint's pickle (an enum
+    of its ``args``, an optimizer config): it keeps what it was built with and runs
+    nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+def _safe_globals() -> list[Any]:
+    """What a Megatron legacy checkpoint's pickle may name besides tensors, as Megatron's own
+    ``safe_globals.SAFE_GLOBALS`` allows: stdlib and numpy types, under both numpy 1's and
+    numpy 2's names of the array reconstructor."""
+    import argparse
+    import io
+    import signal
+    import types
+
+    import numpy
+    from numpy.core.multiarray import _reconstruct
+
+    return [argparse.Namespace, types.SimpleNamespace, Path, io.BytesIO, signal.Signals,
+            torch._C.Generator, numpy.ndarray, numpy.dtype, type(numpy.dtype("uint32")),
+            (_reconstruct, "numpy.core.multiarray._reconstruct"),
+            (_reconstruct, "numpy._core.multiarray._reconstruct")]
+
+
+def _megatron_model(files: _Files, rel: str, where: Endpoint) -> Params:
+    """One rank file's model tensors under the harness's names (``model{v}.`` prefixed per
+    virtual stage), TE's ``_extra_state`` left out."""
+    path = files.root / rel
+    resolved = files.checked(rel, missing=f"{where} saves one per (TP, PP, EP) rank")
+    stand_ins: list[str] = []
+    while True:
+        try:
+            with torch.serialization.safe_globals(
+                    _safe_globals() + [(MegatronObject, n) for n in stand_ins]):
+                state = torch.load(resolved, map_location="cpu", weights_only=True, mmap=True)
+            break
+        except pickle.UnpicklingError as exc:
+            named = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+            name = named.group(1) if named else None
+            if name is None or not name.startswith("megatron.") or name in stand_ins \
+                    or len(stand_ins) > 64:
+                raise CheckpointError(f"{path}: refused, its pickle holds more than tensors and "
+                                      f"Megatron's own records ({_refused_pickle(exc)})",
+                                      path=str(path)) from None
+            stand_ins.append(name)
+        except (RuntimeError, EOFError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{path}: not a readable torch checkpoint, truncated or "
+                                  f"corrupt ({type(exc).__name__}: {_refused_pickle(exc)})",
+                                  path=str(path)) from None
+    keys = ["model"] if where.vpp <= 1 else [f"model{v}" for v in range(where.vpp)]
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), dict) for k in keys):
+        raise CheckpointError(f"{path}: no {' and '.join(keys)} state dict (saved at another "
+                              f"virtual-stage count than {where}, or not Megatron's)",
+                              path=str(path))
+    out: Params = {}
+    for v, key in enumerate(keys):
+        prefix = f"model{v}." if where.vpp > 1 else ""
+        for name, x in state[key].items():
+            if name.endswith("._extra_state") or name == "_extra_state":
+                continue  # Transformer Engine's FP8 metadata: not a weight
+            if not isinstance(x, torch.Tensor):
+                raise CheckpointError(f"{path}: {key}[{name!r}] is a {type(x).__name__}, not a "
+                                      "tensor", path=str(path))
+            out[prefix + name] = x
+    return out
+
+
 def _refused_pickle(exc: BaseException) -> str:
     """Why ``torch.load(weights_only=True)`` refused a file, without torch's advice to rerun
     it with ``weights_only=False`` (which would run the pickle's code): the lines that name
     what the pickle calls."""
+    named = re.findall(r"Unsupported (?:global: GLOBAL|operand) \S+", str(exc))
+    if named:  # what the pickle calls, and nothing of torch's advice around it
+        return "; ".join(dict.fromkeys(named))
     said = [line.strip() for line in str(exc).splitlines()
-            if line.strip() and "weights_only" not in line and "trusted source" not in line
-            and "documentation" not in line]
+            if line.strip() and "weights_only" not in line and "trust" not in line
+            and "documentation" not in line and "can still be loaded" not in line]
     return "; ".join(said) or type(exc).__name__
 
 
