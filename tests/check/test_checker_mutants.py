@@ -506,14 +506,17 @@ def test_checker_for_builds_each_backends_checker_with_every_option(monkeypatch)
     checker_for(TOY)
     checker_for(TOY, seed=7, threshold=0.5, dtype="bf16", measure_floor=True)
     checker_for(TOY, backend="gloo")
-    checker_for(TOY, seed=7, backend="gloo", threshold=0.5, dtype="bf16", measure_floor=True)
+    checker_for(TOY, seed=7, backend="gloo", threshold=0.5, dtype="bf16", measure_floor=True,
+                params={"w": 1})
     assert made == [
-        (TOY, {"seed": 0, "threshold": None, "dtype": torch.float32, "measure_floor": False}),
-        (TOY, {"seed": 7, "threshold": 0.5, "dtype": "bf16", "measure_floor": True}),
+        (TOY, {"seed": 0, "threshold": None, "dtype": torch.float32, "measure_floor": False,
+               "params": None}),
+        (TOY, {"seed": 7, "threshold": 0.5, "dtype": "bf16", "measure_floor": True,
+               "params": None}),
         (TOY, {"seed": 0, "threshold": None, "phase": "1b", "forward": gloo, "dtype": torch.float32,
-                   "measure_floor": False}),
+                   "measure_floor": False, "params": None}),
         (TOY, {"seed": 7, "threshold": 0.5, "phase": "1b", "forward": gloo, "dtype": "bf16",
-                   "measure_floor": True})]
+                   "measure_floor": True, "params": {"w": 1}})]
 
 
 def test_the_sweep_makes_its_checker_from_its_options_and_mutates_with_the_config(monkeypatch):

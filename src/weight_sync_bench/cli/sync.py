@@ -39,12 +39,15 @@ from weight_sync_bench.cli.output import (
     count,
     seed,
 )
+from weight_sync_bench.collectives.gloo.pool import check_ranks
 from weight_sync_bench.errors import (
     FloorNotMeasured,
     UnsupportedLauncher,
 )
 from weight_sync_bench.sync.execute import DEFAULT_BUCKET, gather_scatter
+from weight_sync_bench.sync.layouts import sync_layout
 from weight_sync_bench.sync.mutations import PLAN_MUTATIONS
+from weight_sync_bench.sync.planner import plan_for
 from weight_sync_bench.sync.session import INTO, SyncSession
 from weight_sync_bench.sync.torchrun import TORCHRUN_BACKENDS, device_for, run_torchrun
 from weight_sync_bench.tolerance.rules import floor_for
@@ -104,6 +107,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
             raise UnsupportedLauncher(f"--backend {args.backend} needs --launcher torchrun "
                                       "(the rank pool runs gloo on CPU)")
         apply_deadline(args.deadline, True)
+        # what the pool refuses (more ranks than it starts here), before any progress shows
+        check_ranks(plan_for(sync_layout(config, args.src, dp=args.dp),
+                             sync_layout(config, args.dst)).world)
         line = out.progress()  # stderr: what runs, the steps done, elapsed and an ETA
         steps = 2 + bool(args.naive)
         tick = Ticker(line, "wsb sync ")
