@@ -317,3 +317,24 @@ def test_a_stacked_tensor_of_another_rank_is_misplaced_as_a_whole():
                 if o.outcome != "equal"]
     assert (moved.name, moved.outcome) == (w13, "misplaced")
     assert moved.detail == f"holds rank 0's declared {w13}: another rank's cut"
+
+
+def test_equal_means_the_same_bits_not_the_same_value(weights):
+    """-0.0 where +0.0 is declared, and a NaN of another payload, are not equal: the
+    comparison is of bytes (``bit_equal``), never of values."""
+    new, _ = weights
+    declared = materialize(endpoint("vllm:2").pieces(CONFIG), new)
+    norm = "model.norm.weight"
+    zeros = {**new, "norm.weight": torch.zeros_like(new["norm.weight"])}
+    held = {**declared[0], norm: -torch.zeros_like(declared[0][norm])}
+    (signed,) = [o for o in verify_state(held, "vllm:2", 0, zeros, config=CONFIG).outcomes
+                 if o.outcome != "equal"]
+    assert signed.name == norm and signed.outcome == "wrong"
+    nan = torch.full_like(new["norm.weight"], float("nan"))
+    other = nan.clone().view(torch.int32).bitwise_xor_(1).view(torch.float32)  # another payload
+    held = {**declared[0], norm: other}
+    (payload,) = [o for o in verify_state(held, "vllm:2", 0, {**new, "norm.weight": nan},
+                                          config=CONFIG).outcomes if o.outcome != "equal"]
+    assert payload.name == norm and payload.outcome == "wrong"
+    assert verify_state({**declared[0], norm: nan.clone()}, "vllm:2", 0,
+                        {**new, "norm.weight": nan}, config=CONFIG).passed  # the twin
