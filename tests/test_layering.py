@@ -26,7 +26,7 @@ PACKAGE = ROOT / "src" / "weight_sync_bench"
 # ``pytest_plugin`` (the pytest11 entry point) above it.
 LAYERS = ("layout", "collectives", "model", "conventions", "tolerance", "check", "sync", "training",
           "fuzz", "cli", "testing", "pytest_plugin")
-ANYWHERE = ("errors", "paths", "memory", "files")  # importable from every layer; they import no layer themselves
+ANYWHERE = ("errors", "paths", "memory", "files", "version")  # importable from every layer; they import no layer themselves
 # Entry points may import anything: the package's public surface and ``python -m`` targets.
 ENTRY_POINTS = ("__init__", "__main__")
 STRATEGIES = "fuzz.strategies"

@@ -13,10 +13,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Eager: the three data-movement functions, cheap and the most used.
-from weight_sync_bench.layout.reshard import gather, reshard, split  # noqa: F401 (exported)
-
 _EXPORTS = {
+    "weight_sync_bench.layout.reshard": ("gather", "reshard", "split"),
     "weight_sync_bench.check.checker": ("Checker", "Verdict", "check_reshard", "check_split",
                                         "checker_for", "sweep"),
     "weight_sync_bench.check.convert": ("check_convert", "verify_checkpoint"),
@@ -42,7 +40,7 @@ _EXPORTS = {
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = sorted([*_MODULE_OF, "gather", "reshard", "split"])
+__all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str) -> Any:

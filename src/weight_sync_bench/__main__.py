@@ -1,5 +1,26 @@
+"""``python -m weight_sync_bench`` and the ``wsb`` console script.
+
+``wsb --version`` is answered from the installed distributions' metadata, without importing
+torch (``cli.version``); everything else imports the command line (``cli.main``) and runs
+it.
+"""
+
+from __future__ import annotations
+
 import sys
+from collections.abc import Sequence
 
-from weight_sync_bench.cli.main import main
 
-sys.exit(main())
+def main(argv: Sequence[str] | None = None) -> int:
+    if list(sys.argv[1:] if argv is None else argv) == ["--version"]:
+        from weight_sync_bench.version import version
+
+        print(version())
+        return 0
+    from weight_sync_bench.cli.main import main as run
+
+    return run(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

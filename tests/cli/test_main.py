@@ -110,3 +110,20 @@ def test_wsb_check_runs_over_gloo_with_the_phase_1b_threshold(capsys):
     out = capsys.readouterr().out
     assert "1 passed, 0 failed" in out
     assert f"  {threshold_for(TOY_KV4, '1b'):g}  " in out  # phase 1b's own threshold
+
+
+def test_wsb_version_imports_no_torch():
+    """``wsb --version`` answers from the distributions' metadata: a fresh interpreter running
+    the console script's entry never imports torch (the rest of the CLI does)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from weight_sync_bench.__main__ import main; "
+            "sys.argv = ['wsb', '--version']; main(); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[0].startswith("wsb ") and "(torch " in out[0] and out[1] == "False", out
+    twin = ("import sys; from weight_sync_bench.__main__ import main; "
+            "sys.argv = ['wsb', 'layout', '--config', 'toy']; main(); print('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", twin], capture_output=True, text=True,
+                          check=True).stdout.splitlines()[-1] == "True"

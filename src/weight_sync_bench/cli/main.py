@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import math
 import os
-import platform
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -103,6 +101,7 @@ from weight_sync_bench.errors import (
 from weight_sync_bench.model.config import CONFIGS, DTYPES, ModelConfig, config_by_name
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.rules import floor_for
+from weight_sync_bench.version import version
 
 if TYPE_CHECKING:
     from weight_sync_bench.conventions import Endpoint
@@ -450,22 +449,13 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
-def _version() -> str:
-    try:
-        version = importlib.metadata.version("weight-sync-bench")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown (not installed)"
-    return (f"wsb {version} (torch {torch.__version__}, python {platform.python_version()}, "
-            f"{platform.machine()})")
-
-
 def build_parser(prog: str = "wsb") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n\n")[0],
         epilog=f"{EXIT_CODES}\n\n{ENVIRONMENT}\n\n'wsb' is the venv's console script: "
                ".venv/bin/wsb after `make`, or `python -m weight_sync_bench`.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
 
     check = sub.add_parser("check", help="check the invariant (or your own split/reshard function)",
