@@ -107,3 +107,22 @@ def test_two_one_rank_ends_are_judged_by_a_floor_of_a_sharded_forward():
     assert verdict.passed and verdict.max_abs_error == 0.0 and verdict.threshold > 0
     with pytest.raises(ValueError, match="drop dtype="):
         check_convert(hf_to_vllm, CONFIG, "hf", "vllm:1", weights=weights, dtype="bf16")
+
+
+def test_a_converter_on_an_hf_directory_at_llama_3_8bs_shape_reduced(tmp_path):
+    """Llama-3-8B's geometry reduced (its head counts, GQA grouping and head_dim ratio kept,
+    widths / 16, one layer): bf16 weights written as an HF directory, the converter checked
+    on them, and its twin failing."""
+    from weight_sync_bench.model.config import shipped_hf_config
+
+    config = shipped_hf_config("llama3_8b", shrink=16, n_layers=1, vocab=520)
+    weights = {n: x.to(torch.bfloat16) for n, x in init_params(config, 3).items()}
+    hf = endpoint("hf")
+    write_checkpoint(tmp_path / "llama", materialize(hf.pieces(config), weights), hf, config)
+    stated = checkpoint_geometry(tmp_path / "llama", hf)
+    assert stated.geometry() == config.geometry() and stated.n_kv_heads == 8
+    good = check_convert(megatron_to_vllm, stated, "megatron:4", "vllm:8",
+                         weights=tmp_path / "llama")
+    bad = check_convert(gate_up_swapped, stated, "megatron:4", "vllm:8",
+                        weights=tmp_path / "llama")
+    assert good.passed and good.dtype == "bf16" and not bad.passed, (good, bad)
