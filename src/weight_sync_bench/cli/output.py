@@ -116,14 +116,26 @@ def signals_raise() -> Iterator[None]:
 # -- argument types and options
 
 
-def count(text: str) -> int:
-    """An argparse type: an int >= 1 (a budget of 0 would "pass" having done nothing)."""
+def _int(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+
+
+def count(text: str) -> int:
+    """An argparse type: an int >= 1 (a budget of 0 would "pass" having done nothing)."""
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def rank(text: str) -> int:
+    """An argparse type: a rank, an int >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a rank is >= 0, got {text}")
     return value
 
 

@@ -32,6 +32,7 @@ from weight_sync_bench.cli.output import (
     Output,
     add_limit_options,
     add_output_options,
+    rank,
     seed,
 )
 from weight_sync_bench.conventions import endpoint
@@ -158,14 +159,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add_limit_options(state, what="a geometry")
     add_output_options(state)
     state.set_defaults(func=cmd_verify_state)
-
-
-def rank(text: str) -> int:
-    """An argparse type: a rank, an int >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a rank is >= 0, got {text}")
-    return value
