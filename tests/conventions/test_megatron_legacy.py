@@ -21,6 +21,7 @@ from weight_sync_bench.conventions import endpoint, materialize
 from weight_sync_bench.conventions.checkpoint import (
     MEGATRON_FILE,
     MEGATRON_TRACKER,
+    is_megatron_checkpoint,
     megatron_weights,
     write_megatron_legacy,
 )
@@ -53,6 +54,8 @@ def test_a_legacy_checkpoint_reads_back_to_the_canonical_parameters(tmp_path, co
                                                                    files):
     directory, at = save(tmp_path, config, where, iteration=42)
     assert (directory / MEGATRON_TRACKER).read_text().strip() == "42"
+    assert is_megatron_checkpoint(directory) and is_megatron_checkpoint(directory / "iter_0000042")
+    assert not is_megatron_checkpoint(directory / "iter_0000042" / files[0])
     assert sorted(p.name for p in (directory / "iter_0000042").iterdir()) == files
     full = init_params(config, 0)
     read = megatron_weights(directory, at, config)

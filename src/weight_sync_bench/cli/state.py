@@ -37,9 +37,9 @@ from weight_sync_bench.cli.output import (
 )
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.conventions.checkpoint import (
-    MEGATRON_TRACKER,
     checkpoint_geometry,
     hf_weights,
+    is_megatron_checkpoint,
     megatron_weights,
     read_rank_dumps,
 )
@@ -56,7 +56,7 @@ def _weights(args: argparse.Namespace, config: ModelConfig, directory: Path | No
     if directory is None:
         assert seed_value is not None
         return init_params(config, seed_value)
-    if _is_megatron(directory):
+    if is_megatron_checkpoint(directory):
         if args.weights_from is None:
             raise WsbError(f"{directory}: a Megatron checkpoint; say the layout it was saved at "
                            "with --weights-from (e.g. megatron:tp=2,pp=2)")
@@ -65,20 +65,12 @@ def _weights(args: argparse.Namespace, config: ModelConfig, directory: Path | No
     return hf_weights(directory, endpoint(HF), config, roots=args.allow_root)
 
 
-def _is_megatron(directory: Path) -> bool:
-    """Megatron's legacy layout: its tracker file, or ``mp_rank_*`` directories."""
-    if not directory.is_dir():
-        return False
-    return (directory / MEGATRON_TRACKER).exists() or any(
-        p.name.startswith("mp_rank_") for p in directory.iterdir())
-
-
 def cmd_verify_state(args: argparse.Namespace) -> int:
     out = Output(args)
     where = endpoint(args.endpoint)
     if args.config is None and args.hf_config is None and args.layers is None \
             and args.vocab is None:  # the geometry the weights (else the dumps) state
-        if args.weights is not None and _is_megatron(args.weights):
+        if args.weights is not None and is_megatron_checkpoint(args.weights):
             raise WsbError(f"{args.weights}: a Megatron checkpoint states no geometry the "
                            "harness reads; give --config or --hf-config")
         stated = args.weights if args.weights is not None else args.state

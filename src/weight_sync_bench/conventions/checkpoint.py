@@ -781,11 +781,22 @@ def megatron_weights(directory: str | Path, where: Endpoint, config: ModelConfig
     return gather_canonical(shards, where.pieces(config), config.param_shapes())
 
 
+def is_megatron_checkpoint(directory: str | Path) -> bool:
+    """Whether ``directory`` is laid out as a Megatron legacy checkpoint: its tracker file,
+    or the ``mp_rank_*`` directories of one iteration."""
+    root = Path(directory)
+    return root.is_dir() and ((root / MEGATRON_TRACKER).exists() or _holds_ranks(root))
+
+
+def _holds_ranks(root: Path) -> bool:
+    return any(p.name.startswith("mp_rank_") for p in root.iterdir())
+
+
 def _megatron_step(files: _Files) -> str:
     """The iteration directory to read, relative to the checkpoint's root ("" where the root
     holds the ``mp_rank_*`` directories itself)."""
     root = files.root
-    if any(p.name.startswith("mp_rank_") for p in root.iterdir()):
+    if _holds_ranks(root):
         return ""
     if not (root / MEGATRON_TRACKER).exists():
         raise CheckpointError(f"{root / MEGATRON_TRACKER}: missing (a Megatron checkpoint "
