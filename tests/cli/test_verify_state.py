@@ -93,8 +93,9 @@ def test_rank_needs_only_its_own_dump_and_is_counted_once(tmp_path, capsys):
 
 def test_the_weights_as_a_megatron_legacy_checkpoint(tmp_path, capsys):
     """The trainer's own checkpoint (Megatron TP 2 x PP 2, legacy torch format) against the
-    engine's vllm:2 dumps of the same weights: passes; without --weights-from it says what
-    to give (exit 2)."""
+    engine's vllm:2 dumps of the same weights: passes, at the degrees its args state or
+    given with --weights-from; given other degrees than it was saved at, the missing rank
+    file is named (exit 2)."""
     from weight_sync_bench.conventions import endpoint, materialize
     from weight_sync_bench.conventions.checkpoint import write_megatron_legacy
     from weight_sync_bench.model.config import TOY_KV4, init_params
@@ -109,5 +110,7 @@ def test_the_weights_as_a_megatron_legacy_checkpoint(tmp_path, capsys):
             str(trainer)]
     assert main([*base, "--weights-from", "megatron:tp=2,pp=2", str(state)]) == 0
     assert "2 passed, 0 failed" in capsys.readouterr().out
-    assert main([*base, str(state)]) == 2
-    assert "say the layout it was saved at with --weights-from" in capsys.readouterr().err
+    assert main([*base, str(state)]) == 0
+    assert "2 passed, 0 failed" in capsys.readouterr().out
+    assert main([*base, "--weights-from", "megatron:tp=2", str(state)]) == 2
+    assert "mp_rank_00/model_optim_rng.pt: missing" in capsys.readouterr().err

@@ -73,7 +73,7 @@ from weight_sync_bench.check.streamed_conversion import (
 )
 from weight_sync_bench.check.user_code import call
 from weight_sync_bench.conventions import endpoint, materialize
-from weight_sync_bench.conventions.checkpoint import hf_weights
+from weight_sync_bench.conventions.checkpoint import read_weights
 from weight_sync_bench.errors import InvalidConfig, InvalidNumber
 from weight_sync_bench.model.config import init_params, make_tokens, parse_dtype
 from weight_sync_bench.model.plan import layout_for
@@ -114,9 +114,10 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     hidden-split embedding and vLLM's replicated KV heads included).
 
     ``weights``: real weights instead of the seed's: canonical parameters of ``config`` (a
-    mapping, in one dtype, which becomes the check's ``dtype``), or a Hugging Face
-    checkpoint directory (``conventions.checkpoint.hf_weights``: checked against
-    ``config``, e.g. ``checkpoint_geometry(directory, endpoint("hf"))``). Bytes are
+    mapping, in one dtype, which becomes the check's ``dtype``), or a checkpoint directory
+    (``conventions.checkpoint.read_weights``: a Hugging Face directory, checked against
+    ``config``, e.g. ``checkpoint_geometry(directory, endpoint("hf"))``; a Megatron
+    ``torch_dist`` or legacy ``torch`` checkpoint, its ``args`` checked against ``config``). Bytes are
     compared as always; the forward's threshold, unless given, is measured on those weights
     (``measure_threshold``: the source's and destination's declared shards over four token
     seeds, 100x the worst), never a floor measured on other weights, and the verdict says
@@ -154,7 +155,7 @@ def _held(weights: Mapping[str, torch.Tensor] | str | Path, config: ModelConfig
     """``weights`` as canonical parameters in memory, checked: every parameter of ``config``
     with its shape, one dtype (``InvalidConfig``, exit 2, naming the first that is not)."""
     if isinstance(weights, (str, Path)):
-        weights = hf_weights(weights, endpoint("hf"), config)
+        weights = read_weights(weights, config)
     shapes = config.param_shapes()
     missing = [n for n in shapes if n not in weights]
     if missing:

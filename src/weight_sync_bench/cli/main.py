@@ -86,7 +86,7 @@ from weight_sync_bench.cli.sync import register as register_sync
 from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS
 from weight_sync_bench.conventions import convention_by_name, endpoint, render
-from weight_sync_bench.conventions.checkpoint import checkpoint_geometry
+from weight_sync_bench.conventions.checkpoint import checkpoint_geometry, is_megatron_checkpoint
 from weight_sync_bench.conventions.table import render_ranks
 from weight_sync_bench.errors import (
     FloorNotMeasured,
@@ -350,8 +350,15 @@ def _weights_job(args: argparse.Namespace, fn: Callable[..., Any], src: Endpoint
                        "threshold measured on them: drop --dtype, --stream and --measure-floor")
     if args.converter is None:
         raise WsbError("--weights is a converter's input: give --converter")
-    config = (checkpoint_geometry(args.weights, endpoint("hf"))
-              if args.config is None and args.hf_config is None else model_of(args))
+    if args.config is None and args.hf_config is None:
+        if is_megatron_checkpoint(args.weights):
+            raise WsbError(f"{args.weights}: a Megatron checkpoint's args state sizes, not the "
+                           "whole model (vocabulary, norms, rope): give its Hugging Face config "
+                           "with --hf-config PATH (as Megatron-Bridge's export takes it) or "
+                           "--config NAME; the args are checked against it")
+        config = checkpoint_geometry(args.weights, endpoint("hf"))
+    else:
+        config = model_of(args)
     src.pieces(config)
     dst.pieces(config)
     return (f"{config.name} {src} -> {dst} on {args.weights}",
@@ -484,9 +491,11 @@ def build_parser(prog: str = "wsb") -> argparse.ArgumentParser:
     check.add_argument("--to", dest="convert_to", metavar="NAME:T", default=None,
                        help="with --converter: the destination, e.g. vllm:2 (hf: degree 1)")
     check.add_argument("--weights", type=Path, default=None, metavar="DIR",
-                       help="with --converter: check it on these weights (a Hugging Face "
-                            "checkpoint directory; its config.json states the geometry) instead "
-                            "of the seed's, in their dtype, the threshold measured on them")
+                       help="with --converter: check it on these weights instead of the "
+                            "seed's, in their dtype, the threshold measured on them: a Hugging "
+                            "Face checkpoint directory (its config.json states the geometry), "
+                            "or a Megatron checkpoint, torch_dist or legacy torch (with "
+                            "--hf-config or --config)")
     check.add_argument("--dtype", choices=list(DTYPES), default="fp32",
                        help="the synced weights' dtype: shards compared bit for bit in it, "
                             "the forwards computed in fp32 from those values, judged by that "

@@ -7,9 +7,9 @@
 STATE_DIR holds each engine rank's tensors as it dumped them after the sync
 (``model-rank-{rank}-part-{part}.safetensors``: vLLM's sharded-state pattern); the weights
 the trainer synced are an HF checkpoint directory (``--weights``, read with the file checks
-of ``wsb verify``), Megatron's legacy ``torch`` checkpoint (``--weights`` with
-``--weights-from megatron:tp=2,pp=2``: the layout it was saved at) or the synthetic model of
-a seed (``--seed``, what ``wsb emit`` writes).
+of ``wsb verify``), a Megatron checkpoint (``--weights``: ``torch_dist``, or the legacy
+``torch`` format at the degrees its ``args`` state, or ``--weights-from megatron:tp=2,pp=2``)
+or the synthetic model of a seed (``--seed``, what ``wsb emit`` writes).
 Each rank gets ``check.state.verify_state``'s report: every tensor equal, stale, never
 written, misplaced (whose), wrong (the diagnosis), missing or unexpected, and its coverage
 per layer and expert. Exit 0 when every tensor of every rank checked is equal, 1 when one
@@ -38,10 +38,9 @@ from weight_sync_bench.cli.output import (
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.conventions.checkpoint import (
     checkpoint_geometry,
-    hf_weights,
     is_megatron_checkpoint,
-    megatron_weights,
     read_rank_dumps,
+    read_weights,
 )
 from weight_sync_bench.errors import WsbError
 from weight_sync_bench.model.config import DTYPES, ModelConfig, init_params, parse_dtype
@@ -51,18 +50,14 @@ HF = "hf"
 
 def _weights(args: argparse.Namespace, config: ModelConfig, directory: Path | None, seed_value: int | None
              ) -> Mapping[str, torch.Tensor]:
-    """The canonical parameters of an HF directory (checked as ``wsb verify`` checks one,
-    each parameter read when the check asks for it), or of the synthetic model of a seed."""
+    """The canonical parameters of a checkpoint directory (``read_weights``: an HF one read
+    lazily, checked as ``wsb verify`` checks one; a Megatron one), or of the synthetic model
+    of a seed."""
     if directory is None:
         assert seed_value is not None
         return init_params(config, seed_value)
-    if is_megatron_checkpoint(directory):
-        if args.weights_from is None:
-            raise WsbError(f"{directory}: a Megatron checkpoint; say the layout it was saved at "
-                           "with --weights-from (e.g. megatron:tp=2,pp=2)")
-        return megatron_weights(directory, endpoint(args.weights_from), config,
-                                roots=args.allow_root)
-    return hf_weights(directory, endpoint(HF), config, roots=args.allow_root)
+    saved = endpoint(args.weights_from) if args.weights_from is not None else None
+    return read_weights(directory, config, where=saved, roots=args.allow_root)
 
 
 def cmd_verify_state(args: argparse.Namespace) -> int:
@@ -70,11 +65,11 @@ def cmd_verify_state(args: argparse.Namespace) -> int:
     where = endpoint(args.endpoint)
     if args.config is None and args.hf_config is None and args.layers is None \
             and args.vocab is None:  # the geometry the weights (else the dumps) state
-        if args.weights is not None and is_megatron_checkpoint(args.weights):
-            raise WsbError(f"{args.weights}: a Megatron checkpoint states no geometry the "
-                           "harness reads; give --config or --hf-config")
-        stated = args.weights if args.weights is not None else args.state
-        config = checkpoint_geometry(stated, endpoint(HF) if args.weights is not None else where,
+        # a Megatron checkpoint's args state sizes, not the model (no vocabulary, norm or
+        # rope): the engine's config.json beside its dumps does (checked against the args)
+        hf_side = args.weights is not None and not is_megatron_checkpoint(args.weights)
+        stated = args.weights if hf_side else args.state
+        config = checkpoint_geometry(stated, endpoint(HF) if hf_side else where,
                                      roots=args.allow_root)
         if not out.quiet:
             out.text(f"geometry: {config.name} (d_model {config.d_model}, {config.n_layers} "
@@ -120,12 +115,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     source = state.add_mutually_exclusive_group(required=True)
     source.add_argument("--weights", type=Path, default=None, metavar="DIR",
                         help="the synced weights: a Hugging Face checkpoint directory, or "
-                             "Megatron's legacy torch checkpoint (with --weights-from)")
+                             "Megatron checkpoint (torch_dist, or legacy torch)")
     source.add_argument("--seed", type=seed, default=None,
                         help="the synced weights: the synthetic model `wsb emit --seed` writes")
     state.add_argument("--weights-from", default=None, metavar="ENDPOINT",
-                       help="the layout a Megatron --weights (and --previous) checkpoint was "
-                            "saved at (megatron:tp=2,pp=2,ep=2)")
+                       help="the layout a legacy Megatron --weights (and --previous) checkpoint "
+                            "was saved at (megatron:tp=2,pp=2,ep=2), where its args do not say "
+                            "it; by default, what they say")
     before = state.add_mutually_exclusive_group()
     before.add_argument("--previous", type=Path, default=None, metavar="DIR",
                         help="the weights before the sync (an HF directory): a tensor "

@@ -38,6 +38,7 @@ the file. Dtypes are kept as stored (compared exactly by the check, never assume
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -749,24 +750,42 @@ def write_megatron_legacy(directory: str | Path, shards: Sequence[Mapping[str, t
     return out / step
 
 
-def megatron_weights(directory: str | Path, where: Endpoint, config: ModelConfig, *,
+def megatron_weights(directory: str | Path, where: Endpoint | None, config: ModelConfig, *,
                      roots: Sequence[str | Path] = ()) -> Params:
-    """The canonical parameters of a Megatron legacy ``torch`` checkpoint of ``where``
-    (``megatron:tp=2,pp=2``: the degrees it was saved at): the tracker's iteration (or
-    ``release``; ``directory`` may also be an ``iter_*`` directory itself), each rank's
-    ``model_optim_rng.pt`` loaded with ``weights_only=True`` (memory-mapped), Megatron's own
-    classes in it (enums and configs of its ``args`` and optimizer state) replaced by inert
-    stand-ins and anything else refused naming it, TE's ``_extra_state`` entries left out,
-    every rank's names and shapes checked against ``where`` (``CheckpointError`` naming the
-    file), then written back into canonical parameters (``gather_canonical``)."""
+    """The canonical parameters of a Megatron checkpoint: the tracker's iteration (or
+    ``release``; ``directory`` may also be an ``iter_*`` directory itself), in either format
+    Megatron-Core saves.
+
+    - ``torch_dist`` (the iteration holds ``metadata.json``): ``megatron_dist_weights``;
+      ``where`` is not needed (every tensor is whole).
+    - legacy ``torch``: each rank's ``model_optim_rng.pt`` of ``where``
+      (``megatron:tp=2,pp=2``: the degrees it was saved at; None: the degrees its rank 0's
+      ``args`` state, ``saved_at``) loaded with ``weights_only=True`` (memory-mapped),
+      Megatron's own classes in it (enums and configs of its ``args`` and optimizer state)
+      replaced by inert stand-ins and anything else refused naming it, TE's ``_extra_state``
+      entries left out, every rank's names and shapes checked against ``where``
+      (``CheckpointError`` naming the file), then written back into canonical parameters
+      (``gather_canonical``).
+
+    Where the checkpoint's ``args`` state the geometry's sizes, they are checked against
+    ``config``'s."""
+    from weight_sync_bench.conventions.convention import parse_endpoint
+    from weight_sync_bench.conventions.megatron import MEGATRON
+
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such checkpoint directory", path=str(root))
-    if where.name != "megatron":
+    if where is not None and where.name != "megatron":
         raise CheckpointError(f"{root}: a Megatron checkpoint is read as a megatron endpoint, "
                               f"not {where}", path=str(root))
     files = _Files(root, tuple(roots))
     step = _megatron_step(files)
+    if is_dist_checkpoint(root / step):
+        return megatron_dist_weights(files, step, where or parse_endpoint("megatron",
+                                                                          {"megatron": MEGATRON}),
+                                     config)
+    if where is None:
+        where = parse_endpoint(saved_at(files, step), {"megatron": MEGATRON})
     shards: list[Params] = []
     found: list[dict[str, Path]] = []
     loaded: dict[str, Params] = {}
@@ -774,18 +793,61 @@ def megatron_weights(directory: str | Path, where: Endpoint, config: ModelConfig
         rel = "/".join(p for p in (step, megatron_rank_dir(config, where, rank), MEGATRON_FILE)
                        if p)
         if rel not in loaded:
-            loaded[rel] = _megatron_model(files, rel, where)
+            loaded[rel] = _megatron_model(files, rel, where, config)
         shards.append(loaded[rel])
         found.append(dict.fromkeys(loaded[rel], root / rel))
     _check_names_and_shapes(Checkpoint(root, shards, found), where, config)
     return gather_canonical(shards, where.pieces(config), config.param_shapes())
 
 
+def saved_at(files: _Files, step: str) -> str:
+    """The endpoint a legacy Megatron checkpoint was saved at, as its first rank file's
+    ``args`` state it (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``,
+    ``expert_model_parallel_size``, ``expert_tensor_parallel_size``,
+    ``virtual_pipeline_model_parallel_size``, ``decoder_first/last_pipeline_num_layers``,
+    ``account_for_embedding/loss_in_pipeline_split``: megatron/training/arguments.py)."""
+    base = files.root / step
+    first = sorted(p for p in base.glob("mp_rank_00*") if p.is_dir())
+    if not first:
+        raise CheckpointError(f"{base}: no mp_rank_00* directory (a legacy Megatron "
+                              "checkpoint holds one per rank)", path=str(base))
+    rel = "/".join(p for p in (step, first[0].name, MEGATRON_FILE) if p)
+    state = _megatron_pickle(files.checked(rel), files.root / rel)
+    args = state.get("args") if isinstance(state, dict) else None
+    fields = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+    if "tensor_model_parallel_size" not in fields:
+        raise CheckpointError(f"{files.root / rel}: no args stating the degrees it was saved "
+                              "at; say them (--weights-from megatron:tp=2,pp=2)",
+                              path=str(files.root / rel))
+
+    def size(name: str) -> int:
+        value = fields.get(name)
+        return int(value) if isinstance(value, int) and value > 0 else 0
+
+    items = [f"tp={size('tensor_model_parallel_size') or 1}"]
+    for key, arg in (("pp", "pipeline_model_parallel_size"), ("ep", "expert_model_parallel_size"),
+                     ("vpp", "virtual_pipeline_model_parallel_size"),
+                     ("pp_first", "decoder_first_pipeline_num_layers"),
+                     ("pp_last", "decoder_last_pipeline_num_layers")):
+        if size(arg) > 1 or (key.startswith("pp_") and size(arg)):
+            items.append(f"{key}={size(arg)}")
+    etp = size("expert_tensor_parallel_size")
+    if etp and etp != (size("tensor_model_parallel_size") or 1):
+        items.append(f"etp={etp}")
+    embedding = bool(fields.get("account_for_embedding_in_pipeline_split"))
+    loss = bool(fields.get("account_for_loss_in_pipeline_split"))
+    if embedding or loss:
+        items.append("pp_account=" + ("both" if embedding and loss else
+                                      "embedding" if embedding else "loss"))
+    return "megatron:" + ",".join(items)
+
+
 def is_megatron_checkpoint(directory: str | Path) -> bool:
-    """Whether ``directory`` is laid out as a Megatron legacy checkpoint: its tracker file,
-    or the ``mp_rank_*`` directories of one iteration."""
+    """Whether ``directory`` is laid out as a Megatron checkpoint: its tracker file, or one
+    iteration's ``mp_rank_*`` directories (legacy) or ``metadata.json`` (torch_dist)."""
     root = Path(directory)
-    return root.is_dir() and ((root / MEGATRON_TRACKER).exists() or _holds_ranks(root))
+    return root.is_dir() and ((root / MEGATRON_TRACKER).exists() or _holds_ranks(root)
+                              or is_dist_checkpoint(root))
 
 
 def _holds_ranks(root: Path) -> bool:
@@ -796,7 +858,7 @@ def _megatron_step(files: _Files) -> str:
     """The iteration directory to read, relative to the checkpoint's root ("" where the root
     holds the ``mp_rank_*`` directories itself)."""
     root = files.root
-    if _holds_ranks(root):
+    if _holds_ranks(root) or is_dist_checkpoint(root):
         return ""
     if not (root / MEGATRON_TRACKER).exists():
         raise CheckpointError(f"{root / MEGATRON_TRACKER}: missing (a Megatron checkpoint "
@@ -841,18 +903,20 @@ def _safe_globals() -> list[Any]:
             (_reconstruct, "numpy._core.multiarray._reconstruct")]
 
 
-def _megatron_model(files: _Files, rel: str, where: Endpoint) -> Params:
-    """One rank file's model tensors under the harness's names (``model{v}.`` prefixed per
-    virtual stage), TE's ``_extra_state`` left out."""
-    path = files.root / rel
-    resolved = files.checked(rel, missing=f"{where} saves one per (TP, PP, EP) rank")
+def _megatron_pickle(source: Path | io.BytesIO, path: Path) -> Any:
+    """What a Megatron ``torch.save`` holds (a rank file, or the common state of a
+    ``torch_dist`` checkpoint), loaded with ``weights_only=True`` (a file memory-mapped):
+    Megatron's own classes replaced by ``MegatronObject`` stand-ins, any other global refused
+    naming it (``CheckpointError`` naming ``path``): nothing in it runs."""
     stand_ins: list[str] = []
     while True:
         try:
+            if isinstance(source, io.BytesIO):
+                source.seek(0)
             with torch.serialization.safe_globals(
                     _safe_globals() + [(MegatronObject, n) for n in stand_ins]):
-                state = torch.load(resolved, map_location="cpu", weights_only=True, mmap=True)
-            break
+                return torch.load(source, map_location="cpu", weights_only=True,
+                                  mmap=isinstance(source, Path))
         except pickle.UnpicklingError as exc:
             named = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
             name = named.group(1) if named else None
@@ -866,7 +930,17 @@ def _megatron_model(files: _Files, rel: str, where: Endpoint) -> Params:
             raise CheckpointError(f"{path}: not a readable torch checkpoint, truncated or "
                                   f"corrupt ({type(exc).__name__}: {_refused_pickle(exc)})",
                                   path=str(path)) from None
+
+
+def _megatron_model(files: _Files, rel: str, where: Endpoint, config: ModelConfig) -> Params:
+    """One rank file's model tensors under the harness's names (``model{v}.`` prefixed per
+    virtual stage), TE's ``_extra_state`` left out."""
+    path = files.root / rel
+    state = _megatron_pickle(files.checked(rel, missing=f"{where} saves one per (TP, PP, EP) "
+                                                         "rank"), path)
     keys = ["model"] if where.vpp <= 1 else [f"model{v}" for v in range(where.vpp)]
+    if isinstance(state, dict):
+        _check_args(path, state.get("args"), config)
     if not isinstance(state, dict) or any(not isinstance(state.get(k), dict) for k in keys):
         raise CheckpointError(f"{path}: no {' and '.join(keys)} state dict (saved at another "
                               f"virtual-stage count than {where}, or not Megatron's)",
@@ -1001,3 +1075,355 @@ def _check_names_and_shapes(checkpoint: Checkpoint, where: Endpoint, config: Mod
                 raise CheckpointError(f"{checkpoint.file_of(rank, name)}: {where} rank {rank} "
                                       f"{name} has shape {list(actual)}, declared {list(want)}",
                                       path=str(checkpoint.file_of(rank, name)))
+
+
+# Megatron-Core's ``torch_dist`` format: PyTorch Distributed Checkpoint underneath.
+# Followed: NVIDIA/Megatron-LM d98e8a64 (core 0.20.0): ``dist_checkpointing/core.py``
+# (``metadata.json``, ``CONFIG_FNAME``: ``{"sharded_backend": "torch_dist", ...}``, which
+# makes a directory a distributed checkpoint), ``serialization.py::save`` (the non-tensor state
+# as one ``ShardedObject("common_state")``, a ``torch.save``d list holding the dict;
+# ``load_common_state_dict`` reads it, or a ``common.pt`` beside the data in older
+# checkpoints), ``strategies/torch.py`` (each ``ShardedTensor`` is a DCP tensor under its
+# global key), ``transformer/transformer_block.py::TransformerBlock.sharded_state_dict`` (a
+# homogeneous decoder's layers stacked on a new leading axis under ``decoder.layers.<rest>``;
+# ``decoder.layers.<global i>.<rest>`` where layers differ, ``moe_layer_freq > 1``),
+# ``transformer/moe/experts.py::TEGroupedMLP`` / ``SequentialMLP.sharded_state_dict``
+# (experts on the next axis, ``mlp.experts.experts.linear_fc{1,2}.weight``, interchangeable
+# between the two), ``transformer/mlp.py::apply_swiglu_sharded_factory`` (fc1's gate chunks
+# of every TP rank, then the up chunks: ``[gate; up]`` whole). Every tensor is stored whole
+# (the concatenation of the TP shards: ``megatron`` at TP 1), the vocabulary padded as the
+# saving run padded it.
+DIST_CONFIG = "metadata.json"
+DIST_COMMON = "common_state/shard_0_1"  # ShardedObject("common_state", None, (1,), (0,))
+DIST_COMMON_LEGACY = "common.pt"  # strategies/common.py COMMON_STATE_FNAME
+DIST_METADATA = ".metadata"  # torch.distributed.checkpoint.filesystem
+_DIST_FILE_RE = re.compile(r"__\d+_\d+\.distcp")
+_DIST_EXPERT_RE = re.compile(
+    r"mlp\.experts\.(?:(linear_fc[12])\.weight(\d+)|local_experts\.(\d+)\.(linear_fc[12])\.weight)")
+# What a DCP ``.metadata`` pickle may name (torch 2.13's Metadata and its parts): anything
+# else is refused before it is built.
+_DIST_GLOBALS = frozenset({
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))})
+
+
+def dist_key(name: str, *, stacked: bool = True) -> tuple[str, tuple[int, ...]]:
+    """The ``torch_dist`` key that holds a ``megatron`` (TP 1) tensor, and its index along
+    the key's leading axes: ``decoder.layers.3.self_attention.linear_qkv.weight`` ->
+    ``("decoder.layers.self_attention.linear_qkv.weight", (3,))``; expert j of layer 3 ->
+    ``("decoder.layers.mlp.experts.experts.linear_fc1.weight", (3, j))``. ``stacked=False``:
+    the per-layer keys of a decoder whose layers differ (``decoder.layers.3....``, experts
+    ``(j,)``)."""
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", name)
+    if m is None:
+        return name, ()
+    layer, rest = int(m[1]), m[2]
+    prefix, index = ("decoder.layers.", (layer,)) if stacked else (f"decoder.layers.{layer}.", ())
+    expert = _DIST_EXPERT_RE.fullmatch(rest)
+    if expert is not None:
+        fc, j = (expert[1], int(expert[2])) if expert[1] else (expert[4], int(expert[3]))
+        return f"{prefix}mlp.experts.experts.{fc}.weight", (*index, j)
+    return prefix + rest, index
+
+
+def is_dist_checkpoint(directory: str | Path) -> bool:
+    """Whether ``directory`` (an ``iter_*`` directory) is a distributed checkpoint: its
+    ``metadata.json`` (``check_is_distributed_checkpoint``)."""
+    return (Path(directory) / DIST_CONFIG).is_file()
+
+
+def _dist_pieces(where: Endpoint, config: ModelConfig) -> dict[str, Any]:
+    """``megatron`` at TP 1 with the vocabulary as it is: the whole tensors torch_dist keys
+    hold, the embedding and output rows before the saving run's padding."""
+    from weight_sync_bench.conventions.convention import Endpoint
+
+    (pieces,) = Endpoint(where.convention, 1, options=(("vocab", "unpadded"),)).pieces(config)
+    return pieces
+
+
+def _dist_classes() -> tuple[type, type]:
+    """A DCP reader whose ``.metadata`` is unpickled naming only DCP's own records (torch's
+    ``FileSystemReader.read_metadata`` is a plain ``pickle.load``) and whose data files are
+    checked plain names inside the directory, and a load planner that keeps bytes as bytes
+    (torch's ``DefaultLoadPlanner.load_bytes`` is ``torch.load(weights_only=False)``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) in _DIST_GLOBALS or (
+                    module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+
+    class Reader(FileSystemReader):
+        def __init__(self, files: _Files, step: str) -> None:
+            super().__init__(str(files.root / step))
+            self.files, self.step = files, step
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            rel = "/".join(p for p in (self.step, DIST_METADATA) if p)
+            path = self.files.root / rel
+            resolved = self.files.checked(rel, missing="DCP's index of the tensors")
+            try:
+                with open(resolved, "rb") as f:
+                    metadata = Unpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError,
+                    KeyError, IndexError, ImportError) as exc:
+                raise CheckpointError(f"{path}: refused, not DCP's metadata "
+                                      f"({_refused_pickle(exc)})", path=str(path)) from None
+            if not isinstance(metadata, Metadata) or not isinstance(
+                    metadata.storage_data, dict):
+                raise CheckpointError(f"{path}: not DCP's metadata (a "
+                                      f"{type(metadata).__name__})", path=str(path))
+            for info in metadata.storage_data.values():
+                rel_file = getattr(info, "relative_path", None)
+                if not isinstance(rel_file, str) or not _DIST_FILE_RE.fullmatch(rel_file):
+                    raise CheckpointError(f"{path}: names the data file {rel_file!r}; DCP's "
+                                          "are __<rank>_<n>.distcp inside the directory",
+                                          path=str(path))
+                self.files.checked("/".join(p for p in (self.step, rel_file) if p),
+                                   what=f"{DIST_METADATA} names it",
+                                   missing=f"{DIST_METADATA} names it")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            dest = self.state_dict[read_item.dest_index.fqn]  # the caller's BytesIO
+            dest.seek(0)
+            dest.truncate()
+            dest.write(value.read())
+
+    return Reader, Planner
+
+
+def _dist_load(files: _Files, step: str, wanted: dict[str, Any]) -> dict[str, Any]:
+    """``wanted`` (key -> an empty tensor of its stored shape and dtype, or a ``BytesIO``)
+    filled from the checkpoint by DCP on CPU, in this process (``no_dist``)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader, planner = _dist_classes()
+    path = files.root / step
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ...": it is
+            dcp.load(wanted, storage_reader=reader(files, step),
+                     planner=planner(flatten_state_dict=False), no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # a BaseException: a rank's failure
+        inner: BaseException = exc  # wrapped, (exception, traceback) per rank
+        for cause in (exc.failures.values() if isinstance(exc, CheckpointException) else ()):
+            inner = cause[0] if isinstance(cause, tuple) else cause
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        raise CheckpointError(f"{path}: not a readable torch_dist checkpoint, truncated or "
+                              f"corrupt ({type(inner).__name__}: {_refused_pickle(inner)})",
+                              path=str(path)) from None
+    return wanted
+
+
+def _dist_metadata(files: _Files, step: str) -> Any:
+    reader, _ = _dist_classes()
+    return reader(files, step).read_metadata()
+
+
+def dist_common(files: _Files, step: str) -> dict[str, Any]:
+    """A torch_dist checkpoint's common state (``args``, ``iteration``, ...): the
+    ``common_state`` object, or an older checkpoint's ``common.pt``, loaded as a legacy rank
+    file is (``MegatronObject`` stand-ins, nothing run)."""
+    legacy = "/".join(p for p in (step, DIST_COMMON_LEGACY) if p)
+    if (files.root / legacy).exists():
+        state = _megatron_pickle(files.checked(legacy), files.root / legacy)
+    else:
+        metadata = _dist_metadata(files, step)
+        path = files.root / step
+        if DIST_COMMON not in metadata.state_dict_metadata:
+            raise CheckpointError(f"{path}: no common state (neither {DIST_COMMON_LEGACY} nor "
+                                  f"a {DIST_COMMON} object)", path=str(path))
+        raw = _dist_load(files, step, {DIST_COMMON: io.BytesIO()})[DIST_COMMON]
+        held = _megatron_pickle(raw, path / DIST_COMMON)
+        if isinstance(held, io.BytesIO):  # DCP torch.saves the BytesIO Megatron hands it
+            held = _megatron_pickle(held, path / DIST_COMMON)
+        state = held[0] if isinstance(held, list) and held else held
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{files.root / step}: the common state is a "
+                              f"{type(state).__name__}, not a dict", path=str(files.root / step))
+    return state
+
+
+def megatron_dist_weights(files: _Files, step: str, where: Endpoint, config: ModelConfig
+                          ) -> Params:
+    """The canonical parameters of a torch_dist checkpoint's ``step`` directory: each key
+    read whole by DCP (one key beyond the result in memory at a time), every declared tensor
+    present with its declared shape (the embedding and output layer with at least the
+    vocabulary's rows: the rest is the saving run's padding, left out), the Megatron records
+    of its ``args`` checked against ``config``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = files.root / step
+    metadata = _dist_metadata(files, step)
+    held = metadata.state_dict_metadata
+    _check_args(path, dist_common(files, step).get("args"), config)
+    pieces = _dist_pieces(where, config)
+    shapes = config.param_shapes()
+    by_key: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name in pieces:
+        key, index = dist_key(name)
+        if key not in held:
+            key, index = dist_key(name, stacked=False)
+        if key not in held:
+            raise CheckpointError(f"{path}: torch_dist holds no {dist_key(name)[0]} (nor "
+                                  f"{key}), where {name} is kept", path=str(path))
+        by_key.setdefault(key, []).append((name, index))
+    stored: Params = {}
+    for key, names in by_key.items():
+        md = held[key]
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: {key} is not a tensor", path=str(path))
+        size = tuple(md.size)
+        for name, index in names:
+            want = pieces[name].local_shape(shapes[pieces[name].source])
+            got = size[len(index):]
+            vocab_rows = name in ("embedding.word_embeddings.weight", "output_layer.weight")
+            fits = (got[1:] == want[1:] and got[0] >= want[0]) if vocab_rows else got == want
+            if len(size) < len(index) or any(i >= n for i, n in zip(index, size)) or not fits:
+                raise CheckpointError(f"{path}: torch_dist {key} has shape {list(size)}; "
+                                      f"{name} declares {list(want)}"
+                                      + (f" at index {list(index)}" if index else ""),
+                                      path=str(path))
+        full = _dist_load(files, step, {key: torch.empty(size, dtype=md.properties.dtype)})[key]
+        for name, index in names:
+            x = full[index] if index else full
+            want = pieces[name].local_shape(shapes[pieces[name].source])
+            stored[name] = x.narrow(0, 0, want[0]).clone()
+        del full
+    return gather_canonical([stored], [pieces], shapes)
+
+
+# The ``args`` fields that state the geometry (megatron/training/arguments.py), beside the
+# config's; a field the checkpoint does not hold is not checked.
+_ARGS_GEOMETRY = (("num_layers", "n_layers"), ("hidden_size", "d_model"),
+                  ("num_attention_heads", "n_heads"), ("kv_channels", "head_dim"),
+                  ("ffn_hidden_size", "ffn"), ("num_experts", "n_experts"),
+                  ("moe_ffn_hidden_size", "expert_ffn"))
+
+
+def _check_args(path: Path, args: Any, config: ModelConfig) -> None:
+    """``CheckpointError`` where a Megatron checkpoint's ``args`` state another geometry
+    than ``config``'s (the field, both values)."""
+    if args is None:
+        return
+    fields = dict(vars(args)) if hasattr(args, "__dict__") else {}
+    groups = fields.get("num_query_groups") if fields.get("group_query_attention", True) \
+        else fields.get("num_attention_heads")
+    stated = [*((a, fields.get(a), getattr(config, c)) for a, c in _ARGS_GEOMETRY),
+              ("num_query_groups", groups, config.n_kv_heads)]
+    for arg, value, want in stated:
+        if value is None or (arg == "ffn_hidden_size" and not config.has_dense_mlp) or (
+                arg in ("num_experts", "moe_ffn_hidden_size") and not config.n_experts):
+            continue
+        if value != want:
+            raise CheckpointError(f"{path}: its args say {arg}={value!r}, the config checked "
+                                  f"({config.name}) has {want!r}", path=str(path))
+
+
+def write_megatron_dist(directory: str | Path, params: Mapping[str, torch.Tensor],
+                        where: Endpoint, config: ModelConfig, *, iteration: int = 1,
+                        stacked: bool = True) -> Path:
+    """Canonical ``params`` written as Megatron-Core's ``torch_dist`` checkpoint, as a run at
+    ``where``'s TP degree saves it: the tracker file, ``iter_{iteration:07d}/`` with
+    ``metadata.json``, DCP's ``.metadata`` and ``__0_0.distcp`` (every tensor whole, the
+    layers stacked unless ``stacked=False``, the vocabulary rows padded as ``where`` pads
+    them, the padding rows filled with 7, not zeros: Megatron initializes them as any row), and
+    the common state
+    (``args`` with the degrees and sizes, ``checkpoint_version``, ``iteration``). Atomic as
+    ``write_checkpoint``. Returns the iteration directory."""
+    import argparse
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from weight_sync_bench.conventions.megatron import padded_vocab
+
+    out = Path(directory)
+    if where.name != "megatron":
+        raise CheckpointError(f"{where}: Megatron's torch_dist format holds a megatron "
+                              "endpoint", path=str(out))
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out}: not a new or empty directory", path=str(out))
+    pieces = _dist_pieces(where, config)
+    rows = (padded_vocab(config.vocab, where.degree) if where.option("vocab") == "padded"
+            else config.vocab)
+    grouped: dict[str, dict[tuple[int, ...], torch.Tensor]] = {}
+    for name, piece in pieces.items():
+        x = piece.take(params[piece.source])
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight") \
+                and rows > x.shape[0]:
+            x = torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), 7.0)])
+        key, index = dist_key(name, stacked=stacked)
+        grouped.setdefault(key, {})[index] = x
+    state: dict[str, Any] = {}
+    for key, members in grouped.items():
+        if list(members) == [()]:
+            state[key] = members[()]
+            continue
+        dims = [max(i[d] for i in members) + 1 for d in range(len(next(iter(members))))]
+        first = next(iter(members.values()))
+        full = first.new_empty((*dims, *first.shape))
+        for index, x in members.items():
+            full[index] = x
+        state[key] = full
+    args = argparse.Namespace(
+        tensor_model_parallel_size=where.degree, pipeline_model_parallel_size=where.pp,
+        expert_model_parallel_size=where.ep, num_layers=config.n_layers,
+        hidden_size=config.d_model, num_attention_heads=config.n_heads,
+        group_query_attention=config.n_kv_heads != config.n_heads,
+        num_query_groups=config.n_kv_heads, kv_channels=config.head_dim,
+        ffn_hidden_size=config.ffn, padded_vocab_size=rows, ckpt_format="torch_dist",
+        num_experts=config.n_experts or None, moe_ffn_hidden_size=config.expert_ffn or None)
+    common = io.BytesIO()
+    torch.save([{"args": args, "checkpoint_version": 3.0, "iteration": iteration}], common)
+    state[DIST_COMMON] = common
+    step = f"iter_{iteration:07d}"
+    with _staged(out) as stage:
+        _write_text(stage / MEGATRON_TRACKER, str(iteration))
+        (stage / step).mkdir()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled ...": one process
+            dcp.save(state, storage_writer=FileSystemWriter(str(stage / step)),
+                     planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+        _write_text(stage / step / DIST_CONFIG,
+                    json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+        mode = 0o666 & ~_umask()
+        for path in (stage / step).rglob("*"):
+            path.chmod(mode | (0o111 & ~_umask()) if path.is_dir() else mode)
+    return out / step
+
+
+def read_weights(directory: str | Path, config: ModelConfig, *, where: Endpoint | None = None,
+                 roots: Sequence[str | Path] = ()) -> Mapping[str, torch.Tensor]:
+    """The canonical parameters of the weights a check starts from, read from a checkpoint
+    directory: a Megatron checkpoint (``is_megatron_checkpoint``; ``megatron_weights``, in
+    either format, ``where`` the degrees a legacy one was saved at, else its ``args``'), or a
+    Hugging Face directory (``hf_weights``, ``where`` an ``hf`` endpoint for its experts'
+    layout, default ``hf``). The one place a check's ``weights=`` / ``--weights`` is read."""
+    from weight_sync_bench.conventions.convention import parse_endpoint
+    from weight_sync_bench.conventions.hf import HF
+
+    if where is not None and where.name == "megatron" or (
+            where is None and is_megatron_checkpoint(directory)):
+        return megatron_weights(directory, where, config, roots=roots)
+    return hf_weights(directory, where or parse_endpoint("hf", {"hf": HF}), config, roots=roots)
