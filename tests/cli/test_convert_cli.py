@@ -213,3 +213,43 @@ def test_a_converter_on_the_users_own_weights_from_the_command_line(tmp_path, mo
     assert main([*base, "--converter", "wsb_cli_weights:megatron_to_vllm", "--dtype",
                  "bf16"]) == 2
     assert "drop --dtype, --stream and --measure-floor" in capsys.readouterr().err
+
+
+def test_a_converter_on_a_megatron_torch_dist_checkpoint(tmp_path, capsys, monkeypatch):
+    """``wsb check --converter ... --weights DIR`` on the trainer's torch_dist checkpoint:
+    the geometry from ``--config`` (Megatron's args state sizes, not the whole model; without
+    it, exit 2 saying so), checked against the args; the wrong converter fails (exit 1)."""
+    import torch
+
+    from weight_sync_bench.conventions import endpoint
+    from weight_sync_bench.conventions.checkpoint import write_megatron_dist
+    from weight_sync_bench.model.config import TOY_KV4, init_params
+
+    weights = {n: (x * 1.5).to(torch.bfloat16) for n, x in init_params(TOY_KV4, 7).items()}
+    write_megatron_dist(tmp_path / "m", weights, endpoint("megatron:2"), TOY_KV4)
+    (tmp_path / "wsb_cli_dist.py").write_text(textwrap.dedent("""
+        import torch
+        from weight_sync_bench import convert
+
+        def megatron_to_vllm(shards, degree, *, config):
+            return convert(shards, "megatron:2", f"vllm:{degree}", config)
+
+        def up_gate(shards, degree, *, config):
+            out = megatron_to_vllm(shards, degree, config=config)
+            for rank in out:
+                for name, x in rank.items():
+                    if name.endswith("gate_up_proj.weight"):
+                        rank[name] = torch.cat(x.chunk(2)[::-1])
+            return out
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["check", "--from", "megatron:2", "--to", "vllm:2", "--weights", str(tmp_path / "m")]
+    assert main([*base, "--converter", "wsb_cli_dist:megatron_to_vllm"]) == 2
+    assert "give its Hugging Face config with --hf-config" in capsys.readouterr().err
+    assert main([*base, "--config", "toy_kv4", "--converter",
+                 "wsb_cli_dist:megatron_to_vllm"]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+    assert main([*base, "--config", "toy_kv4", "--converter", "wsb_cli_dist:up_gate"]) == 1
+    assert "gate_up_proj.weight" in capsys.readouterr().out
+    assert main([*base, "--config", "toy", "--converter", "wsb_cli_dist:megatron_to_vllm"]) == 2
+    assert "args say num_query_groups=4, the config checked (toy) has" in capsys.readouterr().err

@@ -114,3 +114,23 @@ def test_the_weights_as_a_megatron_legacy_checkpoint(tmp_path, capsys):
     assert "2 passed, 0 failed" in capsys.readouterr().out
     assert main([*base, "--weights-from", "megatron:tp=2", str(state)]) == 2
     assert "mp_rank_00/model_optim_rng.pt: missing" in capsys.readouterr().err
+
+
+def test_the_weights_as_a_megatron_torch_dist_checkpoint(tmp_path, capsys):
+    """The trainer's torch_dist checkpoint against the engine's vllm:2 dumps, the geometry
+    from the dumps' config.json (the checkpoint's args checked against it): passes; the
+    dumps of another seed's weights fail (exit 1)."""
+    from weight_sync_bench.conventions import endpoint
+    from weight_sync_bench.conventions.checkpoint import write_megatron_dist
+    from weight_sync_bench.model.config import TOY_KV4, init_params
+
+    state, other, trainer = tmp_path / "state", tmp_path / "other", tmp_path / "trainer"
+    _emit(state, "vllm:2", 0)
+    _emit(other, "vllm:2", 1)
+    write_megatron_dist(trainer, init_params(TOY_KV4, 0), endpoint("megatron:2"), TOY_KV4)
+    capsys.readouterr()
+    base = ["verify-state", "--endpoint", "vllm:2", "--weights", str(trainer)]
+    assert main([*base, str(state)]) == 0
+    assert "2 passed, 0 failed" in capsys.readouterr().out
+    assert main([*base, str(other)]) == 1
+    assert "0 passed, 2 failed" in capsys.readouterr().out
