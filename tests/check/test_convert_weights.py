@@ -126,3 +126,45 @@ def test_a_converter_on_an_hf_directory_at_llama_3_8bs_shape_reduced(tmp_path):
     bad = check_convert(gate_up_swapped, stated, "megatron:4", "vllm:8",
                         weights=tmp_path / "llama")
     assert good.passed and good.dtype == "bf16" and not bad.passed, (good, bad)
+
+
+def test_a_splitter_and_a_resharder_are_checked_on_the_weights_given(tmp_path):
+    """``check_split`` / ``check_reshard`` with ``weights=`` (a mapping, or an HF directory):
+    the user's function gets those weights (bf16), the threshold is measured on them and
+    said; the twin of each, a function that swaps two ranks' o_proj columns, fails naming
+    the tensor."""
+    from weight_sync_bench import check_reshard, check_split
+    from weight_sync_bench.layout.reshard import reshard, split
+    from weight_sync_bench.model.plan import layout_for
+
+    weights = real_weights()
+    hf = endpoint("hf")
+    write_checkpoint(tmp_path / "w", materialize(hf.pieces(CONFIG), weights), hf, CONFIG)
+    layout = layout_for(CONFIG)
+    got = []
+
+    def splitter(full, degree):
+        got.append(full)
+        return split(full, layout, degree)
+
+    def swapped(out):
+        out[0]["layers.0.o_proj.weight"], out[1]["layers.0.o_proj.weight"] = (
+            out[1]["layers.0.o_proj.weight"], out[0]["layers.0.o_proj.weight"])
+        return out
+
+    for source in (weights, tmp_path / "w"):
+        verdict = check_split(splitter, CONFIG, 2, weights=source)
+        assert verdict.passed and verdict.dtype == "bf16", verdict
+        assert all(torch.equal(got[-1][n], x) for n, x in weights.items())
+        assert any("measured on them" in n for n in verdict.notes), verdict.notes
+        failed = check_split(lambda full, d: swapped(split(full, layout, d)), CONFIG, 2,
+                             weights=source)
+        assert not failed.passed and failed.first_mismatch == "layers.0.o_proj.weight"
+        verdict = check_reshard(lambda shards, d: reshard(shards, layout, d), CONFIG, 1, 2,
+                                weights=source)
+        assert verdict.passed and verdict.dtype == "bf16", verdict
+        failed = check_reshard(lambda shards, d: swapped(reshard(shards, layout, d)), CONFIG,
+                               1, 2, weights=source)
+        assert not failed.passed and failed.first_mismatch == "layers.0.o_proj.weight"
+    with pytest.raises(ValueError, match="drop dtype="):
+        check_split(splitter, CONFIG, 2, weights=weights, dtype="bf16")

@@ -253,3 +253,49 @@ def test_a_converter_on_a_megatron_torch_dist_checkpoint(tmp_path, capsys, monke
     assert "gate_up_proj.weight" in capsys.readouterr().out
     assert main([*base, "--config", "toy", "--converter", "wsb_cli_dist:megatron_to_vllm"]) == 2
     assert "args say num_query_groups=4, the config checked (toy) has" in capsys.readouterr().err
+
+
+def test_a_splitter_and_a_resharder_on_an_hf_directory(tmp_path, capsys, monkeypatch):
+    """``wsb check --splitter/--resharder ... --weights DIR``: the geometry from the
+    directory, the user's function on its weights; the twin (o_proj of two ranks swapped)
+    fails naming it; --weights without a function is refused (exit 2)."""
+    import torch
+
+    from weight_sync_bench.conventions import endpoint, materialize
+    from weight_sync_bench.conventions.checkpoint import write_checkpoint
+    from weight_sync_bench.model.config import TOY_KV4, init_params
+
+    weights = {n: (x * 1.5).to(torch.bfloat16) for n, x in init_params(TOY_KV4, 7).items()}
+    hf = endpoint("hf")
+    write_checkpoint(tmp_path / "w", materialize(hf.pieces(TOY_KV4), weights), hf, TOY_KV4)
+    (tmp_path / "wsb_cli_split.py").write_text(textwrap.dedent("""
+        from weight_sync_bench.layout.reshard import reshard, split
+        from weight_sync_bench.model.config import TOY_KV4
+        from weight_sync_bench.model.plan import layout_for
+
+        LAYOUT = layout_for(TOY_KV4)
+
+        def splitter(full, degree):
+            return split(full, LAYOUT, degree)
+
+        def resharder(shards, degree):
+            return reshard(shards, LAYOUT, degree)
+
+        def swapped(shards, degree):
+            out = reshard(shards, LAYOUT, degree)
+            name = "layers.0.o_proj.weight"
+            out[0][name], out[1][name] = out[1][name], out[0][name]
+            return out
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    w = ["--weights", str(tmp_path / "w")]
+    assert main(["check", "--splitter", "wsb_cli_split:splitter", "--dst", "2", *w]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+    assert main(["check", "--resharder", "wsb_cli_split:resharder", "--src", "1", "--dst", "2",
+                 *w]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+    assert main(["check", "--resharder", "wsb_cli_split:swapped", "--src", "1", "--dst", "2",
+                 *w]) == 1
+    assert "layers.0.o_proj.weight" in capsys.readouterr().out
+    assert main(["check", *w]) == 2
+    assert "give --converter, --splitter or --resharder" in capsys.readouterr().err

@@ -29,6 +29,7 @@ from weight_sync_bench.check.naming import layout_naming, name_shards
 from weight_sync_bench.check.threshold import environment_notes, resolve_floor
 from weight_sync_bench.check.user_code import call_user
 from weight_sync_bench.check.verdict import Verdict, format_verdicts
+from weight_sync_bench.check.weights import Weights, held_weights, weights_threshold
 from weight_sync_bench.errors import InvalidNumber, InvalidShards
 from weight_sync_bench.layout.reshard import (
     reshard,
@@ -268,8 +269,8 @@ def sweep(config: ModelConfig, *, seed: int = 0, pairs: Iterable[tuple[int, int]
 def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
                 threshold: float | None = None, backend: str = "inprocess",
                 dtype: torch.dtype | str = torch.float32, measure_floor: bool = False,
-                stream: str | None = None, progress: Callable[..., None] | None = None
-                ) -> Verdict:
+                stream: str | None = None, progress: Callable[..., None] | None = None,
+                weights: Weights | None = None) -> Verdict:
     """Check a user's split function ``fn(full, degree) -> [rank-local dict] * degree``
     (the harness's parameter names) against the declared layout at ``degree``. What ``fn``
     raises, or returns that is not shards, is framed as its own (``UserCodeError``); a
@@ -279,15 +280,22 @@ def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
     geometry's floor rather than refuse the check. ``stream="layer"`` (or ``"parameter"``)
     streams the check (``check.stream``): memory bounded by the largest parameter, ``fn``
     called once per layer (or parameter) with a dict of just those parameters, the same
-    verdict; ``progress`` gets a ``stream.Progress`` after each stage."""
+    verdict; ``progress`` gets a ``stream.Progress`` after each stage. ``weights``: real
+    weights instead of the seed's (``check.weights``: canonical parameters, or a checkpoint
+    directory), checked in their own dtype, the threshold measured on them unless given."""
     InvalidNumber.seed("seed", seed)
     layout_for(config).validate(degree)
-    if stream is not None:
+    if weights is not None:
+        checker = _weights_checker(config, weights, [f"plain:{degree}"], threshold=threshold,
+                                   backend=backend, dtype=dtype, stream=stream,
+                                   measure_floor=measure_floor)
+    elif stream is not None:
         return _streamed(fn, config, degree, None, seed=seed, threshold=threshold,
                          backend=backend, dtype=dtype, measure_floor=measure_floor,
                          per=stream, progress=progress)
-    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend, dtype=dtype,
-                          measure_floor=measure_floor)
+    else:
+        checker = checker_for(config, seed=seed, threshold=threshold, backend=backend,
+                              dtype=dtype, measure_floor=measure_floor)
     full = {name: t.clone() for name, t in checker.full.items()}
     shards = call_user(fn, (full, degree), role="splitter", config=config,
                        during=f"while splitting {config.name} for t={degree}",
@@ -298,27 +306,52 @@ def check_split(fn: SplitFn, config: ModelConfig, degree: int, *, seed: int = 0,
 def check_reshard(fn: ReshardFn, config: ModelConfig, src: int, dst: int, *, seed: int = 0,
                   threshold: float | None = None, backend: str = "inprocess",
                   dtype: torch.dtype | str = torch.float32, measure_floor: bool = False,
-                  stream: str | None = None, progress: Callable[..., None] | None = None
-                  ) -> Verdict:
+                  stream: str | None = None, progress: Callable[..., None] | None = None,
+                  weights: Weights | None = None) -> Verdict:
     """Check a user's reshard function ``fn(shards_at_src, dst) -> shards_at_dst`` starting
     from the declared split at ``src``. What ``fn`` raises, or returns that is not shards, is
     framed as its own (``UserCodeError``, ``WrongUserShard`` for a shape or dtype).
     ``dtype``, ``measure_floor``, ``stream`` and ``progress`` as for ``check_split`` (streamed,
-    ``fn`` gets per rank the src shards of one layer or parameter)."""
+    ``fn`` gets per rank the src shards of one layer or parameter), ``weights`` as for
+    ``check_split``."""
     InvalidNumber.seed("seed", seed)
     layout_for(config).validate(src)
     layout_for(config).validate(dst)
-    if stream is not None:
+    if weights is not None:
+        checker = _weights_checker(config, weights, [f"plain:{src}", f"plain:{dst}"],
+                                   threshold=threshold, backend=backend, dtype=dtype,
+                                   stream=stream, measure_floor=measure_floor)
+    elif stream is not None:
         return _streamed(fn, config, dst, src, seed=seed, threshold=threshold,
                          backend=backend, dtype=dtype, measure_floor=measure_floor,
                          per=stream, progress=progress)
-    checker = checker_for(config, seed=seed, threshold=threshold, backend=backend, dtype=dtype,
-                          measure_floor=measure_floor)
+    else:
+        checker = checker_for(config, seed=seed, threshold=threshold, backend=backend,
+                              dtype=dtype, measure_floor=measure_floor)
     source = [{n: t.clone() for n, t in params.items()} for params in checker.declared(src)]
     shards = call_user(fn, (source, dst), role="resharder", config=config,
                        during=f"while resharding {config.name} {src} -> {dst}",
                        layout=checker.layout, degree=dst, dtypes=_dtypes(checker))
     return checker.verdict(shards, src=src, dst=dst)
+
+
+def _weights_checker(config: ModelConfig, weights: Weights, ends: list[str], *,
+                     threshold: float | None, backend: str, dtype: torch.dtype | str,
+                     stream: str | None, measure_floor: bool) -> Checker:
+    """The checker of a check on real weights (``check.weights``): their own dtype, the
+    threshold measured on them over ``ends`` unless given, the note saying which."""
+    if stream is not None:
+        raise ValueError("weights= runs the whole-model check; stream= draws the seed's "
+                         "weights stage by stage")
+    if parse_dtype(dtype) != torch.float32 or measure_floor:
+        raise ValueError("weights= checks the weights in their own dtype with a threshold "
+                         "measured on them: drop dtype= and measure_floor=")
+    held = held_weights(weights, config)
+    threshold, note = weights_threshold(config, ends, held, threshold)
+    (own,) = {x.dtype for x in held.values()}
+    checker = checker_for(config, threshold=threshold, backend=backend, dtype=own, params=held)
+    checker.notes = (*checker.notes, note)
+    return checker
 
 
 def _streamed(fn: Callable[..., list[dict[str, torch.Tensor]]], config: ModelConfig, dst: int,

@@ -50,8 +50,7 @@ public names are importable from here too.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,7 +63,6 @@ from weight_sync_bench.check.conversion import (
     conversion_checker,
     require_cell,
 )
-from weight_sync_bench.check.floor import convention_logits
 from weight_sync_bench.check.shards import validate_convention_shards
 from weight_sync_bench.check.streamed_conversion import (
     ConvertFn,
@@ -72,15 +70,10 @@ from weight_sync_bench.check.streamed_conversion import (
     stream_convert,
 )
 from weight_sync_bench.check.user_code import call
-from weight_sync_bench.conventions import endpoint, materialize
-from weight_sync_bench.conventions.checkpoint import read_weights
-from weight_sync_bench.errors import InvalidConfig, InvalidNumber
-from weight_sync_bench.model.config import init_params, make_tokens, parse_dtype
-from weight_sync_bench.model.plan import layout_for
-from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.model.sharded import RoutingGuard
-from weight_sync_bench.model.stepwise import computing
-from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, derive_threshold
+from weight_sync_bench.check.weights import held_weights, measure_threshold, weights_threshold
+from weight_sync_bench.conventions import endpoint
+from weight_sync_bench.errors import InvalidNumber
+from weight_sync_bench.model.config import parse_dtype
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.streaming import Progress
@@ -132,7 +125,7 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
                              "weights stage by stage")
         if parse_dtype(dtype) != torch.float32:
             raise ValueError("weights= checks the weights in their own dtype: drop dtype=")
-        return _check_weights(fn, config, source, target, _held(weights, config),
+        return _check_weights(fn, config, source, target, held_weights(weights, config),
                               backend=backend, threshold=threshold)
     if stream is not None:
         if backend != "inprocess":
@@ -150,75 +143,16 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     return checker.verdict(out, src=source, dst=target)
 
 
-def _held(weights: Mapping[str, torch.Tensor] | str | Path, config: ModelConfig
-          ) -> dict[str, torch.Tensor]:
-    """``weights`` as canonical parameters in memory, checked: every parameter of ``config``
-    with its shape, one dtype (``InvalidConfig``, exit 2, naming the first that is not)."""
-    if isinstance(weights, (str, Path)):
-        weights = read_weights(weights, config)
-    shapes = config.param_shapes()
-    missing = [n for n in shapes if n not in weights]
-    if missing:
-        raise InvalidConfig(f"weights: {config.name} has {missing[0]}, the weights do not "
-                            f"({len(missing)} missing)")
-    held = {name: weights[name] for name in shapes}
-    for name, x in held.items():
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shapes[name]:
-            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise InvalidConfig(f"weights: {name} is {got}, {config.name} declares "
-                                f"{list(shapes[name])}")
-    dtypes = {x.dtype for x in held.values()}
-    if len(dtypes) != 1:  # the check syncs one dtype (a norm kept in fp32 beside bf16 is not)
-        first = {d: next(n for n, x in held.items() if x.dtype == d) for d in dtypes}
-        raise InvalidConfig("weights: one dtype expected (the check compares and syncs one), "
-                            "found " + ", ".join(f"{d} ({first[d]}, ...)" for d in
-                                                 sorted(dtypes, key=str)))
-    return held
-
-
 def _check_weights(fn: ConvertFn, config: ModelConfig, source: Endpoint, target: Endpoint,
                    weights: dict[str, torch.Tensor], *, backend: str,
                    threshold: float | None) -> Verdict:
     """``check_convert`` on ``weights`` (see it): the threshold measured on them."""
-    measured = threshold is None
-    if measured:  # with the plain layout at its smallest sharded degree: two one-rank ends
-        # compute exactly the reference's sums, and a floor of zero sets no threshold
-        sharded = [t for t in layout_for(config).supported_degrees() if t > 1][:1]
-        threshold = measure_threshold(config, [source, target, *(f"plain:{t}" for t in sharded)],
-                                      weights=weights)
+    threshold, note = weights_threshold(config, [source, target], weights, threshold)
     (dtype,) = {x.dtype for x in weights.values()}
     checker = conversion_checker(config, backend=backend, threshold=threshold, dtype=dtype,
                                  params=weights)
-    checker.checker.notes += ((f"your weights: the threshold {threshold:g} was measured on "
-                               "them (the declared shards of both ends and of the plain layout "
-                               "at its smallest sharded degree, token seeds 1000-1003, 100x "
-                               "the worst)") if measured else
-                              "your weights: the threshold was given",)
+    checker.checker.notes += (note,)
     out = call(fn, (checker.source(source), target.world), role="converter", config=config,
                during=f"while converting {config.name} {source} -> {target}",
                ends=(source, target))
     return checker.verdict(out, src=source, dst=target)
-
-
-def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
-                      seeds: Iterable[int] = range(4), *,
-                      weights: Mapping[str, torch.Tensor] | None = None) -> float:
-    """A threshold for a geometry with no committed floor (an HF config, reduced): the
-    floor measured as the phase 1a artifact is, the max |logits - reference| of every
-    endpoint's declared shards over model seeds ``s`` and token seeds ``1000 + s``, then
-    ``derive_threshold`` (the smallest power of ten >= 100x it). ``weights``: these
-    weights at every seed, only the tokens drawn (a floor measured on real weights)."""
-    worst = 0.0
-    eps = [endpoint(e) for e in endpoints]
-    held = computing(weights) if weights is not None else None  # fp32, as the forwards read
-    for seed in seeds:
-        params = init_params(config, seed) if held is None else held
-        tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
-        model = ReferenceModel(config, params)
-        reference = model(tokens)
-        guard = RoutingGuard(model.routings, math.inf)  # the floor of the continuous part
-        for ep in eps:
-            logits = convention_logits(ep, config, materialize(ep.pieces(config), params),
-                                       tokens, guard=guard)
-            worst = max(worst, float((logits - reference).abs().max()))
-    return derive_threshold(worst)

@@ -46,6 +46,7 @@ from weight_sync_bench.check.floor import measure_geometry
 from weight_sync_bench.check.forwards import BACKENDS
 from weight_sync_bench.check.stream import PER, stream_check
 from weight_sync_bench.check.user_code import deadline, load_function
+from weight_sync_bench.check.weights import held_weights
 from weight_sync_bench.cli.checkpoint import (
     add_model_options,
     floor_command,
@@ -245,6 +246,11 @@ def _plan(args: argparse.Namespace, line: ProgressLine | None = None
     every = args.hf_config is None and (args.config or args.config_default) == "all"
     role = next((r for r in ("converter", "splitter", "resharder") if getattr(args, r)), None)
     fn = load_function(getattr(args, role), role) if role else None
+    if args.weights is not None and role is None:
+        raise WsbError("--weights is your function's input: give --converter, --splitter or "
+                       "--resharder")
+    if args.weights is not None and role in ("splitter", "resharder"):
+        return _weights_plan(args, fn, role), []
     if args.converter:
         return _convert_plan(args, fn, every, line)
     if args.convert_from is not None or args.convert_to is not None:
@@ -340,25 +346,57 @@ def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool,
     return jobs, skipped
 
 
-def _weights_job(args: argparse.Namespace, fn: Callable[..., Any], src: Endpoint,
-                 dst: Endpoint) -> tuple[str, Job]:
-    """``--weights DIR``: the converter checked on an HF directory's weights (``check_convert
-    (..., weights=DIR)``): the geometry the directory states (or --config / --hf-config,
-    checked against it), the weights' own dtype, a threshold measured on them."""
+def _weights_config(args: argparse.Namespace) -> ModelConfig:
+    """``--weights DIR``'s geometry: what an HF directory's config.json states, else
+    --config / --hf-config (checked against the directory when it is read)."""
     if args.dtype != "fp32" or args.stream is not None or args.measure_floor:
         raise WsbError("--weights checks your weights whole, in their own dtype, with a "
                        "threshold measured on them: drop --dtype, --stream and --measure-floor")
-    if args.converter is None:
-        raise WsbError("--weights is a converter's input: give --converter")
-    if args.config is None and args.hf_config is None:
-        if is_megatron_checkpoint(args.weights):
-            raise WsbError(f"{args.weights}: a Megatron checkpoint's args state sizes, not the "
-                           "whole model (vocabulary, norms, rope): give its Hugging Face config "
-                           "with --hf-config PATH (as Megatron-Bridge's export takes it) or "
-                           "--config NAME; the args are checked against it")
-        config = checkpoint_geometry(args.weights, endpoint("hf"))
-    else:
-        config = model_of(args)
+    if args.config is not None or args.hf_config is not None:
+        return model_of(args)
+    if is_megatron_checkpoint(args.weights):
+        raise WsbError(f"{args.weights}: a Megatron checkpoint's args state sizes, not the "
+                       "whole model (vocabulary, norms, rope): give its Hugging Face config "
+                       "with --hf-config PATH (as Megatron-Bridge's export takes it) or "
+                       "--config NAME; the args are checked against it")
+    return checkpoint_geometry(args.weights, endpoint("hf"))
+
+
+def _weights_plan(args: argparse.Namespace, fn: Callable[..., Any], role: str
+                  ) -> list[tuple[str, Job]]:
+    """``--splitter`` / ``--resharder`` with ``--weights DIR``: the function checked on the
+    directory's weights (``check_split`` / ``check_reshard(..., weights=DIR)``), at --dst
+    (and --src), else every supported degree (pair); read once, shared by every check."""
+    config = _weights_config(args)
+    layout = layout_for(config)
+    for degree in (args.src, args.dst):
+        if degree is not None:
+            layout.validate(degree)
+    held: dict[str, Any] = {}
+
+    def weights() -> Any:
+        if "w" not in held:
+            held["w"] = held_weights(args.weights, config)
+        return held["w"]
+
+    degrees = layout.supported_degrees()
+    on = f" on {args.weights}"
+    if role == "splitter":
+        return [(f"{config.name} split -> {dst}{on}", lambda progress, d=dst, **over:
+                 check_split(fn, config, d, backend=args.backend, weights=weights(), **over))
+                for dst in ([args.dst] if args.dst is not None else degrees)]
+    return [(f"{config.name} {src} -> {dst}{on}", lambda progress, s=src, d=dst, **over:
+             check_reshard(fn, config, s, d, backend=args.backend, weights=weights(), **over))
+            for src, dst in _pairs(args, degrees)]
+
+
+def _weights_job(args: argparse.Namespace, fn: Callable[..., Any], src: Endpoint,
+                 dst: Endpoint) -> tuple[str, Job]:
+    """``--converter`` with ``--weights DIR``: the converter checked on the directory's
+    weights (``check_convert(..., weights=DIR)``): the geometry the directory states (or
+    --config / --hf-config, checked against it), the weights' own dtype, a threshold
+    measured on them."""
+    config = _weights_config(args)
     src.pieces(config)
     dst.pieces(config)
     return (f"{config.name} {src} -> {dst} on {args.weights}",
@@ -491,8 +529,9 @@ def build_parser(prog: str = "wsb") -> argparse.ArgumentParser:
     check.add_argument("--to", dest="convert_to", metavar="NAME:T", default=None,
                        help="with --converter: the destination, e.g. vllm:2 (hf: degree 1)")
     check.add_argument("--weights", type=Path, default=None, metavar="DIR",
-                       help="with --converter: check it on these weights instead of the "
-                            "seed's, in their dtype, the threshold measured on them: a Hugging "
+                       help="with --converter, --splitter or --resharder: check it on these "
+                            "weights instead of the seed's, in their dtype, the threshold "
+                            "measured on them: a Hugging "
                             "Face checkpoint directory (its config.json states the geometry), "
                             "or a Megatron checkpoint, torch_dist or legacy torch (with "
                             "--hf-config or --config)")

@@ -1,0 +1,104 @@
+"""Real weights as a check's source: the user's own parameters (a mapping, or a checkpoint
+directory that ``conventions.checkpoint.read_weights`` reads) in place of a seed's.
+
+Bytes are compared as always. The forward's threshold is never a floor measured on other
+weights: it is measured on these (``measure_threshold``: the declared shards of the check's
+ends, and of the plain layout at its smallest sharded degree, over four token seeds, 100x
+the worst, as ``tolerance.rules.derive_threshold`` makes one), and the verdict's notes say
+which (``weights_threshold``). Used by ``check_convert``, ``check_split`` and
+``check_reshard`` alike.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from weight_sync_bench.check.floor import convention_logits
+from weight_sync_bench.conventions import endpoint, materialize
+from weight_sync_bench.conventions.checkpoint import read_weights
+from weight_sync_bench.errors import InvalidConfig
+from weight_sync_bench.model.config import init_params, make_tokens
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.model.sharded import RoutingGuard
+from weight_sync_bench.model.stepwise import computing
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, derive_threshold
+
+if TYPE_CHECKING:
+    from weight_sync_bench.conventions import Endpoint
+    from weight_sync_bench.model.config import ModelConfig
+
+Weights = Mapping[str, torch.Tensor] | str | Path
+
+
+def held_weights(weights: Weights, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """``weights`` as canonical parameters in memory, checked: every parameter of ``config``
+    with its shape, one dtype (``InvalidConfig``, exit 2, naming the first that is not)."""
+    if isinstance(weights, (str, Path)):
+        weights = read_weights(weights, config)
+    shapes = config.param_shapes()
+    missing = [n for n in shapes if n not in weights]
+    if missing:
+        raise InvalidConfig(f"weights: {config.name} has {missing[0]}, the weights do not "
+                            f"({len(missing)} missing)")
+    held = {name: weights[name] for name in shapes}
+    for name, x in held.items():
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != shapes[name]:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise InvalidConfig(f"weights: {name} is {got}, {config.name} declares "
+                                f"{list(shapes[name])}")
+    dtypes = {x.dtype for x in held.values()}
+    if len(dtypes) != 1:  # the check syncs one dtype (a norm kept in fp32 beside bf16 is not)
+        first = {d: next(n for n, x in held.items() if x.dtype == d) for d in dtypes}
+        raise InvalidConfig("weights: one dtype expected (the check compares and syncs one), "
+                            "found " + ", ".join(f"{d} ({first[d]}, ...)" for d in
+                                                 sorted(dtypes, key=str)))
+    return held
+
+
+
+
+def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
+                      seeds: Iterable[int] = range(4), *,
+                      weights: Mapping[str, torch.Tensor] | None = None) -> float:
+    """A threshold for a geometry with no committed floor (an HF config, reduced): the
+    floor measured as the phase 1a artifact is, the max |logits - reference| of every
+    endpoint's declared shards over model seeds ``s`` and token seeds ``1000 + s``, then
+    ``derive_threshold`` (the smallest power of ten >= 100x it). ``weights``: these
+    weights at every seed, only the tokens drawn (a floor measured on real weights)."""
+    worst = 0.0
+    eps = [endpoint(e) for e in endpoints]
+    held = computing(weights) if weights is not None else None  # fp32, as the forwards read
+    for seed in seeds:
+        params = init_params(config, seed) if held is None else held
+        tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+        model = ReferenceModel(config, params)
+        reference = model(tokens)
+        guard = RoutingGuard(model.routings, math.inf)  # the floor of the continuous part
+        for ep in eps:
+            logits = convention_logits(ep, config, materialize(ep.pieces(config), params),
+                                       tokens, guard=guard)
+            worst = max(worst, float((logits - reference).abs().max()))
+    return derive_threshold(worst)
+
+
+def weights_threshold(config: ModelConfig, ends: Iterable[str | Endpoint],
+                      weights: Mapping[str, torch.Tensor], threshold: float | None
+                      ) -> tuple[float, str]:
+    """The threshold a check on ``weights`` judges its forward by, and the note that says
+    where it came from: ``threshold`` where given, else measured on the weights over the
+    check's ``ends`` and the plain layout at its smallest sharded degree (two one-rank ends
+    compute exactly the reference's sums, and a floor of zero sets no threshold)."""
+    if threshold is not None:
+        return threshold, "your weights: the threshold was given"
+    sharded = [t for t in layout_for(config).supported_degrees() if t > 1][:1]
+    measured = measure_threshold(config, [*ends, *(f"plain:{t}" for t in sharded)],
+                                 weights=weights)
+    return measured, (f"your weights: the threshold {measured:g} was measured on them (the "
+                      "declared shards of both ends and of the plain layout at its smallest "
+                      "sharded degree, token seeds 1000-1003, 100x the worst)")
