@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
@@ -35,7 +36,7 @@ from weight_sync_bench.cli.output import (
     count,
     seed,
 )
-from weight_sync_bench.errors import InvalidConfig, InvalidMesh
+from weight_sync_bench.errors import InvalidConfig, InvalidMesh, WsbError
 from weight_sync_bench.model.config import CONFIGS, ModelConfig
 from weight_sync_bench.tolerance.rules import check_environment
 from weight_sync_bench.tolerance.training import load
@@ -46,6 +47,7 @@ from weight_sync_bench.training.floor import (
     TOY_VARIANTS,
     meshes,
     thresholds_for,
+    thresholds_on,
 )
 from weight_sync_bench.training.mesh import Mesh
 from weight_sync_bench.training.mutations import (
@@ -58,7 +60,7 @@ from weight_sync_bench.training.sequence_floor import load_sequence, sequence_me
 from weight_sync_bench.training.sequence_floor import (
     thresholds_for as sequence_thresholds,
 )
-from weight_sync_bench.training.step import TrainingCase
+from weight_sync_bench.training.step import Params, TrainingCase
 
 TRAIN_CONFIGS: dict[str, ModelConfig] = {
     **CONFIGS, TOY_VARIANTS.name: TOY_VARIANTS, **{c.name: c for c in SMALL_VARIANTS}}
@@ -72,10 +74,38 @@ def _configs(name: str) -> list[ModelConfig]:
     return [TRAIN_CONFIGS[name]]
 
 
-def _cases(args: argparse.Namespace) -> list[TrainingCase]:
+def _weights(args: argparse.Namespace) -> tuple[ModelConfig, Params]:
+    """``--weights DIR``: the geometry (an HF directory's config.json, else --config) and
+    the parameters, in fp32 (AdamW trains fp32 parameters; bf16 values convert exactly)."""
+    from weight_sync_bench.check.weights import held_weights
+    from weight_sync_bench.conventions import endpoint
+    from weight_sync_bench.conventions.checkpoint import (
+        checkpoint_geometry,
+        is_megatron_checkpoint,
+    )
+    from weight_sync_bench.model.stepwise import computing
+
+    if _sequence(args):
+        raise WsbError("--weights trains DP x TP meshes; --sp / --cp on your weights is not "
+                       "built (their floor domain is measured on its own)")
+    if args.config == "all":
+        raise WsbError("--weights holds one model: give its --config NAME, not all")
+    if args.config is not None:
+        (config,) = _configs(args.config)
+    elif is_megatron_checkpoint(args.weights):
+        raise WsbError(f"{args.weights}: a Megatron checkpoint's args state sizes, not the "
+                       "whole model: give --config NAME")
+    else:
+        config = checkpoint_geometry(args.weights, endpoint("hf"))
+    return config, computing(held_weights(args.weights, config))
+
+
+def _cases(args: argparse.Namespace, weights: tuple[ModelConfig, Params] | None = None
+           ) -> list[TrainingCase]:
     cases = []
     packings = {"unpacked": [False], "packed": [True], "both": [False, True]}[args.batch]
-    for config in _configs(args.config):
+    configs = [weights[0]] if weights is not None else _configs(args.config or "toy")
+    for config in configs:
         for packed in packings:
             spec = default_spec(config, packed=packed)
             if _sequence(args):
@@ -89,7 +119,9 @@ def _cases(args: argparse.Namespace) -> list[TrainingCase]:
                 # validated (and rejected) below
                 shapes = [Mesh(1 if args.dp is None else args.dp, 1 if args.tp is None else args.tp,
                                args.sp, 1 if args.cp is None else args.cp)]
-            cases += [TrainingCase(config, m, args.seed, args.steps, spec) for m in shapes]
+            cases += [TrainingCase(config, m, args.seed, args.steps, spec,
+                                   weights[1] if weights is not None else None)
+                      for m in shapes]
     return cases
 
 
@@ -174,12 +206,33 @@ def cmd_train_check(args: argparse.Namespace) -> int:
             for note in check_environment(read, f"the phase {phase} {what} floor", remedy):
                 out.note(note)
 
+    weights = _weights(args) if args.weights is not None else None
+    measured: dict[tuple[bool, str], dict[str, float]] = {}
+
     def lookup(case: TrainingCase) -> dict[str, float]:
+        if weights is not None:  # never a floor of other weights: measured on these, on
+            # other batches (the check's seed + 1 and + 2), over the meshes the committed
+            # floor measures (one mesh alone may sum some quantity exactly: a zero floor)
+            assert case.spec is not None
+            key = (case.spec.packed, str(case.mesh))
+            if key not in measured:
+                shapes = [m for m in meshes(case.config, case.spec.rows)
+                          if not args.gloo or _over_gloo(args, m)]
+                shapes = list(dict.fromkeys([case.mesh, *shapes]))
+                train = _gloo_trainer([case]) if args.gloo else None
+                measured[key] = thresholds_on(case.config, weights[1], shapes, case.spec,
+                                              args.steps, (args.seed + 1, args.seed + 2),
+                                              phase, train=train)
+            return measured[key]
         if case.mesh.sp or case.mesh.cp > 1:  # the SP / CP floor, measured on its own
             return sequence_thresholds(case.config, case.mesh, artifact=sequence_artifact)
         return thresholds_for(case.config, artifact=artifact, mesh=case.mesh)
 
-    cases = _cases(args)
+    cases = _cases(args, weights)
+    if weights is not None:
+        out.note(f"your weights ({args.weights}, {weights[0].name}): each mesh's thresholds "
+                 f"measured on them, the correct sharded training at batch seeds "
+                 f"{args.seed + 1} and {args.seed + 2}, 100x the worst of each quantity")
     if not cases:
         raise InvalidMesh(f"no training case matches --config {args.config} with these options")
     # every case's thresholds before anything trains: over gloo a (config, mesh) the phase
@@ -257,8 +310,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     """Add ``train-check`` to ``wsb``."""
     p = subparsers.add_parser("train-check", help="training equivalence: loss, gradients and "
                               "AdamW steps of the DP x TP model against the dense one")
-    p.add_argument("--config", default="toy", help=f"{', '.join(TRAIN_CONFIGS)} or all "
+    p.add_argument("--config", default=None, help=f"{', '.join(TRAIN_CONFIGS)} or all "
                    "(default toy)")
+    p.add_argument("--weights", type=Path, default=None, metavar="DIR",
+                   help="train these weights instead of the seed's: a Hugging Face checkpoint "
+                        "directory (its config.json states the geometry) or a Megatron "
+                        "checkpoint (with --config); the thresholds are measured on them")
     p.add_argument("--dp", type=count, default=None, help="data-parallel size (default: 1, 2, "
                    "4 up to the batch rows)")
     p.add_argument("--tp", type=count, default=None, help="tensor-parallel degree (default: "

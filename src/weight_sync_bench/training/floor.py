@@ -22,7 +22,7 @@ never judged by the nearest cell.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
@@ -44,7 +44,7 @@ from weight_sync_bench.training import adversarial
 from weight_sync_bench.training.batches import BatchSpec, default_spec
 from weight_sync_bench.training.compare import EXACT, Trace
 from weight_sync_bench.training.mesh import Mesh
-from weight_sync_bench.training.step import TrainingCase
+from weight_sync_bench.training.step import Params, TrainingCase
 
 REPETITIONS = 2
 STEPS = 3
@@ -152,7 +152,8 @@ Groups = list[tuple[str, str, list[TrainingCase]]]  # (regime, label, cases shar
 def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a", *,
             groups: Groups | None = None, kind: str = "training",
             train: Callable[[TrainingCase], Trace | None] | None = None,
-            progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+            progress: Callable[[int, int, str], None] | None = None,
+            regimes: Sequence[str] = REGIMES) -> dict[str, Any]:
     """Run every case of the domain (``groups``, default the DP x TP one) correctly and
     return the artifact of the worst of each quantity (``tolerance.training.artifact``).
     Phase 1b trains over gloo on a rank pool, on the cases of its domain (``in_domain``; a
@@ -162,7 +163,7 @@ def measure(repetitions: int = REPETITIONS, steps: int = STEPS, phase: str = "1a
     pool). ``progress(done, total, what)`` after each group of cases sharing a reference."""
     train = _trainer(phase) if train is None else train
     worst = {regime: {q: {"worst": 0.0, "case": "", "where": ""} for q in QUANTITIES}
-             for regime in REGIMES}
+             for regime in regimes}  # ``regimes``: those ``groups`` measure
     cells, domain = [], {f: 0 for f in DOMAIN_FIELDS}
     never = dict.fromkeys(QUANTITIES, float("inf"))
     every = groups if groups is not None else _cases(repetitions, steps)
@@ -235,6 +236,22 @@ def require_mesh(artifact: dict[str, Any], config: ModelConfig, mesh: Mesh,
     else:
         why += f". Measure it with `{command}`"
     raise FloorNotMeasured(why, command=command)
+
+
+def thresholds_on(config: ModelConfig, params: Params, mesh_list: Sequence[Mesh],
+                  spec: BatchSpec, steps: int, seeds: Sequence[int], phase: str = "1a",
+                  train: Callable[[TrainingCase], Trace | None] | None = None
+                  ) -> dict[str, float]:
+    """Thresholds for training ``params`` (a user's weights), measured on them: the correct
+    sharded training on each of ``mesh_list`` at batch seeds ``seeds`` (never the checked
+    run's own batches) against the dense one, the worst of each quantity as ``measure``
+    records it, then ``thresholds_within``. A floor measured on other weights never judges
+    them."""
+    groups: Groups = [("plain", f"{config.name} your-weights seed={s}",
+                       [TrainingCase(config, m, s, steps, spec, params) for m in mesh_list])
+                      for s in seeds]
+    return thresholds_within(config, measure(groups=groups, phase=phase, train=train,
+                                             regimes=("plain",)), "plain")
 
 
 def thresholds_for(config: ModelConfig, regime: str = "plain",
