@@ -86,3 +86,19 @@ def insists_on_the_cached_cut(ctx, rank, local, plan):
         raise AssertionError(f"rank {rank}: the plan's local runs would be made inside the "
                              "timed region")
     return execute_plan(ctx, rank, local, plan)
+
+
+def read_from_checkpoint(ctx, rank, local, plan, *, directory, seed=None):
+    """No data movement: each destination rank reads its declared tensors straight from the
+    checkpoint ``directory`` (or, given ``seed``, from ``init_params`` of that seed), float32:
+    right exactly when the session moves that checkpoint's weights."""
+    from weight_sync_bench.conventions.checkpoint import read_weights
+    from weight_sync_bench.conventions.maps import materialize
+    from weight_sync_bench.model.config import init_params
+
+    if rank >= plan.dst.world:
+        return {}
+    config = plan.dst.config
+    source = (init_params(config, seed) if seed is not None
+              else {n: x.float() for n, x in read_weights(directory, config).items()})
+    return materialize([plan.dst.pieces[rank]], source)[0]

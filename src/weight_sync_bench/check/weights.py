@@ -65,12 +65,14 @@ def held_weights(weights: Weights, config: ModelConfig) -> dict[str, torch.Tenso
 
 def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
                       seeds: Iterable[int] = range(4), *,
-                      weights: Mapping[str, torch.Tensor] | None = None) -> float:
+                      weights: Mapping[str, torch.Tensor] | None = None,
+                      phase: str = "1a") -> float:
     """A threshold for a geometry with no committed floor (an HF config, reduced): the
     floor measured as the phase 1a artifact is, the max |logits - reference| of every
     endpoint's declared shards over model seeds ``s`` and token seeds ``1000 + s``, then
     ``derive_threshold`` (the smallest power of ten >= 100x it). ``weights``: these
-    weights at every seed, only the tokens drawn (a floor measured on real weights)."""
+    weights at every seed, only the tokens drawn (a floor measured on real weights).
+    ``phase="1b"``: the endpoints' forwards over gloo, as phase 2's destination forward runs."""
     worst = 0.0
     eps = [endpoint(e) for e in endpoints]
     held = computing(weights) if weights is not None else None  # fp32, as the forwards read
@@ -82,14 +84,14 @@ def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
         guard = RoutingGuard(model.routings, math.inf)  # the floor of the continuous part
         for ep in eps:
             logits = convention_logits(ep, config, materialize(ep.pieces(config), params),
-                                       tokens, guard=guard)
+                                       tokens, phase=phase, guard=guard)
             worst = max(worst, float((logits - reference).abs().max()))
     return derive_threshold(worst)
 
 
 def weights_threshold(config: ModelConfig, ends: Iterable[str | Endpoint],
-                      weights: Mapping[str, torch.Tensor], threshold: float | None
-                      ) -> tuple[float, str]:
+                      weights: Mapping[str, torch.Tensor], threshold: float | None,
+                      phase: str = "1a") -> tuple[float, str]:
     """The threshold a check on ``weights`` judges its forward by, and the note that says
     where it came from: ``threshold`` where given, else measured on the weights over the
     check's ``ends`` and the plain layout at its smallest sharded degree (two one-rank ends
@@ -98,7 +100,8 @@ def weights_threshold(config: ModelConfig, ends: Iterable[str | Endpoint],
         return threshold, "your weights: the threshold was given"
     sharded = [t for t in layout_for(config).supported_degrees() if t > 1][:1]
     measured = measure_threshold(config, [*ends, *(f"plain:{t}" for t in sharded)],
-                                 weights=weights)
+                                 weights=weights, phase=phase)
     return measured, (f"your weights: the threshold {measured:g} was measured on them (the "
-                      "declared shards of both ends and of the plain layout at its smallest "
-                      "sharded degree, token seeds 1000-1003, 100x the worst)")
+                      "declared shards of the check's ends and of the plain layout at its "
+                      "smallest sharded degree, token seeds 1000-1003, 100x the worst"
+                      + (", over gloo)" if phase == "1b" else ")"))

@@ -15,7 +15,9 @@ check and the verdict. ``--dp D``: the source replicated over D data-parallel gr
 (``SyncSession.run(into="existing")``; under torchrun as well, on CPU). ``--hf-config``:
 the geometry of a Hugging Face ``config.json`` (or a shipped one), ``--layers`` deep; its
 element check, bytes, time and memory need no floor, its forward does (TOY and TOY_KV4
-only), so it runs with ``--no-forward`` and is refused without it (exit 2).
+only), so it runs with ``--no-forward`` and is refused without it (exit 2). ``--weights
+DIR``: the user's weights move instead of the seed's values (``SyncSession(weights=)``),
+the forward's threshold measured on them.
 Exit status (``output.EXIT_CODES``): 0 when the element check and the forward pass, 1 when
 either fails; under torchrun only rank 0 prints and judges.
 """
@@ -23,6 +25,7 @@ either fails; under torchrun only rank 0 prints and judges.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from weight_sync_bench.cli.checkpoint import add_model_options, guard, model_of
@@ -43,6 +46,7 @@ from weight_sync_bench.collectives.gloo.pool import check_ranks
 from weight_sync_bench.errors import (
     FloorNotMeasured,
     UnsupportedLauncher,
+    WsbError,
 )
 from weight_sync_bench.sync.execute import DEFAULT_BUCKET, gather_scatter
 from weight_sync_bench.sync.layouts import sync_layout
@@ -53,6 +57,7 @@ from weight_sync_bench.sync.torchrun import TORCHRUN_BACKENDS, device_for, run_t
 from weight_sync_bench.tolerance.rules import floor_for
 
 if TYPE_CHECKING:
+    from weight_sync_bench.model.config import ModelConfig
     from weight_sync_bench.sync.session import SyncResult
 
 
@@ -69,11 +74,31 @@ def _record(result: SyncResult) -> dict[str, Any]:
             "threshold": v.threshold if v else None, "passed": result.passed}
 
 
+def _weights_config(args: argparse.Namespace) -> ModelConfig:
+    """``--weights DIR``'s geometry: an HF directory's config.json, else the model options
+    (a Megatron checkpoint's args state sizes, not the whole model)."""
+    from weight_sync_bench.conventions import endpoint
+    from weight_sync_bench.conventions.checkpoint import (
+        checkpoint_geometry,
+        is_megatron_checkpoint,
+    )
+
+    if args.config is not None or args.hf_config is not None:
+        return model_of(args)
+    if is_megatron_checkpoint(args.weights):
+        raise WsbError(f"{args.weights}: a Megatron checkpoint's args state sizes, not the "
+                       "whole model: give --config NAME or --hf-config PATH")
+    return checkpoint_geometry(args.weights, endpoint("hf"))
+
+
 def cmd_sync(args: argparse.Namespace) -> int:
     out = Output(args)
-    config = model_of(args)
+    config = model_of(args) if args.weights is None else _weights_config(args)
     guard(args, config)
-    if not args.no_forward:
+    if args.weights is not None and args.launcher == "torchrun":
+        raise UnsupportedLauncher("--weights runs on the rank pool (--launcher pool); under "
+                                  "torchrun the values are the seed's")
+    if not args.no_forward and args.weights is None:  # on --weights: measured on them
         try:
             floor_for(config, "1b")
         except FloorNotMeasured as exc:  # before any rank starts
@@ -117,7 +142,7 @@ def cmd_sync(args: argparse.Namespace) -> int:
             tick(0, steps, f"{args.src} -> {args.dst}: starting the rank processes, loading "
                            "the source shards")
             with SyncSession(config, args.src, args.dst, seed=args.seed, dp=args.dp,
-                             forward=not args.no_forward) as session:
+                             forward=not args.no_forward, weights=args.weights) as session:
                 plan = PLAN_MUTATIONS[args.mutation](session.plan) if args.mutation else None
                 tick(1, steps, f"{session.plan.label}: resharding, checking every element"
                                + (", the destination forward" if session.forward else ""))
@@ -159,6 +184,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="data-parallel replicas of the source (global rank dp_rank * degree + "
                         "tp_rank; default 1)")
     p.add_argument("--seed", type=seed, default=0, help="parameter seed (0..2^63-1)")
+    p.add_argument("--weights", type=Path, default=None, metavar="DIR",
+                   help="move these weights instead of the seed's values (in float32; each "
+                        "rank reads its own regions): a Hugging Face checkpoint directory, "
+                        "whose config.json states the geometry, or a Megatron checkpoint "
+                        "(with --config / --hf-config); the forward's threshold is measured "
+                        "on them")
     p.add_argument("--bucket", type=count, default=DEFAULT_BUCKET, metavar="BYTES",
                    help=f"largest message; staging is at most twice this (default "
                         f"{DEFAULT_BUCKET})")

@@ -32,6 +32,7 @@ import itertools
 import os
 import statistics
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 import torch
@@ -39,6 +40,7 @@ import torch
 from weight_sync_bench.check.checker import Verdict
 from weight_sync_bench.check.conversion import require_cell
 from weight_sync_bench.check.threshold import environment_notes
+from weight_sync_bench.check.weights import held_weights, weights_threshold
 from weight_sync_bench.collectives.gloo.pool import RankPool, shared_pool
 from weight_sync_bench.conventions import materialize
 from weight_sync_bench.errors import (
@@ -50,6 +52,7 @@ from weight_sync_bench.errors import (
 from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import RoutingGuard
+from weight_sync_bench.model.stepwise import computing
 from weight_sync_bench.sync.execute import (
     DEFAULT_BUCKET,
     CountingP2P,
@@ -62,6 +65,7 @@ from weight_sync_bench.sync.execute import (
 from weight_sync_bench.sync.layouts import SyncLayout, sync_layout
 from weight_sync_bench.sync.minimum import minimum_bytes, naive_bytes, time_bound
 from weight_sync_bench.sync.planner import ELEMENT_SIZE, Plan, plan_for
+from weight_sync_bench.sync.values import Source, WeightValues
 from weight_sync_bench.sync.verify import (
     ElementCheck,
     drop_task,
@@ -216,8 +220,13 @@ class SyncSession:
 
     def __init__(self, config: ModelConfig, src: str | SyncLayout, dst: str | SyncLayout, *,
                  seed: int = 0, dp: int = 1, pool: RankPool | None = None,
-                 forward: bool = True, threshold: float | None = None) -> None:
-        self.config, self.seed = config, seed
+                 forward: bool = True, threshold: float | None = None,
+                 weights: str | Path | None = None) -> None:
+        self.config = config
+        # the values moved: the generator's of ``seed``, or the user's weights (``weights``,
+        # a checkpoint directory each rank reads its own regions from, in float32)
+        self.seed: Source = seed if weights is None else WeightValues(str(weights), config)
+        held = computing(held_weights(weights, config)) if weights is not None else None
         self.src = src if isinstance(src, SyncLayout) else sync_layout(config, src, dp=dp)
         self.dst = dst if isinstance(dst, SyncLayout) else sync_layout(config, dst)
         self.plan = plan_for(self.src, self.dst)  # validates both covers before anything moves
@@ -231,7 +240,12 @@ class SyncSession:
         self.guard: RoutingGuard | None = None
         self.tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
         init = None
-        if self.forward and self.threshold is None:
+        if self.forward and self.threshold is None and held is not None:
+            # never a floor of the seed's weights: measured on these, over gloo as the
+            # destination forward runs (its declared shards' forward, token seeds 1000-1003)
+            self.threshold, note = weights_threshold(config, [self.dst.at], held, None, "1b")
+            self.notes += (note,)
+        elif self.forward and self.threshold is None:
             # FloorNotMeasured where no phase 1b floor covers the geometry; where one does
             # but has no cell of the destination's forward at its degree (vLLM's expert-
             # parallel forward), the elements are checked and a note says why no forward ran
@@ -245,21 +259,21 @@ class SyncSession:
                 self.threshold = floor.threshold
                 self.notes += environment_notes(floor, config, "1b", "fp32")
         if self.forward:
-            full = init_params(config, seed)
+            full = held if held is not None else init_params(config, seed)
             model = ReferenceModel(config, full)
             with torch.no_grad():
                 self.reference = model(self.tokens)
             if config.n_experts:  # top-k routing: the reference's choice where near-tied
                 self.guard = RoutingGuard(model.routings, self.threshold)
             init = materialize(list(self.src.pieces), full)
-            del full
+            del full, held
         self.pool = pool or shared_pool(self.world)
         if self.pool.size < self.world:
             raise ValueError(f"SyncSession: the pool has {self.pool.size} ranks, the job needs "
                              f"{self.world} ({self.plan.label})")
         self.key = f"{os.getpid()}-{next(_sessions)}"
         self.pool.run(load_task, self.world, kwargs={"key": self.key, "src": self.src,
-                                                     "seed": seed},
+                                                     "seed": self.seed},
                       rank_kwargs=[{"init": init[r] if init and r < len(init) else None}
                                    for r in range(self.world)])
 
@@ -399,7 +413,7 @@ def no_forward(dst: SyncLayout) -> str:
             "over more ranks than TP): its elements are checked")
 
 
-def stale_values(plan: Plan, rank: int, seed: int) -> Params:
+def stale_values(plan: Plan, rank: int, seed: Source) -> Params:
     """What ``rank``'s existing destination tensors hold before a run into them: the values
     the sync must write (``verify.generated``: the generator's, zero padding) with the
     lowest bit of every element flipped, so that every element differs from its expected
@@ -410,7 +424,7 @@ def stale_values(plan: Plan, rank: int, seed: int) -> Params:
     return out
 
 
-def existing_task(ctx: RankContext, *, key: str, plan: Plan, seed: int) -> int:
+def existing_task(ctx: RankContext, *, key: str, plan: Plan, seed: Source) -> int:
     """Allocate this rank's destination tensors for session ``key`` once (again if the
     destination layout changed) and fill them with ``stale_values``; their bytes."""
     ctx.tracer.mark("sync: existing storage")
@@ -507,22 +521,28 @@ def run_distributed_reshard(fn: ReshardFn, config: ModelConfig, src: str, dst: s
                             seed: int = 0, dp: int = 1, pool: RankPool | None = None,
                             bucket_bytes: int = DEFAULT_BUCKET, forward: bool = True,
                             threshold: float | None = None, calibrate: bool = False,
-                            into: str = "fresh") -> SyncResult:
-    """One session, one run: ``SyncSession(...).run(fn, into=into)``."""
+                            into: str = "fresh", weights: str | Path | None = None
+                            ) -> SyncResult:
+    """One session, one run: ``SyncSession(...).run(fn, into=into)`` (``weights``: a
+    checkpoint directory whose weights are moved instead of the seed's values)."""
     with SyncSession(config, src, dst, seed=seed, dp=dp, pool=pool, forward=forward,
-                     threshold=threshold) as session:
+                     threshold=threshold, weights=weights) as session:
         return session.run(fn, bucket_bytes=bucket_bytes, calibrate=calibrate, into=into)
 
 
 def check_distributed_reshard(fn: ReshardFn, config: ModelConfig, src: str, dst: str, *,
                               seed: int = 0, dp: int = 1, pool: RankPool | None = None,
-                              threshold: float | None = None) -> Verdict:
+                              threshold: float | None = None,
+                              weights: str | Path | None = None) -> Verdict:
     """The verdict on a distributed resharder ``fn(ctx, rank, local_shards, plan) -> dst
     local shards`` from ``src`` (``"megatron:4"``, ``"fsdp:4"``, ``dp`` replicas) to ``dst``
     (``"vllm:2"``): every destination element bit-exact (``first_mismatch`` names the first
-    tensor that differs) and the destination forward within the phase 1b threshold."""
+    tensor that differs) and the destination forward within the phase 1b threshold.
+    ``weights``: a checkpoint directory (HF or Megatron, ``read_weights``): its weights are
+    what moves, in float32, each rank reading its own regions; the threshold is measured
+    on them over gloo, never a floor of the seed's."""
     result = run_distributed_reshard(fn, config, src, dst, seed=seed, dp=dp, pool=pool,
-                                     threshold=threshold)
+                                     threshold=threshold, weights=weights)
     if result.verdict is None:
         raise InvalidShards(f"{dst}: no forward to judge a verdict by (not a TP inference "
                             "layout); use run_distributed_reshard for the element check")

@@ -24,11 +24,15 @@ measured on ``init_params``, runs on ``init_params`` shards resharded by the sam
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from weight_sync_bench.model.config import DEFAULT_INIT
+
+if TYPE_CHECKING:
+    from weight_sync_bench.model.config import ModelConfig
 
 CHUNK = 1 << 18  # elements generated at a time: 2 MiB of uint64 scratch
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -84,9 +88,63 @@ def region_values(seed: int, name: str, shape: tuple[int, ...],
     return values(seed, name, flat)
 
 
-def fill(out: torch.Tensor, seed: int, name: str, shape: tuple[int, ...],
+class WeightValues:
+    """A user's weights as phase 2's values (``SyncSession(weights=DIR)``): what each
+    region of a canonical parameter holds, read from the checkpoint directory
+    (``conventions.checkpoint.read_weights``) on the rank that asks, in float32 (bf16 and
+    fp16 convert exactly). Picklable: the directory's path travels to the rank processes,
+    each opens it on first use and keeps the last parameter it read (a rank's boxes of one
+    tensor follow each other): one parameter in memory at a time on a rank for an HF
+    directory, read lazily; a Megatron checkpoint is read whole by each rank that opens it."""
+
+    def __init__(self, directory: str, config: ModelConfig) -> None:
+        self.directory, self.config = str(directory), config
+        self._open: Any = None
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": self.directory, "config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["directory"], state["config"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"WeightValues({self.directory!r})"
+
+    def parameter(self, name: str) -> torch.Tensor:
+        """The whole canonical parameter ``name``, float32."""
+        if self._last is None or self._last[0] != name:
+            if self._open is None:
+                from weight_sync_bench.conventions.checkpoint import read_weights
+
+                self._open = read_weights(self.directory, self.config)
+            self._last = (name, self._open[name].float())
+        return self._last[1]
+
+    def region(self, name: str, shape: tuple[int, ...],
+               region: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        x = self.parameter(name)
+        assert tuple(x.shape) == tuple(shape), (name, tuple(x.shape), shape)
+        for d, (a, b) in enumerate(region):
+            x = x.narrow(d, a, b - a)
+        return x
+
+
+Source = int | WeightValues  # phase 2's values: the generator's of a seed, or the user's
+
+
+def region_of(source: Source, name: str, shape: tuple[int, ...],
+              region: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The values of canonical ``region`` of ``name``: the generator's (a seed) or the
+    user's weights'."""
+    if isinstance(source, WeightValues):
+        return source.region(name, shape, region)
+    return region_values(source, name, shape, region)
+
+
+def fill(out: torch.Tensor, seed: Source, name: str, shape: tuple[int, ...],
          region: tuple[tuple[int, int], ...]) -> None:
-    """Write ``region_values`` into ``out`` (a view of the region's shape), ``CHUNK``
+    """Write ``region_of`` into ``out`` (a view of the region's shape), ``CHUNK``
     elements of dim 0 at a time, so the scratch stays small whatever the region."""
     rows = region[0][1] - region[0][0]
     per_row = max(1, out.numel() // max(rows, 1))
@@ -94,4 +152,4 @@ def fill(out: torch.Tensor, seed: int, name: str, shape: tuple[int, ...],
     for a in range(0, rows, step):
         b = min(rows, a + step)
         sub = ((region[0][0] + a, region[0][0] + b), *region[1:])
-        out.narrow(0, a, b - a).copy_(region_values(seed, name, shape, sub))
+        out.narrow(0, a, b - a).copy_(region_of(seed, name, shape, sub))

@@ -44,7 +44,7 @@ from weight_sync_bench.sync.execute import (
     rss_reset,
 )
 from weight_sync_bench.sync.planner import ELEMENT_SIZE, Plan
-from weight_sync_bench.sync.values import fill, region_values
+from weight_sync_bench.sync.values import Source, fill, region_of
 
 if TYPE_CHECKING:
     from weight_sync_bench.collectives.gloo.rank import RankContext
@@ -55,14 +55,14 @@ Params = dict[str, torch.Tensor]
 _HELD: dict[str, dict[str, Any]] = {}  # per session key, on each rank process
 
 
-def generated(layout: SyncLayout, rank: int, seed: int) -> Params:
+def generated(layout: SyncLayout, rank: int, seed: Source) -> Params:
     """``rank``'s tensors of ``layout`` holding the generator's values (``expected``)."""
     if rank >= layout.world:
         return {}
     return {name: expected(layout, rank, name, seed) for name in layout.pieces[rank]}
 
 
-def expected(layout: SyncLayout, rank: int, name: str, seed: int) -> torch.Tensor:
+def expected(layout: SyncLayout, rank: int, name: str, seed: Source) -> torch.Tensor:
     """What ``rank``'s stored tensor ``name`` must hold: each box of its selection, the
     canonical region from the generator (zeros in padding), stored as its convention stores
     it (``Piece.stacked``: vLLM's stacked experts member by member). Made from the stored
@@ -97,7 +97,7 @@ class ElementCheck:
         return not self.differ and self.checked == self.total
 
 
-def check_elements(plan: Plan, rank: int, out: Mapping[str, torch.Tensor], seed: int
+def check_elements(plan: Plan, rank: int, out: Mapping[str, torch.Tensor], seed: Source
                    ) -> ElementCheck:
     """Compare ``rank``'s destination tensors with what their boxes must hold (``expected``),
     bit for bit
@@ -135,12 +135,12 @@ class Regenerated(Mapping[str, torch.Tensor]):
     """The canonical parameters, each regenerated from the generator when read (a
     diagnosis's: after the timed region, one at a time)."""
 
-    def __init__(self, seed: int, shapes: Mapping[str, tuple[int, ...]]) -> None:
+    def __init__(self, seed: Source, shapes: Mapping[str, tuple[int, ...]]) -> None:
         self.seed, self.shapes = seed, shapes
 
     def __getitem__(self, name: str) -> torch.Tensor:
         shape = self.shapes[name]
-        return region_values(self.seed, name, shape, tuple((0, n) for n in shape))
+        return region_of(self.seed, name, shape, tuple((0, n) for n in shape))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -188,7 +188,7 @@ def structure_error(plan: Plan, rank: int, out: object) -> str | None:
 # -- the rank side
 
 
-def load(rank: int, key: str, src: SyncLayout, seed: int, init: Params | None,
+def load(rank: int, key: str, src: SyncLayout, seed: Source, init: Params | None,
          device: str = "cpu") -> int:
     """Keep ``rank``'s source tensors for session ``key`` on ``device``: the generator's
     values (made here, box by box) and, for the forward, ``init`` (``init_params``' values,
@@ -225,7 +225,7 @@ def run_fn(fn: ReshardFn, ctx: SyncContext, rank: int, local: Mapping[str, torch
 
 
 def reshard(rank: int, world: int, group: Any, tracer: Any, *, key: str, plan: Plan,
-            fn: ReshardFn, bucket_bytes: int, seed: int, forward: bool,
+            fn: ReshardFn, bucket_bytes: int, seed: Source, forward: bool,
             bandwidth: bool, device: str = "cpu", elements: bool = True) -> dict[str, Any]:
     """One plan on this rank: (calibrate), reshard the generator's values with ``fn`` and
     check them (unless ``elements=False``: the forward alone); reshard ``init_params``'
@@ -286,7 +286,7 @@ def forward(rank: int, ctx: RankContext, *, key: str, plan: Plan, tokens: torch.
 # -- tasks for the rank pool (module-level: picklable by reference)
 
 
-def load_task(ctx: RankContext, *, key: str, src: SyncLayout, seed: int,
+def load_task(ctx: RankContext, *, key: str, src: SyncLayout, seed: Source,
               init: Params | None) -> int:
     ctx.tracer.mark("sync: load")
     return load(ctx.rank, key, src, seed, init)
