@@ -73,10 +73,10 @@ def test_weights_that_are_not_the_geometrys_are_refused_naming_the_parameter():
                                             r"weights do not \(1 missing\)"):
         check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2",
                       weights={n: x for n, x in weights.items() if n != "layers.1.qkv.weight"})
-    with pytest.raises(InvalidConfig, match=r"weights: one dtype expected .* found "
-                                            r"torch.bfloat16 \(.*\), torch.float32 \(norm.weight"):
+    with pytest.raises(InvalidConfig, match=r"weights: norm.weight is torch.int8, not a "
+                                            r"floating-point parameter"):
         check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2",
-                      weights={**weights, "norm.weight": weights["norm.weight"].float()})
+                      weights={**weights, "norm.weight": weights["norm.weight"].to(torch.int8)})
     with pytest.raises(InvalidConfig, match=r"weights: norm.weight is \[3\]"):
         check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2",
                       weights={**weights, "norm.weight": torch.zeros(3, dtype=torch.bfloat16)})
@@ -168,3 +168,32 @@ def test_a_splitter_and_a_resharder_are_checked_on_the_weights_given(tmp_path):
         assert not failed.passed and failed.first_mismatch == "layers.0.o_proj.weight"
     with pytest.raises(ValueError, match="drop dtype="):
         check_split(splitter, CONFIG, 2, weights=weights, dtype="bf16")
+
+
+def mixed_weights():
+    """bf16 matrices beside fp32 norms, as trainers save them (an MoE model's router bias
+    too)."""
+    return {n: x.float() if n.endswith("norm.weight") else x for n, x in real_weights().items()}
+
+
+def test_weights_of_several_dtypes_are_compared_each_in_its_own():
+    """A converter that keeps every tensor's dtype passes, the verdict noting the dtypes;
+    its twin, casting the fp32 norms to bf16 as a one-dtype sync would, is refused naming
+    the tensor and both dtypes."""
+    from weight_sync_bench.errors import WrongShardShape
+
+    weights = mixed_weights()
+    verdict = check_convert(megatron_to_vllm, CONFIG, "megatron:2", "vllm:2", weights=weights)
+    assert verdict.passed and verdict.dtype == "bf16", verdict
+    assert any("several dtypes: bfloat16, beside layers.0.attn_norm.weight float32" in n
+               for n in verdict.notes), verdict.notes
+
+    def all_bf16(shards, degree, *, config):
+        return [{n: x.to(torch.bfloat16) for n, x in rank.items()}
+                for rank in megatron_to_vllm(shards, degree, config=config)]
+
+    with pytest.raises(WrongShardShape, match=r"input_layernorm.weight: dtype torch.bfloat16, "
+                                              r"declared torch.float32"):
+        check_convert(all_bf16, CONFIG, "megatron:2", "vllm:2", weights=weights)
+    failed = check_convert(gate_up_swapped, CONFIG, "megatron:2", "vllm:2", weights=weights)
+    assert not failed.passed and failed.first_mismatch.endswith("gate_up_proj.weight")

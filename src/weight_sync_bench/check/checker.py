@@ -29,7 +29,7 @@ from weight_sync_bench.check.naming import layout_naming, name_shards
 from weight_sync_bench.check.threshold import environment_notes, resolve_floor
 from weight_sync_bench.check.user_code import call_user
 from weight_sync_bench.check.verdict import Verdict, format_verdicts
-from weight_sync_bench.check.weights import Weights, held_weights, weights_threshold
+from weight_sync_bench.check.weights import Weights, dtypes_of, held_weights, weights_threshold
 from weight_sync_bench.errors import InvalidNumber, InvalidShards
 from weight_sync_bench.layout.reshard import (
     reshard,
@@ -107,6 +107,9 @@ class Checker:
     # the threshold (every committed MoE floor cell records the routing deviation it bounds,
     # ``check.floor``), None for a dense model.
     guard: RoutingGuard | None = field(init=False, default=None)
+    # ``params`` of several dtypes (a user's weights: bf16 beside an fp32 bias), each
+    # compared in its own; ``dtype`` then names the check (``check.weights.dtypes_of``)
+    mixed: bool = False
 
     def __post_init__(self) -> None:
         self.dtype = parse_dtype(self.dtype)
@@ -118,7 +121,7 @@ class Checker:
         if self.params is None:
             self.params = init_params(self.config, self.seed, dtype=self.dtype)
         odd = [(n, x.dtype) for n, x in self.params.items() if x.dtype != self.dtype]
-        if odd:
+        if odd and not self.mixed:
             raise InvalidShards(f"params {odd[0][0]}: dtype {odd[0][1]}, the check syncs "
                                 f"{self.dtype} ({len(odd)} parameters differ)")
         if self.tokens is None:
@@ -228,21 +231,22 @@ def degree_pairs(layout: LayoutTable) -> list[tuple[int, int]]:
 
 def checker_for(config: ModelConfig, *, seed: int = 0, backend: str = "inprocess",
                 threshold: float | None = None, dtype: torch.dtype | str = torch.float32,
-                measure_floor: bool = False, params: Params | None = None) -> Checker:
+                measure_floor: bool = False, params: Params | None = None,
+                mixed: bool = False) -> Checker:
     """A Checker whose sharded forward runs in this process (phase 1a, ``InProcessCollective``)
     or one process per rank over gloo (phase 1b, the shared rank pool), with that phase's
     threshold for ``dtype`` weights (see ``Checker``); ``params``: the weights to check
     with instead of the seed's (in ``dtype``)."""
     if backend == "inprocess":
         return Checker(config, seed=seed, threshold=threshold, dtype=dtype,
-                       measure_floor=measure_floor, params=params)
+                       measure_floor=measure_floor, params=params, mixed=mixed)
     if backend == "gloo":
         from weight_sync_bench.check.forwards import (
             gloo_forward,  # rank processes start on first use
         )
 
         return Checker(config, seed=seed, threshold=threshold, phase="1b", forward=gloo_forward(),
-                       dtype=dtype, measure_floor=measure_floor, params=params)
+                       dtype=dtype, measure_floor=measure_floor, params=params, mixed=mixed)
     raise ValueError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
 
 
@@ -348,9 +352,10 @@ def _weights_checker(config: ModelConfig, weights: Weights, ends: list[str], *,
                          "measured on them: drop dtype= and measure_floor=")
     held = held_weights(weights, config)
     threshold, note = weights_threshold(config, ends, held, threshold)
-    (own,) = {x.dtype for x in held.values()}
-    checker = checker_for(config, threshold=threshold, backend=backend, dtype=own, params=held)
-    checker.notes = (*checker.notes, note)
+    own, several = dtypes_of(held)
+    checker = checker_for(config, threshold=threshold, backend=backend, dtype=own, params=held,
+                          mixed=several is not None)
+    checker.notes = (*checker.notes, note, *([several] if several else []))
     return checker
 
 

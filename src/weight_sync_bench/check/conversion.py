@@ -193,14 +193,15 @@ def conversion_checker(config: ModelConfig, *, seed: int = 0, backend: str = "in
                        threshold: float | None = None,
                        dtype: torch.dtype | str = torch.float32,
                        measure_floor: bool = False,
-                       params: Params | None = None) -> ConversionChecker:
+                       params: Params | None = None, mixed: bool = False) -> ConversionChecker:
     """A ``ConversionChecker`` over ``checker_for(config, ...)``'s checker: the seed's weights
     in ``dtype``, the destination forward in process (``"inprocess"``, phase 1a) or over gloo
     (``"gloo"``, phase 1b), judged by ``threshold`` or by the floor that covers the geometry
     (``measure_floor``: measured and cached where none does)."""
     return ConversionChecker(checker_for(config, seed=seed, backend=backend,
                                          threshold=threshold, dtype=dtype,
-                                         measure_floor=measure_floor, params=params))
+                                         measure_floor=measure_floor, params=params,
+                                         mixed=mixed))
 
 
 def require_cell(floor: Floor | None, config: ModelConfig, target: Endpoint) -> None:

@@ -70,7 +70,12 @@ from weight_sync_bench.check.streamed_conversion import (
     stream_convert,
 )
 from weight_sync_bench.check.user_code import call
-from weight_sync_bench.check.weights import held_weights, measure_threshold, weights_threshold
+from weight_sync_bench.check.weights import (
+    dtypes_of,
+    held_weights,
+    measure_threshold,
+    weights_threshold,
+)
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.errors import InvalidNumber
 from weight_sync_bench.model.config import parse_dtype
@@ -148,10 +153,10 @@ def _check_weights(fn: ConvertFn, config: ModelConfig, source: Endpoint, target:
                    threshold: float | None) -> Verdict:
     """``check_convert`` on ``weights`` (see it): the threshold measured on them."""
     threshold, note = weights_threshold(config, [source, target], weights, threshold)
-    (dtype,) = {x.dtype for x in weights.values()}
+    dtype, several = dtypes_of(weights)
     checker = conversion_checker(config, backend=backend, threshold=threshold, dtype=dtype,
-                                 params=weights)
-    checker.checker.notes += (note,)
+                                 params=weights, mixed=several is not None)
+    checker.checker.notes += (note, *([several] if several else []))
     out = call(fn, (checker.source(source), target.world), role="converter", config=config,
                during=f"while converting {config.name} {source} -> {target}",
                ends=(source, target))

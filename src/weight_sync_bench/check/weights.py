@@ -38,7 +38,8 @@ Weights = Mapping[str, torch.Tensor] | str | Path
 
 def held_weights(weights: Weights, config: ModelConfig) -> dict[str, torch.Tensor]:
     """``weights`` as canonical parameters in memory, checked: every parameter of ``config``
-    with its shape, one dtype (``InvalidConfig``, exit 2, naming the first that is not)."""
+    with its shape, floating point (``InvalidConfig``, exit 2, naming the first that is
+    not); in their own dtypes, one or several (``dtypes_of``)."""
     if isinstance(weights, (str, Path)):
         weights = read_weights(weights, config)
     shapes = config.param_shapes()
@@ -52,15 +53,29 @@ def held_weights(weights: Weights, config: ModelConfig) -> dict[str, torch.Tenso
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise InvalidConfig(f"weights: {name} is {got}, {config.name} declares "
                                 f"{list(shapes[name])}")
-    dtypes = {x.dtype for x in held.values()}
-    if len(dtypes) != 1:  # the check syncs one dtype (a norm kept in fp32 beside bf16 is not)
-        first = {d: next(n for n, x in held.items() if x.dtype == d) for d in dtypes}
-        raise InvalidConfig("weights: one dtype expected (the check compares and syncs one), "
-                            "found " + ", ".join(f"{d} ({first[d]}, ...)" for d in
-                                                 sorted(dtypes, key=str)))
+    floating = [n for n, x in held.items() if not x.is_floating_point()]
+    if floating:
+        raise InvalidConfig(f"weights: {floating[0]} is {held[floating[0]].dtype}, not a "
+                            "floating-point parameter (quantized weights are not checked here)")
     return held
 
 
+def dtypes_of(weights: Mapping[str, torch.Tensor]) -> tuple[torch.dtype, str | None]:
+    """The dtype a check on ``weights`` is named by (the one most elements have), and where
+    they hold several (bf16 matrices beside an fp32 router bias or norms, as trainers save
+    them), the note that says which parameters are in which: each tensor is compared in
+    its own dtype, and the forwards compute in fp32 from every one's values."""
+    counts: dict[torch.dtype, int] = {}
+    for x in weights.values():
+        counts[x.dtype] = counts.get(x.dtype, 0) + x.numel()
+    main = max(counts, key=lambda d: (counts[d], str(d)))
+    if len(counts) == 1:
+        return main, None
+    others = [(n, x.dtype) for n, x in weights.items() if x.dtype != main]
+    shown = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for n, d in others[:3])
+    more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+    return main, (f"your weights hold several dtypes: {str(main).removeprefix('torch.')}, "
+                  f"beside {shown}{more}; each tensor is compared in its own dtype")
 
 
 def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],

@@ -225,8 +225,13 @@ def gather_canonical(shards: Sequence[Mapping[str, torch.Tensor]], pieces: Piece
     several ranks (a replica) is taken from the lowest rank, as ``gather`` takes rank 0's
     copy of a replicated parameter. Assumes the shards fit the pieces' shapes."""
     wanted = set(shapes) if sources is None else set(sources)
-    dtype = next(iter(shards[0].values())).dtype if shards and shards[0] else torch.float32
-    full = {name: torch.zeros(shapes[name], dtype=dtype) for name in wanted}
+    # each canonical tensor in the dtype its stored tensors hold (a checkpoint may keep fp32
+    # norms beside bf16 matrices), fp32 where none is stored
+    dtypes = {piece.source: shards[rank][name].dtype for rank in range(len(pieces))
+              for name, piece in pieces[rank].items()
+              if piece.source in wanted and name in shards[rank]}
+    full = {name: torch.zeros(shapes[name], dtype=dtypes.get(name, torch.float32))
+            for name in wanted}
     for rank in reversed(range(len(pieces))):  # rank 0 writes last: its copy wins
         for name, piece in pieces[rank].items():
             if piece.source not in full:
