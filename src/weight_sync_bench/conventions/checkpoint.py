@@ -1100,14 +1100,25 @@ DIST_METADATA = ".metadata"  # torch.distributed.checkpoint.filesystem
 _DIST_FILE_RE = re.compile(r"__\d+_\d+\.distcp")
 _DIST_EXPERT_RE = re.compile(
     r"mlp\.experts\.(?:(linear_fc[12])\.weight(\d+)|local_experts\.(\d+)\.(linear_fc[12])\.weight)")
-# What a DCP ``.metadata`` pickle may name (torch 2.13's Metadata and its parts): anything
-# else is refused before it is built.
+# What a DCP ``.metadata`` pickle may name (torch 2.13's Metadata and its parts, records
+# that build nothing but themselves): anything else is refused before it is built.
 _DIST_GLOBALS = frozenset({
     ("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     *(("torch.distributed.checkpoint.metadata", n) for n in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))})
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    # Megatron-Core's save keeps every rank's plan in the metadata (``all_local_plans``)
+    *(("torch.distributed.checkpoint.planner", n) for n in (
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData"))})
+
+
+# Where Megatron-Core's local layer spec saves what the TE spec names otherwise: an MoE
+# layer's pre-MLP norm (``get_gpt_layer_local_spec``'s ``sharded_state_dict_keys_map`` maps
+# ``pre_mlp_layernorm.`` to ``mlp.linear_fc1.layer_norm_`` whatever the MLP; seen in a
+# checkpoint saved by megatron-core 0.16.1, tests/data/megatron_core/moe_tp1).
+_DIST_ALIASES = {"decoder.layers.{i}.pre_mlp_layernorm.weight":
+                 ("decoder.layers.{i}.mlp.linear_fc1.layer_norm_weight",)}
 
 
 def dist_key(name: str, *, stacked: bool = True) -> tuple[str, tuple[int, ...]]:
@@ -1279,9 +1290,13 @@ def megatron_dist_weights(files: _Files, step: str, where: Endpoint, config: Mod
     shapes = config.param_shapes()
     by_key: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for name in pieces:
-        key, index = dist_key(name)
-        if key not in held:
-            key, index = dist_key(name, stacked=False)
+        for stored in (name, *_DIST_ALIASES.get(re.sub(r"\.\d+\.", ".{i}.", name, 1), ())):
+            stored = stored.replace("{i}", name.split(".")[2]) if "{i}" in stored else stored
+            key, index = dist_key(stored)
+            if key not in held:
+                key, index = dist_key(stored, stacked=False)
+            if key in held:
+                break
         if key not in held:
             raise CheckpointError(f"{path}: torch_dist holds no {dist_key(name)[0]} (nor "
                                   f"{key}), where {name} is kept", path=str(path))
