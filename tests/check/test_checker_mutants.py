@@ -507,16 +507,19 @@ def test_checker_for_builds_each_backends_checker_with_every_option(monkeypatch)
     checker_for(TOY, seed=7, threshold=0.5, dtype="bf16", measure_floor=True)
     checker_for(TOY, backend="gloo")
     checker_for(TOY, seed=7, backend="gloo", threshold=0.5, dtype="bf16", measure_floor=True,
-                params={"w": 1})
+                params={"w": 1}, mixed=True)
+    checker_for(TOY, params={"w": 2}, mixed=True)
     assert made == [
         (TOY, {"seed": 0, "threshold": None, "dtype": torch.float32, "measure_floor": False,
-               "params": None}),
+               "params": None, "mixed": False}),
         (TOY, {"seed": 7, "threshold": 0.5, "dtype": "bf16", "measure_floor": True,
-               "params": None}),
+               "params": None, "mixed": False}),
         (TOY, {"seed": 0, "threshold": None, "phase": "1b", "forward": gloo, "dtype": torch.float32,
-                   "measure_floor": False, "params": None}),
+                   "measure_floor": False, "params": None, "mixed": False}),
         (TOY, {"seed": 7, "threshold": 0.5, "phase": "1b", "forward": gloo, "dtype": "bf16",
-                   "measure_floor": True, "params": {"w": 1}})]
+                   "measure_floor": True, "params": {"w": 1}, "mixed": True}),
+        (TOY, {"seed": 0, "threshold": None, "dtype": torch.float32, "measure_floor": False,
+               "params": {"w": 2}, "mixed": True})]
 
 
 def test_the_sweep_makes_its_checker_from_its_options_and_mutates_with_the_config(monkeypatch):

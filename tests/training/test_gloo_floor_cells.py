@@ -91,7 +91,7 @@ def _parse(config, argv):
                                   ["--dp", "2", "--sp", "--cp", "2", "--tp", "2"]])
 def test_every_mesh_the_gloo_train_check_runs_up_to_8_ranks_reads_a_covering_cell(argv,
                                                                                 monkeypatch):
-    def case(config, mesh, seed, steps, spec):  # the meshes only: no parameters drawn
+    def case(config, mesh, seed, steps, spec, params=None):  # the meshes only: none drawn
         mesh.validate(config, spec.rows, spec.seq_len)  # as TrainingCase does
         return SimpleNamespace(config=config, mesh=mesh)
 
