@@ -69,6 +69,7 @@ from weight_sync_bench.check.streamed_conversion import (
     stage_convert,
     stream_convert,
 )
+from weight_sync_bench.check.fp8 import check_fp8_convert
 from weight_sync_bench.check.user_code import call
 from weight_sync_bench.check.weights import (
     dtypes_of,
@@ -78,7 +79,7 @@ from weight_sync_bench.check.weights import (
 )
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.errors import InvalidNumber
-from weight_sync_bench.model.config import parse_dtype
+from weight_sync_bench.model.config import init_params, parse_dtype
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.streaming import Progress
@@ -123,7 +124,19 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
     InvalidNumber.seed("seed", seed)
     source, target = endpoint(src), endpoint(dst)
     source.pieces(config)  # both conventions' rules, before the user's code runs
-    target.pieces(config)
+    target.unquantized().pieces(config)
+    if target.quantized:  # an FP8 destination: weights and scales (check.fp8)
+        if stream is not None or backend != "inprocess" or measure_floor:
+            raise ValueError(f"{target}: an FP8 destination is checked whole, in process, "
+                             "with a threshold measured on its dequantized weights: drop "
+                             "stream=, backend= and measure_floor=")
+        if weights is not None:
+            held = held_weights(weights, config)
+            return check_fp8_convert(fn, config, source, target, held, threshold=threshold,
+                                     seed=seed, weights_note=dtypes_of(held)[1])
+        return check_fp8_convert(fn, config, source, target,
+                                 init_params(config, seed, dtype=parse_dtype(dtype)),
+                                 threshold=threshold, seed=seed)
     if weights is not None:
         if stream is not None:
             raise ValueError("weights= runs the whole-model check; stream= draws the seed's "

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from weight_sync_bench.errors import (
@@ -161,6 +161,10 @@ def _pieces(convention: Convention, config: ModelConfig, at: Endpoint) -> Pieces
         need(at.ep == 1 and at.etp == 0, convention.name, "the experts", at.degree,
              "an MoE config for ep or etp (a dense model has no experts)",
              f"ep={at.ep}, etp={at.etp}")
+    need(not at.quantized, convention.name, "the linear weights", at.degree,
+         "no fp8 option here: an FP8 endpoint's tensors are conventions.fp8.fp8_shards' "
+         "(weights and their scales), which check_convert compares; this path takes the "
+         "unquantized endpoint", str(at))
     need(convention.stages or not at.staged, convention.name, "the layers", at.degree,
          "pp=1 (the harness models the pipeline stages of megatron only)",
          f"pp={at.pp}, vpp={at.vpp}, pp_first={at.pp_first}, pp_last={at.pp_last}")
@@ -235,6 +239,16 @@ class Endpoint:
 
     def pieces(self, config: ModelConfig) -> Pieces:
         return self.convention.pieces(config, self)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether its linear weights are FP8 (``fp8=block128``: ``conventions.fp8``)."""
+        return dict(self.options).get("fp8", "none") != "none"
+
+    def unquantized(self) -> Endpoint:
+        """The same endpoint with its weights in the source dtype: the index maps an FP8
+        endpoint's tensors are cut by, and the forward that reads them dequantized."""
+        return replace(self, options=tuple((k, v) for k, v in self.options if k != "fp8"))
 
     def __str__(self) -> str:
         if self.ep == 1 and not self.etp and not self.options and not self.staged:

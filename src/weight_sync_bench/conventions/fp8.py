@@ -220,7 +220,7 @@ def fp8_shards(config: ModelConfig, where: Endpoint, params: Mapping[str, torch.
     ``params``' dtype."""
     values, scales = quantize_canonical(config, params)
     out = []
-    for rank in where.pieces(config):
+    for rank in where.unquantized().pieces(config):
         shards: Params = {}
         for name, piece in rank.items():
             if piece.source not in values:

@@ -69,7 +69,9 @@ NAMES = {
     "layers.{i}.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
     "layers.{i}.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
-OPTIONS = {"experts": ("per_expert", "fused")}
+# fp8=block128: an HF FP8 checkpoint's tensors (q_proj.weight e4m3fn beside its
+# weight_scale_inv; DeepSeek-V3 README_WEIGHTS.md), conventions.fp8
+OPTIONS = {"experts": ("per_expert", "fused"), "fp8": ("none", "block128")}
 
 
 def _reads(config: ModelConfig, at: Endpoint) -> ForwardLayout:

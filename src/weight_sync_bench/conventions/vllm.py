@@ -97,7 +97,9 @@ NAMES = {
     "layers.{i}.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
     "layers.{i}.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
-OPTIONS = {"placement": ("linear", "round_robin"), "kernel": ("none", "flashinfer_cutlass")}
+# fp8=block128: the linear weights block-FP8 with their weight_scale_inv (conventions.fp8)
+OPTIONS = {"placement": ("linear", "round_robin"), "kernel": ("none", "flashinfer_cutlass"),
+           "fp8": ("none", "block128")}
 
 
 def moe_names(config: ModelConfig) -> dict[str, str]:

@@ -1,0 +1,243 @@
+"""The verdict on a converter into a block-FP8 endpoint (``check_convert(fn, config, src,
+"vllm:tp=2,fp8=block128")``).
+
+The declared destination is ``conventions.fp8.fp8_shards``: the source weights quantized by
+the reference quantizer, each HF tensor whole and on its own, the FP8 bytes and each
+``weight_scale_inv`` cut as the engine's loader cuts them. The converter's output is
+compared with it bit for bit, weights and scales (names, shapes and dtypes first:
+``InvalidShards`` / ``WrongShardShape``); a NaN or an infinity in a weight or a scale never
+passes and is named. Then computation: the destination's forward reads every rank's tensors
+dequantized (``q.float() * scale`` per block) and is compared with the dense reference on
+the same dequantized full weights, so the difference is reduction order only, judged by a
+threshold measured on those dequantized weights (``check.weights.measure_threshold``),
+never by a floor of unquantized ones. The quantization error itself (the reference on the
+dequantized weights against the reference on the source weights) is reported in a note,
+for information, never as a threshold: quantization is a discontinuity designed for here,
+not absorbed into a looser tolerance.
+
+Where the bytes differ, the diagnosis says what the tensor holds when it is something
+recognisable: a scale transposed, another rank's scale, a scale never written (vLLM
+initialises an unloaded block scale to ``finfo(float32).min``, FusedMoE's to ones), its
+reciprocal, zeros; FP8 bytes that are the rank's own shard quantized on its own (per shard,
+where the blocks do not align with the cut: not the full-tensor quantization the engines
+receive).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from weight_sync_bench.check.diagnosis import bit_equal
+from weight_sync_bench.check.floor import convention_logits
+from weight_sync_bench.check.user_code import call
+from weight_sync_bench.check.verdict import Verdict
+from weight_sync_bench.check.weights import measure_threshold
+from weight_sync_bench.conventions import materialize
+from weight_sync_bench.conventions.fp8 import (
+    FP8,
+    SCALE_SUFFIX,
+    dequantize_blocks,
+    dequantize_canonical,
+    fp8_shards,
+    quantize_blocks,
+    quantize_canonical,
+)
+from weight_sync_bench.errors import InvalidShards, WrongShardShape
+from weight_sync_bench.model.config import dtype_name, make_tokens
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.model.reference import ReferenceModel
+from weight_sync_bench.model.sharded import RoutingGuard
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
+
+if TYPE_CHECKING:
+    from weight_sync_bench.check.streamed_conversion import ConvertFn
+    from weight_sync_bench.conventions import Endpoint
+    from weight_sync_bench.model.config import ModelConfig
+
+Params = dict[str, torch.Tensor]
+
+
+def dequantized(shards: Sequence[Mapping[str, torch.Tensor]]) -> list[Params]:
+    """Every rank's tensors as the forward computes with them: each FP8 weight times its
+    ``weight_scale_inv`` per block (member by member where experts are stacked), the rest
+    in float32; the scales themselves dropped."""
+    out = []
+    for rank in shards:
+        held: Params = {}
+        for name, x in rank.items():
+            if name.endswith(SCALE_SUFFIX):
+                continue
+            if x.dtype != FP8:
+                held[name] = x.float()
+                continue
+            scale = rank[name + SCALE_SUFFIX]
+            held[name] = (torch.stack([dequantize_blocks(m, s) for m, s in zip(x, scale)])
+                          if x.dim() == 3 else dequantize_blocks(x, scale))
+        out.append(held)
+    return out
+
+
+def _validate(shards: object, declared: Sequence[Mapping[str, torch.Tensor]],
+              target: Endpoint) -> list[Params]:
+    """``shards`` as a list of dicts of exactly the declared names, shapes and dtypes."""
+    if not isinstance(shards, Sequence) or len(shards) != len(declared):
+        got = len(shards) if isinstance(shards, Sequence) else type(shards).__name__
+        raise InvalidShards(f"{target}: expected a list of {len(declared)} rank dicts, got {got}")
+    out = []
+    for rank, (params, want) in enumerate(zip(shards, declared)):
+        if not isinstance(params, Mapping):
+            raise InvalidShards(f"{target} rank {rank}: expected a dict of tensors, got "
+                                f"{type(params).__name__}")
+        missing = [n for n in want if n not in params]
+        extra = sorted(str(n) for n in params if n not in want)
+        if missing or extra:
+            raise InvalidShards(f"{target} rank {rank}: " + "; ".join(
+                ([f"missing {', '.join(missing[:4])}"] if missing else [])
+                + ([f"unexpected {', '.join(extra[:4])}"] if extra else [])))
+        for name, w in want.items():
+            x = params[name]
+            if not isinstance(x, torch.Tensor):
+                raise InvalidShards(f"{target} rank {rank} {name}: expected a Tensor, got "
+                                    f"{type(x).__name__}")
+            if x.dtype != w.dtype:
+                raise WrongShardShape(f"{target} rank {rank} {name}: dtype {x.dtype}, declared "
+                                      f"{w.dtype}", rank=rank, name=name,
+                                      expected_dtype=w.dtype, actual_dtype=x.dtype)
+            if tuple(x.shape) != tuple(w.shape):
+                raise WrongShardShape(f"{target} rank {rank} {name}: shape {list(x.shape)}, "
+                                      f"declared {list(w.shape)}", rank=rank, name=name,
+                                      expected=tuple(w.shape), actual=tuple(x.shape))
+        out.append(dict(params))
+    return out
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == FP8:
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return bit_equal(a, b)
+
+
+def _nonfinite(shards: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
+    """``rank r name: n NaN, m Inf`` for every tensor holding one."""
+    out = []
+    for rank, params in enumerate(shards):
+        for name, x in params.items():
+            values = x.float()
+            nan, inf = int(values.isnan().sum()), int(values.isinf().sum())
+            if nan or inf:
+                out.append(f"rank {rank} {name}: " + ", ".join(
+                    f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "Inf")) if n))
+    return out
+
+
+def _diagnose(rank: int, name: str, checked: Params, declared: Sequence[Params],
+              source: Params | None) -> str:
+    """What a differing tensor holds, where it is recognisable."""
+    got, want = checked[name], declared[rank][name]
+    where = f"rank {rank} {name}"
+    if name.endswith(SCALE_SUFFIX):
+        if want.dim() >= 2 and want.shape[-1] == want.shape[-2] and _same(
+                got, want.transpose(-1, -2).contiguous()):
+            return f"{where} holds the declared scale transposed (a square block grid)"
+        for other, params in enumerate(declared):
+            if other != rank and name in params and _same(got, params[name]):
+                return f"{where} holds rank {other}'s scale"
+        for value, what in ((torch.finfo(torch.float32).min, "vLLM's fill of an unloaded "
+                             "block scale (finfo(float32).min): never written"),
+                            (1.0, "ones (FusedMoE's initial scale): never written"),
+                            (0.0, "zeros: a scale of 0 dequantizes every weight to 0 or NaN")):
+            if bool((got == value).all()):
+                return f"{where} holds {what}"
+        if bit_equal(got, 1 / want):
+            return f"{where} holds the reciprocal of the declared scale (448 / amax)"
+        if got.isnan().any():
+            return f"{where} holds NaN in {int(got.isnan().sum())} of {got.numel()} blocks"
+        return f"{where}: {int((got != want).sum())} of {got.numel()} block scales differ"
+    scale = checked.get(name + SCALE_SUFFIX)
+    nan = int(got.float().isnan().sum())
+    if nan:
+        zero = int((scale == 0).sum()) if scale is not None else 0
+        return (f"{where} holds NaN in {nan} of {got.numel()} elements" + (
+            f"; its scale is 0 in {zero} blocks (an all-zero block quantized without the "
+            "amax clamp: 0 / 0, THUDM/slime PR #2256)" if zero else ""))
+    if scale is not None and not _same(scale, declared[rank][name + SCALE_SUFFIX]) and bool(
+            (scale > 0).all()) and bool((torch.exp2(torch.log2(scale).round()) == scale).all()):
+        return (f"{where} and its scale are requantized to powers of two (UE8M0, DeepGEMM's "
+                "packing), where the raw scale amax / 448 is expected")
+    if source is not None and name in source and got.dim() == 2:
+        own, _ = quantize_blocks(source[name])
+        if _same(got, own):
+            return (f"{where} holds this rank's shard quantized on its own, not its cut of the "
+                    "full tensor quantized whole (the blocks do not align with the TP cut)")
+    differ = int((got.view(torch.uint8) != want.view(torch.uint8)).sum()) if got.dtype == FP8 \
+        else int((got != want).sum())
+    return f"{where}: {differ} of {got.numel()} elements differ from the declared bytes"
+
+
+def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, target: Endpoint,
+                      params: Mapping[str, torch.Tensor], *, threshold: float | None = None,
+                      seed: int = 0, weights_note: str | None = None) -> Verdict:
+    """``check_convert`` into a quantized ``target`` (see the module docstring): ``params``
+    the canonical source weights (a seed's in the check's dtype, or the user's)."""
+    if source.quantized:
+        raise InvalidShards(f"{source}: an FP8 source is not modelled (the harness quantizes "
+                            "into FP8 endpoints, not out of them)")
+    plain = target.unquantized()
+    inputs = materialize(source.pieces(config), params)
+    declared = fp8_shards(config, target, params)
+    out = call(fn, (inputs, target.world), role="converter", config=config,
+               during=f"while converting {config.name} {source} -> {target}",
+               ends=(source, target))
+    checked = _validate(out, declared, target)
+    values, scales = quantize_canonical(config, params)
+    full = dequantize_canonical(config, values, scales, params)
+    tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
+    model = ReferenceModel(config, full)
+    with torch.no_grad():
+        reference = model(tokens)
+        unquantized = ReferenceModel(config, {n: x.float() for n, x in params.items()})(tokens)
+    measured = threshold is None
+    if threshold is None:
+        sharded = [t for t in layout_for(config).supported_degrees() if t > 1][:1]
+        threshold = measure_threshold(config, [plain, *(f"plain:{t}" for t in sharded)],
+                                      weights=full)
+    guard = RoutingGuard(model.routings, threshold) if config.n_experts else None
+    names = list(dict.fromkeys(n for rank in declared for n in rank))
+    differ = [n for n in names if any(n in d and not _same(c[n], d[n])
+                                      for c, d in zip(checked, declared))]
+    bad = _nonfinite(checked)
+    logits = convention_logits(plain, config, dequantized(checked), tokens, guard=guard)
+    error = float((logits - reference).abs().max())
+    if math.isnan(error):
+        error = math.inf
+    lines: list[str] = []
+    if differ:
+        first = differ[0]
+        rank = next(r for r, (c, d) in enumerate(zip(checked, declared))
+                    if first in d and not _same(c[first], d[first]))
+        own = materialize([plain.pieces(config)[rank]], params)[0]
+        lines.append(_diagnose(rank, first, checked[rank], declared, own))
+    lines += [f"not finite: {b}" for b in bad[:4]]
+    quant_error = float((reference - unquantized).abs().max())
+    notes = (f"fp8: the reference is the dense forward on the same dequantized weights; the "
+             f"threshold {threshold:g} was " + ("measured on them (the destination's declared "
+             "shards and the plain layout at its smallest sharded degree, token seeds "
+             "1000-1003, 100x the worst)" if measured else "given"),
+             f"fp8 quantization error (the dequantized model against the unquantized one, "
+             f"for information, never a threshold): max |logit difference| {quant_error:.4g}",
+             *([weights_note] if weights_note else []))
+    dtypes = {x.dtype for x in params.values()}
+    return Verdict(config=config.name, src=source.degree, dst=target.degree,
+                   max_abs_error=error if not bad else math.inf, threshold=threshold,
+                   first_mismatch=differ[0] if differ else (bad[0].split(":")[0] if bad
+                                                            else None),
+                   mismatches=tuple(differ), diagnosis=tuple(lines), own_forward=True,
+                   conventions=(str(source), str(target)), notes=notes,
+                   dtype=dtype_name(max(dtypes, key=str)) if len(dtypes) == 1 else "mixed",
+                   **({"near_ties": guard.near_ties(), "route_bound": guard.bound}
+                      if guard is not None else {}))
+
