@@ -225,3 +225,30 @@ def test_an_fp8_endpoint_is_refused_where_a_check_does_not_take_it():
     refuse an FP8 endpoint by name instead of treating its weights as bf16."""
     with pytest.raises(UnsupportedConvention, match=r"no fp8 option here"):
         endpoint("vllm:tp=2,fp8=block128").pieces(TOY_FP8)
+
+
+def per_shard(shards, degree, *, config, source, target, **_):
+    """Quantizes each rank's own tensor (its merged q/k/v rows or gate/up rows as one, each
+    stacked expert on its own), as a converter that quantizes after its TP cut does."""
+    from weight_sync_bench import convert
+
+    out = convert(shards, source, target.unquantized(), config)
+    declared = fp8_shards(config, target, gather_canonical(shards, source.pieces(config),
+                                                           config.param_shapes()))
+    for rank, want in zip(out, declared):
+        for name in [n for n in want if want[n].dtype == FP8]:
+            x = rank[name]
+            pairs = [quantize_blocks(m) for m in x] if x.dim() == 3 else [quantize_blocks(x)]
+            rank[name] = torch.stack([q for q, _ in pairs]) if x.dim() == 3 else pairs[0][0]
+            rank[name + SCALE_SUFFIX] = (torch.stack([s for _, s in pairs]) if x.dim() == 3
+                                         else pairs[0][1])
+    return out
+
+
+@pytest.mark.parametrize("dst", ["vllm:tp=1,fp8=block128", "vllm:tp=2,fp8=block128",
+                                 "vllm:tp=4,fp8=block128"])
+def test_quantizing_per_shard_equals_the_full_tensor_at_every_degree_vllm_accepts(dst):
+    """vLLM's rules put every TP cut and every part boundary on a block edge, so a rank's
+    own tensor quantized whole has the full tensor's blocks: the same bytes (a degree that
+    would split a block is refused before any converter runs, as the test above shows)."""
+    assert check_convert(per_shard, TOY_FP8, "megatron:2", dst, dtype="bf16").passed
