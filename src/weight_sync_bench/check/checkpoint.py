@@ -11,6 +11,7 @@ from weight_sync_bench.check.shards import validate_convention_shards
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.conventions.checkpoint import read_checkpoint
 from weight_sync_bench.errors import CheckpointError, InvalidNumber, WrongShardShape
+from weight_sync_bench.model.config import init_params
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.verdict import Verdict
@@ -35,8 +36,18 @@ def verify_checkpoint(directory: str | Path, config: ModelConfig, dst: str, *,
     InvalidNumber.seed("seed", seed)
     target = endpoint(dst)
     source = endpoint(src) if src is not None else target
-    target.pieces(config)
+    target.unquantized().pieces(config)
     checkpoint = read_checkpoint(directory, target, config, roots=roots)
+    if target.quantized:  # FP8: weights and scales against the reference quantizer's
+        from weight_sync_bench.check.fp8 import check_fp8_convert
+        from weight_sync_bench.conventions.fp8 import FP8
+
+        dtype = next(x.dtype for x in checkpoint.shards[0].values() if x.dtype != FP8)
+        written = checkpoint.shards
+        return check_fp8_convert(lambda shards, degree: written, config,
+                                 source.unquantized(), target,
+                                 init_params(config, seed, dtype=dtype), threshold=threshold,
+                                 seed=seed)
     checker = conversion_checker(config, seed=seed, backend=backend, threshold=threshold,
                                  measure_floor=measure_floor)
     try:

@@ -144,7 +144,13 @@ def cmd_emit(args: argparse.Namespace) -> int:
     config = model_of(args)
     guard(args, config)
     where = endpoint(args.convention)
-    shards = shards_for(config, where, seed=args.seed)
+    if where.quantized:  # the seed's weights through the reference quantizer
+        from weight_sync_bench.conventions.fp8 import fp8_shards
+        from weight_sync_bench.model.config import init_params
+
+        shards = fp8_shards(config, where, init_params(config, args.seed))
+    else:
+        shards = shards_for(config, where, seed=args.seed)
     files = write_checkpoint(args.directory, shards, where, config,
                              max_shard_size=args.max_shard_size)
     if not out.quiet:

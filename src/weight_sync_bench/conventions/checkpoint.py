@@ -130,6 +130,10 @@ def write_checkpoint(directory: str | Path, shards: Sequence[Mapping[str, torch.
     kind = layout_of(where)
     # what the format cannot state is refused before anything is written
     described = meta_params(config) if kind == "meta" else hf_config_json(config, _dtype(shards))
+    if where.quantized:  # an FP8 checkpoint says so, as the public ones do
+        from weight_sync_bench.conventions.fp8 import QUANTIZATION_CONFIG
+
+        described["quantization_config"] = dict(QUANTIZATION_CONFIG)
     with _staged(out) as stage:
         match kind:
             case "hf":
@@ -1052,7 +1056,21 @@ def _read_ranks(files: _Files, degree: int, *, lazy: bool = False,
 
 def _check_names_and_shapes(checkpoint: Checkpoint, where: Endpoint, config: ModelConfig
                             ) -> None:
-    shapes = where.convention.local_shapes(config, where)
+    if where.quantized:
+        from weight_sync_bench.conventions.fp8 import fp8_shapes
+
+        declared = fp8_shapes(config, where)
+        _check_fp8_config(checkpoint, where)
+        shapes = [{n: shape for n, (shape, _) in rank.items()} for rank in declared]
+        for rank, (params, want) in enumerate(zip(checkpoint.shards, declared)):
+            for name, (_, dtype) in want.items():
+                if dtype is not None and name in params and params[name].dtype != dtype:
+                    path = checkpoint.file_of(rank, name)
+                    raise CheckpointError(f"{path}: {where} rank {rank} {name} is "
+                                          f"{params[name].dtype}, declared {dtype}",
+                                          path=str(path))
+    else:
+        shapes = where.convention.local_shapes(config, where)
     for rank, (params, expected) in enumerate(zip(checkpoint.shards, shapes)):
         rank_files = sorted(set(checkpoint.files[rank].values())) or [checkpoint.directory]
         label = ", ".join(str(p) for p in rank_files)
@@ -1442,3 +1460,19 @@ def read_weights(directory: str | Path, config: ModelConfig, *, where: Endpoint 
             where is None and is_megatron_checkpoint(directory)):
         return megatron_weights(directory, where, config, roots=roots)
     return hf_weights(directory, where or parse_endpoint("hf", {"hf": HF}), config, roots=roots)
+
+
+def _check_fp8_config(checkpoint: Checkpoint, where: Endpoint) -> None:
+    """An FP8 checkpoint with a ``config.json`` states its ``quantization_config`` as the
+    harness's reference quantizer makes it (block 128 x 128, e4m3): ``CheckpointError``
+    naming the file where it does not."""
+    from weight_sync_bench.conventions.fp8 import QUANTIZATION_CONFIG
+
+    path = checkpoint.directory / HF_CONFIG
+    if not path.is_file():
+        return
+    stated = json.loads(read_bounded(path, shown=path)).get("quantization_config")
+    want = QUANTIZATION_CONFIG
+    if not isinstance(stated, dict) or any(stated.get(k) != v for k, v in want.items()):
+        raise CheckpointError(f"{path}: {where} expects quantization_config {want}, the file "
+                              f"states {stated!r}", path=str(path))

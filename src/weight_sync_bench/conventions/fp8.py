@@ -232,3 +232,39 @@ def fp8_shards(config: ModelConfig, where: Endpoint, params: Mapping[str, torch.
                                                        scales[piece.source])
         out.append(shards)
     return out
+
+
+# An HF FP8 checkpoint's config.json (DeepSeek-V3 README_WEIGHTS.md; slime
+# tools/convert_hf_to_fp8.py writes the same four keys).
+QUANTIZATION_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                       "weight_block_size": [BLOCK, BLOCK]}
+
+
+def fp8_shapes(config: ModelConfig, where: Endpoint) -> list[dict[str, tuple[tuple[int, ...],
+                                                                         torch.dtype | None]]]:
+    """Each rank's stored names at an FP8 endpoint with their shapes and dtypes (None: the
+    source dtype, whatever it is), without quantizing anything: the scale grids' shapes
+    come from ``stored_scale`` on grids of zeros (vLLM's refusals included)."""
+    shapes = config.param_shapes()
+    grids: dict[str, list[torch.Tensor]] = {}
+    for source, shape in shapes.items():
+        if not is_quantized(source):
+            continue
+        dim, spans = parts(config, source)
+        other = shape[1 - dim]
+        grids[source] = [torch.zeros((cdiv(b - a, BLOCK), cdiv(other, BLOCK)) if dim == 0
+                                     else (cdiv(other, BLOCK), cdiv(b - a, BLOCK)))
+                         for a, b in spans]
+    out = []
+    for rank in where.unquantized().pieces(config):
+        held: dict[str, tuple[tuple[int, ...], torch.dtype | None]] = {}
+        for name, piece in rank.items():
+            local = piece.local_shape(shapes[piece.source])
+            if piece.source not in grids:
+                held[name] = (local, None)
+                continue
+            held[name] = (local, FP8)
+            scale = stored_scale(config, where, name, piece, grids[piece.source])
+            held[name + SCALE_SUFFIX] = (tuple(scale.shape), torch.float32)
+        out.append(held)
+    return out

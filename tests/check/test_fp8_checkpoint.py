@@ -1,0 +1,73 @@
+"""FP8 checkpoints on disk: ``wsb emit --convention hf:fp8=block128`` writes an HF FP8
+directory (``quantization_config`` in ``config.json`` as the public FP8 checkpoints state
+it, each weight beside its ``weight_scale_inv``), vLLM's per-rank files at
+``vllm:tp=2,fp8=block128``; ``wsb verify`` reads either back against the reference
+quantizer, weights and scales bit for bit. Each round trip has its twin: a scale changed in
+the file, or a config.json that does not say FP8, fails naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tests.check.test_fp8_convert import TOY_FP8
+from weight_sync_bench.check.checkpoint import verify_checkpoint
+from weight_sync_bench.cli.main import main
+from weight_sync_bench.conventions import endpoint
+from weight_sync_bench.conventions.checkpoint import write_checkpoint
+from weight_sync_bench.conventions.fp8 import FP8, fp8_shards
+from weight_sync_bench.errors import CheckpointError
+from weight_sync_bench.model.config import init_params
+
+
+@pytest.mark.parametrize("where", ["hf:fp8=block128", "vllm:tp=2,fp8=block128"])
+def test_an_fp8_checkpoint_round_trips_and_a_changed_scale_fails(tmp_path, where):
+    at = endpoint(where)
+    files = write_checkpoint(tmp_path / "c", fp8_shards(TOY_FP8, at, init_params(TOY_FP8, 3)),
+                             at, TOY_FP8)
+    stated = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert stated["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                             "quant_method": "fp8",
+                                             "weight_block_size": [128, 128]}
+    verdict = verify_checkpoint(tmp_path / "c", TOY_FP8, where, seed=3)
+    assert verdict.passed, verdict
+    # the twin: one block scale doubled in its file
+    path = next(p for p in files if p.suffix == ".safetensors"
+                and any(n.endswith("o_proj.weight_scale_inv") for n in load_file(p)))
+    tensors = load_file(path)
+    name = next(n for n in tensors if n.endswith("o_proj.weight_scale_inv"))
+    assert any(x.dtype == FP8 for x in tensors.values())
+    tensors[name][0, 0] *= 2
+    save_file(tensors, path, metadata={"format": "pt"})
+    failed = verify_checkpoint(tmp_path / "c", TOY_FP8, where, seed=3)
+    assert not failed.passed and failed.first_mismatch == name
+
+
+def test_a_config_that_does_not_say_fp8_is_named(tmp_path):
+    at = endpoint("hf:fp8=block128")
+    write_checkpoint(tmp_path / "c", fp8_shards(TOY_FP8, at, init_params(TOY_FP8, 0)), at,
+                     TOY_FP8)
+    path = tmp_path / "c" / "config.json"
+    stated = json.loads(path.read_text())
+    del stated["quantization_config"]
+    path.write_text(json.dumps(stated))
+    with pytest.raises(CheckpointError, match=r"config.json: hf:fp8=block128 expects "
+                                              r"quantization_config .* states None"):
+        verify_checkpoint(tmp_path / "c", TOY_FP8, "hf:fp8=block128")
+
+
+def test_wsb_emit_and_verify_an_hf_fp8_directory(tmp_path, capsys):
+    """The built-in toy: at HF each tensor is its own part, so widths that are not whole
+    blocks quantize with ceil grids (vLLM would refuse toy's merged qkv at any degree)."""
+    d = tmp_path / "fp8"
+    assert main(["emit", "--config", "toy", "--convention", "hf:fp8=block128", "--seed", "2",
+                 "-q", str(d)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--convention", "hf:fp8=block128", "--seed", "2", str(d)]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+    assert main(["verify", "--convention", "hf:fp8=block128", "--seed", "3", str(d)]) == 1
+    assert main(["emit", "--config", "toy", "--convention", "vllm:tp=2,fp8=block128",
+                 "-q", str(tmp_path / "v")]) == 2
+    assert "128-blocks" in capsys.readouterr().err
