@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from tests.check.test_fp8_convert import TOY_FP8
@@ -22,11 +23,14 @@ from weight_sync_bench.errors import CheckpointError
 from weight_sync_bench.model.config import init_params
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("where", ["hf:fp8=block128", "vllm:tp=2,fp8=block128"])
-def test_an_fp8_checkpoint_round_trips_and_a_changed_scale_fails(tmp_path, where):
+def test_an_fp8_checkpoint_round_trips_and_a_changed_scale_fails(tmp_path, where, dtype):
+    """In the trainer's dtype (bf16 norms and embeddings beside float32 scales: the
+    unquantized tensors' dtype is the weights')."""
     at = endpoint(where)
-    files = write_checkpoint(tmp_path / "c", fp8_shards(TOY_FP8, at, init_params(TOY_FP8, 3)),
-                             at, TOY_FP8)
+    files = write_checkpoint(tmp_path / "c", fp8_shards(TOY_FP8, at, init_params(
+        TOY_FP8, 3, dtype=dtype)), at, TOY_FP8)
     stated = json.loads((tmp_path / "c" / "config.json").read_text())
     assert stated["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3",
                                              "quant_method": "fp8",

@@ -196,7 +196,8 @@ def test_a_missing_key_a_wrong_shape_or_other_args_are_named(tmp_path):
     state = by_hand(DENSE, p, padded_rows=256)
     state["decoder.layers.mlp.linear_fc2.weight"] = state[
         "decoder.layers.mlp.linear_fc2.weight"][:2]  # two layers saved of three
-    with pytest.raises(CheckpointError, match=r"linear_fc2\.weight has shape \[2, .*at index \[2\]"):
+    with pytest.raises(CheckpointError, match=r"linear_fc2\.weight has shape \[2, .*on leading "
+                                              r"axes of \[3\] \(the layers"):
         megatron_weights(dcp_save(tmp_path / "b", state), None, DENSE)
     state = by_hand(DENSE, p, padded_rows=256)
     args = argparse.Namespace(num_layers=3, hidden_size=DENSE.d_model * 2)
@@ -292,3 +293,55 @@ def test_a_converter_is_checked_on_a_torch_dist_and_a_legacy_checkpoint(tmp_path
         failed = check_convert(gate_up_swapped, DENSE, "megatron:2", "vllm:2",
                                weights=tmp_path / directory)
         assert not failed.passed and failed.first_mismatch.endswith("gate_up_proj.weight")
+
+
+def _huge(md):
+    """A tensor's size made 2^40 rows, one chunk covering it (so only the size is wrong)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    md.size = torch.Size([2 ** 40, md.size[1]])
+    md.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=md.size)]
+
+
+def _metadata_edit(step, edit):
+    """``.metadata`` rewritten after ``edit(metadata)``: a crafted index of the same data."""
+    from weight_sync_bench.conventions.checkpoint import _DIST_GLOBALS  # noqa: F401 (allowlist)
+
+    metadata = pickle.loads((step / ".metadata").read_bytes())
+    edit(metadata)
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
+def test_a_crafted_index_is_refused_before_it_is_read(tmp_path):
+    """Chunks that do not tile a tensor (DCP fills only those it is told of: a gap would be
+    the allocator's memory), a size no model has (an allocation of terabytes), data stored
+    through a decompressing transform (unbounded), another sharded backend: each refused
+    naming the key or the file. The twin: the untouched checkpoint reads."""
+    from dataclasses import replace as dc_replace
+
+    qkv = "decoder.layers.self_attention.linear_qkv.weight"
+    emb = "embedding.word_embeddings.weight"
+    cases = [
+        (lambda m: setattr(m.state_dict_metadata[qkv], "chunks", []),
+         r"linear_qkv.weight: its chunks hold 0 elements of"),
+        (lambda m: setattr(m.state_dict_metadata[qkv], "chunks",
+                           m.state_dict_metadata[qkv].chunks * 2),
+         r"linear_qkv.weight: its chunks hold \d+ elements of|overlap"),
+        (lambda m: _huge(m.state_dict_metadata[emb]),
+         r"word_embeddings.weight has shape \[1099511627776"),
+        (lambda m: [m.storage_data.__setitem__(k, dc_replace(v, transform_descriptors=["zstd"]))
+                    for k, v in list(m.storage_data.items())],
+         r"stored through \['zstd'\]"),
+    ]
+    for i, (edit, refusal) in enumerate(cases):
+        step = write_megatron_dist(tmp_path / f"c{i}", init_params(DENSE, 0),
+                                   endpoint("megatron"), DENSE)
+        assert megatron_weights(step, None, DENSE)  # the twin
+        _metadata_edit(step, edit)
+        with pytest.raises(CheckpointError, match=refusal):
+            megatron_weights(step, None, DENSE)
+    step = write_megatron_dist(tmp_path / "zarr", init_params(DENSE, 0), endpoint("megatron"),
+                               DENSE)
+    (step / DIST_CONFIG).write_text('{"sharded_backend": "zarr", "sharded_backend_version": 1}')
+    with pytest.raises(CheckpointError, match=r"sharded_backend 'zarr'"):
+        megatron_weights(step, None, DENSE)

@@ -234,7 +234,8 @@ def cmd_train_check(args: argparse.Namespace) -> int:
                  f"measured on them, the correct sharded training at batch seeds "
                  f"{args.seed + 1} and {args.seed + 2}, 100x the worst of each quantity")
     if not cases:
-        raise InvalidMesh(f"no training case matches --config {args.config} with these options")
+        raise InvalidMesh(f"no training case matches --config {args.config or 'toy'} with these "
+                          "options")
     # every case's thresholds before anything trains: over gloo a (config, mesh) the phase
     # 1b floors have no cell for is refused here (FloorNotMeasured, exit 2), no rank started
     limits = {id(case): lookup(case) for case in cases}

@@ -1160,8 +1160,16 @@ def dist_key(name: str, *, stacked: bool = True) -> tuple[str, tuple[int, ...]]:
 
 def is_dist_checkpoint(directory: str | Path) -> bool:
     """Whether ``directory`` (an ``iter_*`` directory) is a distributed checkpoint: its
-    ``metadata.json`` (``check_is_distributed_checkpoint``)."""
-    return (Path(directory) / DIST_CONFIG).is_file()
+    ``metadata.json`` states a ``sharded_backend`` (``check_is_distributed_checkpoint``,
+    ``CheckpointingConfig``); another file of that name (an HF directory's) is not one."""
+    path = Path(directory) / DIST_CONFIG
+    if not path.is_file() or path.is_symlink():
+        return False
+    try:
+        stated = json.loads(read_bounded(path, shown=path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError):
+        return False
+    return isinstance(stated, dict) and isinstance(stated.get("sharded_backend"), str)
 
 
 def _dist_pieces(where: Endpoint, config: ModelConfig) -> dict[str, Any]:
@@ -1193,8 +1201,15 @@ def _dist_classes() -> tuple[type, type]:
         def __init__(self, files: _Files, step: str) -> None:
             super().__init__(str(files.root / step))
             self.files, self.step = files, step
+            self.parsed: Metadata | None = None
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            if self.parsed is None:  # once per reader: Megatron's holds every rank's plan
+                self.parsed = self._parse()
+            self.parsed.storage_meta.load_id = self.load_id
+            return self.parsed
+
+        def _parse(self) -> Metadata:
             rel = "/".join(p for p in (self.step, DIST_METADATA) if p)
             path = self.files.root / rel
             resolved = self.files.checked(rel, missing="DCP's index of the tensors")
@@ -1209,18 +1224,25 @@ def _dist_classes() -> tuple[type, type]:
                     metadata.storage_data, dict):
                 raise CheckpointError(f"{path}: not DCP's metadata (a "
                                       f"{type(metadata).__name__})", path=str(path))
+            named: set[str] = set()
             for info in metadata.storage_data.values():
                 rel_file = getattr(info, "relative_path", None)
                 if not isinstance(rel_file, str) or not _DIST_FILE_RE.fullmatch(rel_file):
                     raise CheckpointError(f"{path}: names the data file {rel_file!r}; DCP's "
                                           "are __<rank>_<n>.distcp inside the directory",
                                           path=str(path))
+                if getattr(info, "transform_descriptors", None):  # compressed: unbounded
+                    raise CheckpointError(f"{path}: {rel_file} is stored through "
+                                          f"{list(info.transform_descriptors)}; the harness "
+                                          "reads plain DCP data only (Megatron writes it)",
+                                          path=str(path))
+                named.add(rel_file)
+            for rel_file in sorted(named):
                 self.files.checked("/".join(p for p in (self.step, rel_file) if p),
                                    what=f"{DIST_METADATA} names it",
                                    missing=f"{DIST_METADATA} names it")
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
             return metadata
 
     class Planner(DefaultLoadPlanner):
@@ -1233,7 +1255,8 @@ def _dist_classes() -> tuple[type, type]:
     return Reader, Planner
 
 
-def _dist_load(files: _Files, step: str, wanted: dict[str, Any]) -> dict[str, Any]:
+def _dist_load(files: _Files, step: str, wanted: dict[str, Any], reader: Any = None
+               ) -> dict[str, Any]:
     """``wanted`` (key -> an empty tensor of its stored shape and dtype, or a ``BytesIO``)
     filled from the checkpoint by DCP on CPU, in this process (``no_dist``)."""
     import warnings
@@ -1241,12 +1264,13 @@ def _dist_load(files: _Files, step: str, wanted: dict[str, Any]) -> dict[str, An
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader, planner = _dist_classes()
+    reader_class, planner = _dist_classes()
+    reader = reader if reader is not None else reader_class(files, step)
     path = files.root / step
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled ...": it is
-            dcp.load(wanted, storage_reader=reader(files, step),
+            dcp.load(wanted, storage_reader=reader,
                      planner=planner(flatten_state_dict=False), no_dist=True)
     except CheckpointError:
         raise
@@ -1262,12 +1286,13 @@ def _dist_load(files: _Files, step: str, wanted: dict[str, Any]) -> dict[str, An
     return wanted
 
 
-def _dist_metadata(files: _Files, step: str) -> Any:
+def _dist_reader(files: _Files, step: str) -> Any:
+    """The one DCP reader of a checkpoint read (its metadata parsed and checked once)."""
     reader, _ = _dist_classes()
-    return reader(files, step).read_metadata()
+    return reader(files, step)
 
 
-def dist_common(files: _Files, step: str) -> dict[str, Any]:
+def dist_common(files: _Files, step: str, reader: Any = None) -> dict[str, Any]:
     """A torch_dist checkpoint's common state (``args``, ``iteration``, ...): the
     ``common_state`` object, or an older checkpoint's ``common.pt``, loaded as a legacy rank
     file is (``MegatronObject`` stand-ins, nothing run)."""
@@ -1275,12 +1300,13 @@ def dist_common(files: _Files, step: str) -> dict[str, Any]:
     if (files.root / legacy).exists():
         state = _megatron_pickle(files.checked(legacy), files.root / legacy)
     else:
-        metadata = _dist_metadata(files, step)
+        reader = reader if reader is not None else _dist_reader(files, step)
+        metadata = reader.read_metadata()
         path = files.root / step
         if DIST_COMMON not in metadata.state_dict_metadata:
             raise CheckpointError(f"{path}: no common state (neither {DIST_COMMON_LEGACY} nor "
                                   f"a {DIST_COMMON} object)", path=str(path))
-        raw = _dist_load(files, step, {DIST_COMMON: io.BytesIO()})[DIST_COMMON]
+        raw = _dist_load(files, step, {DIST_COMMON: io.BytesIO()}, reader)[DIST_COMMON]
         held = _megatron_pickle(raw, path / DIST_COMMON)
         if isinstance(held, io.BytesIO):  # DCP torch.saves the BytesIO Megatron hands it
             held = _megatron_pickle(held, path / DIST_COMMON)
@@ -1301,9 +1327,15 @@ def megatron_dist_weights(files: _Files, step: str, where: Endpoint, config: Mod
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     path = files.root / step
-    metadata = _dist_metadata(files, step)
+    backend = files.json("/".join(p for p in (step, DIST_CONFIG) if p)).get("sharded_backend")
+    if backend != "torch_dist":
+        raise CheckpointError(f"{path / DIST_CONFIG}: sharded_backend {backend!r}; the harness "
+                              "reads torch_dist (Megatron's zarr format is deprecated there)",
+                              path=str(path / DIST_CONFIG))
+    reader = _dist_reader(files, step)
+    metadata = reader.read_metadata()
     held = metadata.state_dict_metadata
-    _check_args(path, dist_common(files, step).get("args"), config)
+    _check_args(path, dist_common(files, step, reader).get("args"), config)
     pieces = _dist_pieces(where, config)
     shapes = config.param_shapes()
     by_key: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
@@ -1325,23 +1357,65 @@ def megatron_dist_weights(files: _Files, step: str, where: Endpoint, config: Mod
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"{path}: {key} is not a tensor", path=str(path))
         size = tuple(md.size)
+        _check_chunks(path, key, size, md.chunks)
         for name, index in names:
             want = pieces[name].local_shape(shapes[pieces[name].source])
             got = size[len(index):]
             vocab_rows = name in ("embedding.word_embeddings.weight", "output_layer.weight")
-            fits = (got[1:] == want[1:] and got[0] >= want[0]) if vocab_rows else got == want
-            if len(size) < len(index) or any(i >= n for i, n in zip(index, size)) or not fits:
+            # the leading axes are the layers (and the experts) exactly; the vocabulary rows
+            # at most its padding to 128 x a TP degree of 1024
+            lead = (config.n_layers, config.n_experts)[:len(index)] if index and (
+                key.startswith("decoder.layers.") and not key[15].isdigit()) else ()
+            fits = (got[1:] == want[1:] and want[0] <= got[0] < want[0] + 128 * 1024) \
+                if vocab_rows else got == want
+            if len(size) < len(index) or any(i >= n for i, n in zip(index, size)) or not fits \
+                    or (lead and tuple(size[:len(lead)]) != lead):
                 raise CheckpointError(f"{path}: torch_dist {key} has shape {list(size)}; "
                                       f"{name} declares {list(want)}"
-                                      + (f" at index {list(index)}" if index else ""),
+                                      + (f" at index {list(index)}" if index else "")
+                                      + (f", on leading axes of {list(lead)} (the layers, "
+                                         "the experts)" if lead else ""),
                                       path=str(path))
-        full = _dist_load(files, step, {key: torch.empty(size, dtype=md.properties.dtype)})[key]
+        try:
+            empty = torch.empty(size, dtype=md.properties.dtype)
+        except (RuntimeError, MemoryError, TypeError) as exc:
+            raise CheckpointError(f"{path}: torch_dist {key} of shape {list(size)} cannot be "
+                                  f"held ({type(exc).__name__})", path=str(path)) from None
+        full = _dist_load(files, step, {key: empty}, reader)[key]
         for name, index in names:
             x = full[index] if index else full
             want = pieces[name].local_shape(shapes[pieces[name].source])
             stored[name] = x.narrow(0, 0, want[0]).clone()
         del full
     return gather_canonical([stored], [pieces], shapes)
+
+
+def _check_chunks(path: Path, key: str, size: tuple[int, ...], chunks: Any) -> None:
+    """``CheckpointError`` unless ``chunks`` (DCP's ``ChunkStorageMetadata`` of ``key``)
+    tile its ``size`` exactly: each inside it, none overlapping another, their volumes
+    summing to its own. DCP fills only the chunks it is told of: a gap would leave the
+    tensor's memory as it was allocated."""
+    boxes = []
+    for chunk in chunks:
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size)):
+            raise CheckpointError(f"{path}: torch_dist {key}: a chunk at {list(offsets)} of "
+                                  f"{list(sizes)} lies outside its shape {list(size)}",
+                                  path=str(path))
+        boxes.append((offsets, sizes))
+    if sum(math.prod(n) for _, n in boxes) != math.prod(size):
+        raise CheckpointError(f"{path}: torch_dist {key}: its chunks hold "
+                              f"{sum(math.prod(n) for _, n in boxes)} elements of "
+                              f"{math.prod(size)}", path=str(path))
+    boxes.sort()
+    for i, (a, n) in enumerate(boxes):
+        for b, m in boxes[i + 1:]:
+            if b[0] >= a[0] + n[0]:
+                break  # sorted by the first offset: no later box meets this one
+            if all(x < y + k and y < x + j for x, j, y, k in zip(a, n, b, m)):
+                raise CheckpointError(f"{path}: torch_dist {key}: chunks at {list(a)} and "
+                                      f"{list(b)} overlap", path=str(path))
 
 
 # The ``args`` fields that state the geometry (megatron/training/arguments.py), beside the
@@ -1471,8 +1545,13 @@ def _check_fp8_config(checkpoint: Checkpoint, where: Endpoint) -> None:
     path = checkpoint.directory / HF_CONFIG
     if not path.is_file():
         return
-    stated = json.loads(read_bounded(path, shown=path)).get("quantization_config")
-    want = QUANTIZATION_CONFIG
+    try:
+        data = json.loads(read_bounded(path, shown=path))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({exc})", path=str(path)) from None
+    stated = data.get("quantization_config") if isinstance(data, dict) else None
+    # what vLLM's Fp8Config reads (``fmt`` it does not: HF's FineGrainedFP8Config omits it)
+    want = {k: v for k, v in QUANTIZATION_CONFIG.items() if k != "fmt"}
     if not isinstance(stated, dict) or any(stated.get(k) != v for k, v in want.items()):
         raise CheckpointError(f"{path}: {where} expects quantization_config {want}, the file "
                               f"states {stated!r}", path=str(path))
