@@ -272,3 +272,22 @@ def test_moe_checkpoints_round_trip_through_their_files(tmp_path, where):
     for got, want in zip(back.shards, declared):
         assert list(sorted(got)) == list(sorted(want))
         assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_vllm_rank_with_one_expert_still_stacks_it():
+    """FusedMoE's ``w13_weight`` is ``[E_local, 2F/t, d]`` whatever E_local
+    (``UnquantizedFusedMoEMethod.create_weights``): a rank holding one expert (EP 8 over 8
+    experts) stores ``[1, 2F, d]``, not the expert's 2-D tensor (the twin: EP 4 stacks two);
+    the harness's own conversion into it and back is exact."""
+    from weight_sync_bench import convert
+    from weight_sync_bench.conventions import shards_for
+    from weight_sync_bench.model.config import MOE_CONFIGS
+
+    config = MOE_CONFIGS["toy_moe"]
+    w13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
+    one = shards_for(config, "vllm:tp=8,ep=8")
+    assert tuple(one[3][w13].shape) == (1, 2 * config.expert_ffn, config.d_model)
+    assert tuple(shards_for(config, "vllm:tp=4,ep=4")[0][w13].shape)[0] == 2
+    back = convert(one, "vllm:tp=8,ep=8", "megatron:tp=2,ep=2", config)
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(
+        back, shards_for(config, "megatron:tp=2,ep=2")) for n in a)

@@ -167,7 +167,7 @@ def diagnose_rank(full: torch.Tensor, config: ModelConfig, name: str, rank: int,
     want = piece.take(full)
     if bit_equal(shard, want):
         return None  # byte-correct, whatever repeated slices (zeros, padding) locate says
-    if piece.stack > 1:  # a stacked tensor (vLLM's w13) is told by the selection it stacks
+    if piece.is_stacked:  # a stacked tensor (vLLM's w13) is told by the selection it stacks
         if shard.shape != want.shape:
             return f"rank {rank} {name} has shape {list(shard.shape)}; declared {list(want.shape)}"
         shard, want = piece.flat(shard), piece.flat(want)

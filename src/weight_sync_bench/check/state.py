@@ -219,7 +219,7 @@ class _Judge:
         it in the same dtype (the comparison reads it in place: no copy of the tensor)."""
         full = weights[piece.source]
         dtype = self.dtype or full.dtype
-        if piece.span is not None and piece.stack == 1 and dtype == full.dtype:
+        if piece.span is not None and not piece.is_stacked and dtype == full.dtype:
             a, b = piece.span
             return full.narrow(piece.dim, a, b - a)
         return piece.take(full).to(dtype)
@@ -231,7 +231,7 @@ class _Judge:
         ``{name}[{i}]`` with its experts: a bucket of experts never written is said expert
         by expert."""
         whole = self.outcome(rank, name, piece, held)
-        if piece.stack == 1 or whole.outcome not in ("wrong", "partly never written") or \
+        if not piece.is_stacked or whole.outcome not in ("wrong", "partly never written") or \
                 held is None or tuple(held.shape) != tuple(
                     self.declared(piece, self.weights).shape) or held.dtype != (
                     self.dtype or self.weights[piece.source].dtype):
@@ -292,7 +292,7 @@ class _Judge:
                     theirs.local_shape(shapes[theirs.source])) != tuple(held.shape):
                 return False
             if theirs.dim not in mine:
-                mine[theirs.dim] = _slice_digests(theirs.flat(held) if theirs.stack > 1
+                mine[theirs.dim] = _slice_digests(theirs.flat(held) if theirs.is_stacked
                                                   else held, theirs.dim)
             want = digests.of(theirs.source, theirs.dim)
             if mine[theirs.dim] != [want[i] for i in theirs.idx.tolist()]:

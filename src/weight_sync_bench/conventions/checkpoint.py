@@ -450,7 +450,7 @@ class CanonicalWeights(Mapping[str, torch.Tensor]):
         pieces = [self.pieces[n] for n in names]
         size = self.shapes[source][pieces[0].dim] if pieces else 0
         runs = sorted((p.span, n) for n, p in zip(names, pieces)
-                      if p.span is not None and p.stack == 1 and p.dim == pieces[0].dim)
+                      if p.span is not None and not p.is_stacked and p.dim == pieces[0].dim)
         if len(runs) == len(names) and runs[0][0][0] == 0 and runs[-1][0][1] == size and all(
                 a[1] == b[0] for (a, _), (b, _) in zip(runs, runs[1:])):
             # stored tensors that tile it in order (a norm, [q; k; v], [gate; up]): as they

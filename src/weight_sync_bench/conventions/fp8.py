@@ -173,7 +173,7 @@ def stored_scale(config: ModelConfig, where: Endpoint, name: str, piece: Piece,
     """The ``weight_scale_inv`` a rank stores beside the FP8 tensor ``name`` (``piece`` of
     its canonical parameter): the parts' scale blocks of the rows (or columns) the piece
     selects, in its order; stacked pieces (vLLM's ``w13_weight``) member by member."""
-    if piece.stack > 1:
+    if piece.is_stacked:
         return torch.stack([stored_scale(config, where, name, m, grids)
                             for m in piece.members()])
     dim, spans = parts(config, piece.source)

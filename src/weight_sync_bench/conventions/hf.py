@@ -93,10 +93,10 @@ def _moe(config: ModelConfig, fused: bool) -> tuple[dict[str, str], dict]:
     if fused:
         cuts["layers.{i}.experts.gate_up.weight"] = [(
             "model.layers.{i}.mlp.experts.gate_up_proj",
-            lambda r: (0, expert_rows(config, range(e)), e))]
+            lambda r: (0, expert_rows(config, range(e)), e, True))]
         cuts["layers.{i}.experts.down.weight"] = [(
             "model.layers.{i}.mlp.experts.down_proj",
-            lambda r: (1, expert_cols(config, range(e)), e))]
+            lambda r: (1, expert_cols(config, range(e)), e, True))]
         return names, cuts
     w = {"gate": "w1", "up": "w3", "down": "w2"} if config.moe_style == "mixtral" else {
         "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}

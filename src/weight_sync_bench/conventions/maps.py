@@ -49,6 +49,9 @@ class Piece:
     dim: int
     idx: torch.Tensor
     stack: int = 1  # members stacked along a new dim 0 (1: the selection as it is)
+    # a stacked tensor even of one member ([1, ...]: vLLM's w13_weight on a rank holding one
+    # expert is [E_local, 2F, d] whatever E_local); ``is_stacked`` is what every reader asks
+    keep: bool = False
     # Derived once: where idx is -1, and the contiguous span idx covers (if it is one).
     padding: torch.Tensor | None = field(init=False, repr=False)
     span: tuple[int, int] | None = field(init=False, repr=False)
@@ -65,11 +68,16 @@ class Piece:
             span = (int(idx[0]), int(idx[0]) + idx.numel())
         object.__setattr__(self, "span", span)
 
+    @property
+    def is_stacked(self) -> bool:
+        """Whether the stored tensor has a leading member axis (``stored[i]`` is member i)."""
+        return self.stack > 1 or self.keep
+
     def same_cut(self, other: Piece) -> bool:
         """Whether ``other`` cuts the same stored tensor from the same canonical one (a
         data-parallel replica's piece): ``take`` gives both the same bytes."""
-        return (self.source, self.dim, self.stack, self.span) == (
-            other.source, other.dim, other.stack, other.span) and (
+        return (self.source, self.dim, self.stack, self.keep, self.span) == (
+            other.source, other.dim, other.stack, other.keep, other.span) and (
             self.span is not None or torch.equal(self.idx, other.idx))
 
     def flat_shape(self, full: Shape) -> Shape:
@@ -81,7 +89,7 @@ class Piece:
     def local_shape(self, full: Shape) -> Shape:
         """The stored tensor's shape, given its source's full shape."""
         out = list(self.flat_shape(full))
-        if self.stack == 1:
+        if not self.is_stacked:
             return tuple(out)
         out[self.dim] //= self.stack
         return (self.stack, *out)
@@ -91,7 +99,7 @@ class Piece:
         if self.span is not None:
             a, b = self.span
             out = full.narrow(self.dim, a, b - a)
-            if self.stack == 1:
+            if not self.is_stacked:
                 return out.clone(memory_format=torch.contiguous_format)
         else:
             out = full.index_select(self.dim, self.idx.clamp(min=0))
@@ -102,14 +110,14 @@ class Piece:
     def stacked(self, flat: torch.Tensor) -> torch.Tensor:
         """The stored form of a selection (``flat_shape``): itself, or its ``stack`` runs
         along ``dim`` stacked along a new dim 0 (a contiguous copy)."""
-        if self.stack == 1:
+        if not self.is_stacked:
             return flat
         return flat.unflatten(self.dim, (self.stack, -1)).movedim(self.dim, 0).contiguous()
 
     def flat(self, stored: torch.Tensor) -> torch.Tensor:
         """The selection a stored tensor holds (``flat_shape``): the inverse of ``stacked``, a
         view where the stacked dim is 0 (``[S, n, d] -> [S n, d]``), else a copy."""
-        if self.stack == 1:
+        if not self.is_stacked:
             return stored
         return stored.movedim(0, self.dim).flatten(self.dim, self.dim + 1)
 
@@ -117,7 +125,7 @@ class Piece:
         """The plain selections a stacked piece stacks, in order (member i is ``stored[i]``,
         the flat selection's i-th run along ``dim``); a piece that stacks nothing is its
         own one member."""
-        if self.stack == 1:
+        if not self.is_stacked:
             return [self]
         m = self.idx.numel() // self.stack
         return [Piece(self.source, self.dim, self.idx[i * m:(i + 1) * m].clone())
@@ -125,7 +133,8 @@ class Piece:
 
     def equals(self, other: Piece) -> bool:
         return (self.source == other.source and self.dim == other.dim
-                and self.stack == other.stack and torch.equal(self.idx, other.idx))
+                and self.stack == other.stack and self.keep == other.keep
+                and torch.equal(self.idx, other.idx))
 
 
 RankPieces = dict[str, Piece]

@@ -489,7 +489,7 @@ def _local_expert_ids(shards: list[Params], conversion: Conversion) -> list[Para
         local[torch.tensor(mine, dtype=torch.long)] = torch.arange(len(mine), dtype=local.dtype)
         assert bool((local[expert] >= 0).all()), (name, rank)  # a rank holds only its own
         return Piece(piece.source, piece.dim, piece.idx - (expert - local[expert]) * block,
-                     piece.stack)
+                     piece.stack, piece.keep)
     return _remap(shards, conversion, remap)
 
 
@@ -712,7 +712,7 @@ def _layer_remap(shards: list[Params], conversion: Conversion,
         other = ".".join(["layers", str(layer_for(int(parts[1]))), *parts[2:]])
         if other == piece.source or shapes.get(other) != shapes[piece.source]:
             return None
-        return Piece(other, piece.dim, piece.idx, piece.stack)
+        return Piece(other, piece.dim, piece.idx, piece.stack, piece.keep)
     return _remap(shards, conversion, remap)
 
 
@@ -783,7 +783,7 @@ def _ends_swapped(shards: list[Params], conversion: Conversion) -> list[Params]:
 
     def remap(rank: int, name: str, piece: Piece) -> Piece | None:
         other = swap.get(piece.source)
-        return Piece(other, piece.dim, piece.idx, piece.stack) if other else None
+        return Piece(other, piece.dim, piece.idx, piece.stack, piece.keep) if other else None
     return _remap(shards, conversion, remap)
 
 
@@ -800,7 +800,7 @@ def _padding_per_rank(shards: list[Params], conversion: Conversion) -> list[Para
         r = rank % t  # the TP rank: fastest in Megatron's rank order
         real = rows(min(r * share, config.vocab), min((r + 1) * share, config.vocab))
         pad = torch.full((piece.idx.numel() - real.numel(),), -1, dtype=torch.int64)
-        return Piece(piece.source, piece.dim, torch.cat([real, pad]), piece.stack)
+        return Piece(piece.source, piece.dim, torch.cat([real, pad]), piece.stack, piece.keep)
     return _remap(shards, conversion, remap)
 
 

@@ -49,7 +49,7 @@ class Selection:
     pieces: tuple[Piece, ...] = ()  # the stored tensors' pieces: how each unstacks
 
     def apply(self, stored: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        flat = [p.flat(stored[n]) if p.stack > 1 else stored[n]
+        flat = [p.flat(stored[n]) if p.is_stacked else stored[n]
                 for n, p in zip(self.names, self.pieces)] if self.pieces else [
                     stored[n] for n in self.names]
         pool = flat[0] if len(flat) == 1 else torch.cat(flat, dim=self.dim)
@@ -81,7 +81,7 @@ def _select(pieces: list[tuple[str, Piece]], needed: torch.Tensor, dim: int, whe
     stacked = tuple(p for _, p in pieces)
     pool = torch.cat([p.idx for _, p in pieces]).numpy() if pieces else np.zeros(0, np.int64)
     need = needed.numpy()
-    if len(pieces) == 1 and np.array_equal(pool, need) and stacked[0].stack == 1:
+    if len(pieces) == 1 and np.array_equal(pool, need) and not stacked[0].is_stacked:
         return Selection(names, dim, None, None, stacked)
     positions = np.full(need.shape, -1, dtype=np.int64)
     real = need >= 0

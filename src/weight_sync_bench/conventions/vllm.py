@@ -166,12 +166,12 @@ def _expert_cuts(config: ModelConfig, at: Endpoint) -> dict:
     def w13_of(r: int) -> tuple:
         etp_rank, ep_rank, _ = placement.coordinates(t, r)
         mine = placement.experts_of(ep_rank)
-        return 0, expert_rows(config, mine, etp=etp, etp_rank=etp_rank, halves=halves), len(mine)
+        return 0, expert_rows(config, mine, etp=etp, etp_rank=etp_rank, halves=halves), len(mine), True
 
     def w2_of(r: int) -> tuple:
         etp_rank, ep_rank, _ = placement.coordinates(t, r)
         mine = placement.experts_of(ep_rank)
-        return 1, expert_cols(config, mine, etp=etp, etp_rank=etp_rank), len(mine)
+        return 1, expert_cols(config, mine, etp=etp, etp_rank=etp_rank), len(mine), True
 
     return {"layers.{i}.experts.gate_up.weight": [(prefix + ".w13_weight", w13_of)],
             "layers.{i}.experts.down.weight": [(prefix + ".w2_weight", w2_of)]}

@@ -101,7 +101,7 @@ class SyncLayout:
         for name, piece in (self.pieces[rank].items() if rank < self.world else ()):
             if name not in tensors:
                 continue
-            if piece.stack == 1:
+            if not piece.is_stacked:
                 out[name] = tensors[name]
             else:
                 out.update((f"{name}[{i}]", tensors[name][i]) for i in range(piece.stack))
@@ -187,7 +187,7 @@ def _sync_layout(config: ModelConfig, text: str, dp: int) -> SyncLayout:
 def _members(name: str, piece: Piece) -> list[tuple[str, Piece]]:
     """A stored tensor as the plain selections phase 2 addresses: itself, or each member of
     a stacked one (``Piece.members``), named ``{name}[{i}]``."""
-    if piece.stack == 1:
+    if not piece.is_stacked:
         return [(name, piece)]
     return [(f"{name}[{i}]", member) for i, member in enumerate(piece.members())]
 
