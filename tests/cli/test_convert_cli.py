@@ -42,6 +42,25 @@ def converters(tmp_path, monkeypatch):
     return MODULE
 
 
+# A user's module for the --weights checks: the correct converter and its twin, [up; gate]
+# where [gate; up] is.
+WEIGHTS_CONVERTERS = textwrap.dedent("""
+    import torch
+    from weight_sync_bench import convert
+
+    def megatron_to_vllm(shards, degree, *, config):
+        return convert(shards, "megatron:2", f"vllm:{degree}", config)
+
+    def up_gate(shards, degree, *, config):
+        out = megatron_to_vllm(shards, degree, config=config)
+        for rank in out:
+            for name, x in rank.items():
+                if name.endswith("gate_up_proj.weight"):
+                    rank[name] = torch.cat(x.chunk(2)[::-1])
+        return out
+""")
+
+
 def test_a_converter_from_the_command_line_passes_and_its_twin_fails_naming_the_heads(
         converters, capsys):
     argv = ["check", "--config", "toy_kv4", "--from", "megatron:4", "--to", "vllm:2"]
@@ -187,21 +206,7 @@ def test_a_converter_on_the_users_own_weights_from_the_command_line(tmp_path, mo
     weights = {n: (x * 1.5).to(torch.bfloat16) for n, x in init_params(TOY_KV4, 7).items()}
     hf = endpoint("hf")
     write_checkpoint(tmp_path / "w", materialize(hf.pieces(TOY_KV4), weights), hf, TOY_KV4)
-    (tmp_path / "wsb_cli_weights.py").write_text(textwrap.dedent("""
-        import torch
-        from weight_sync_bench import convert
-
-        def megatron_to_vllm(shards, degree, *, config):
-            return convert(shards, "megatron:2", f"vllm:{degree}", config)
-
-        def up_gate(shards, degree, *, config):  # the twin: [up; gate] where [gate; up] is
-            out = megatron_to_vllm(shards, degree, config=config)
-            for rank in out:
-                for name, x in rank.items():
-                    if name.endswith("gate_up_proj.weight"):
-                        rank[name] = torch.cat(x.chunk(2)[::-1])
-            return out
-    """))
+    (tmp_path / "wsb_cli_weights.py").write_text(WEIGHTS_CONVERTERS)
     monkeypatch.syspath_prepend(str(tmp_path))
     base = ["check", "--from", "megatron:2", "--to", "vllm:2", "--weights", str(tmp_path / "w")]
     assert main([*base, "--converter", "wsb_cli_weights:megatron_to_vllm"]) == 0
@@ -227,21 +232,7 @@ def test_a_converter_on_a_megatron_torch_dist_checkpoint(tmp_path, capsys, monke
 
     weights = {n: (x * 1.5).to(torch.bfloat16) for n, x in init_params(TOY_KV4, 7).items()}
     write_megatron_dist(tmp_path / "m", weights, endpoint("megatron:2"), TOY_KV4)
-    (tmp_path / "wsb_cli_dist.py").write_text(textwrap.dedent("""
-        import torch
-        from weight_sync_bench import convert
-
-        def megatron_to_vllm(shards, degree, *, config):
-            return convert(shards, "megatron:2", f"vllm:{degree}", config)
-
-        def up_gate(shards, degree, *, config):
-            out = megatron_to_vllm(shards, degree, config=config)
-            for rank in out:
-                for name, x in rank.items():
-                    if name.endswith("gate_up_proj.weight"):
-                        rank[name] = torch.cat(x.chunk(2)[::-1])
-            return out
-    """))
+    (tmp_path / "wsb_cli_dist.py").write_text(WEIGHTS_CONVERTERS)
     monkeypatch.syspath_prepend(str(tmp_path))
     base = ["check", "--from", "megatron:2", "--to", "vllm:2", "--weights", str(tmp_path / "m")]
     assert main([*base, "--converter", "wsb_cli_dist:megatron_to_vllm"]) == 2

@@ -22,8 +22,9 @@ import warnings
 import pytest
 import torch
 
+from tests.check.test_convert_weights import gate_up_swapped, megatron_to_vllm
 from tests.sync.conftest import tiny
-from weight_sync_bench import check_convert, convert
+from weight_sync_bench import check_convert
 from weight_sync_bench.conventions import endpoint, materialize
 from weight_sync_bench.conventions.checkpoint import (
     DIST_COMMON,
@@ -262,19 +263,6 @@ def test_a_truncated_data_file_is_named(tmp_path):
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     with pytest.raises(CheckpointError, match=r"not a readable torch_dist checkpoint"):
         megatron_weights(step, None, DENSE)
-
-
-def megatron_to_vllm(shards, degree, *, config):
-    return convert(shards, f"megatron:{len(shards)}", f"vllm:{degree}", config)
-
-
-def gate_up_swapped(shards, degree, *, config):
-    out = megatron_to_vllm(shards, degree, config=config)
-    for rank in out:
-        for name, x in rank.items():
-            if name.endswith("gate_up_proj.weight"):
-                rank[name] = torch.cat(x.chunk(2)[::-1])
-    return out
 
 
 def test_a_converter_is_checked_on_a_torch_dist_and_a_legacy_checkpoint(tmp_path):
