@@ -140,3 +140,19 @@ def test_a_users_config_json_syncs_with_the_element_check_and_its_forward_is_ref
         assert claim in out, claim
     assert main(["sync", *model, "--no-forward", "--mutation", "qk_swapped", "-q"]) == 1
     assert "FAIL tiny_llama megatron:2 -> vllm:4 (phase 2, " in capsys.readouterr().out
+
+
+def test_wsb_sync_checks_a_users_distributed_resharder(capsys):
+    """``--resharder MOD:FN``: the user's fn(ctx, rank, local, plan) instead of the harness's
+    executor, judged as check_distributed_reshard judges it: a correct one exits 0, one
+    that flips a bit exits 1 naming the tensor, one that raises exits 4 naming itself."""
+    base = ["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1",
+            "--no-forward", "-q", "--resharder"]
+    assert main([*base, "tests.sync.resharders:returns_fresh_tensors"]) == 0
+    assert "tests.sync.resharders:returns_fresh_tensors" in capsys.readouterr().out
+    assert main([*base, "tests.sync.resharders:flip_one_bit"]) == 1
+    assert "DIFFERENT" in capsys.readouterr().out
+    assert main([*base, "tests.sync.resharders:raises"]) == 4
+    assert "your resharder tests.sync.resharders:raises raised" in capsys.readouterr().err
+    assert main([*base, "tests.sync.resharders:flip_one_bit", "--mutation",
+                 "dropped_transfer"]) == 2

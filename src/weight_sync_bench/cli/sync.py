@@ -17,7 +17,8 @@ the geometry of a Hugging Face ``config.json`` (or a shipped one), ``--layers`` 
 element check, bytes, time and memory need no floor, its forward does (TOY and TOY_KV4
 only), so it runs with ``--no-forward`` and is refused without it (exit 2). ``--weights
 DIR``: the user's weights move instead of the seed's values (``SyncSession(weights=)``),
-the forward's threshold measured on them.
+the forward's threshold measured on them. ``--resharder MOD:FN``: the user's distributed
+resharder instead of the harness's executor (``check_distributed_reshard``'s check).
 Exit status (``output.EXIT_CODES``): 0 when the element check and the forward pass, 1 when
 either fails; under torchrun only rank 0 prints and judges.
 """
@@ -48,7 +49,7 @@ from weight_sync_bench.errors import (
     UnsupportedLauncher,
     WsbError,
 )
-from weight_sync_bench.sync.execute import DEFAULT_BUCKET, gather_scatter
+from weight_sync_bench.sync.execute import DEFAULT_BUCKET, execute_plan, gather_scatter
 from weight_sync_bench.sync.layouts import sync_layout
 from weight_sync_bench.sync.mutations import PLAN_MUTATIONS
 from weight_sync_bench.sync.planner import plan_for
@@ -95,6 +96,16 @@ def cmd_sync(args: argparse.Namespace) -> int:
     out = Output(args)
     config = model_of(args) if args.weights is None else _weights_config(args)
     guard(args, config)
+    fn = None
+    if args.resharder is not None:  # the user's distributed resharder, as the Python API
+        # takes it (check_distributed_reshard): fn(ctx, rank, local_shards, plan)
+        if args.launcher == "torchrun" or args.mutation or args.naive:
+            raise UnsupportedLauncher("--resharder runs on the rank pool (--launcher pool), "
+                                      "without --mutation or --naive (they change the "
+                                      "harness's own executor)")
+        from weight_sync_bench.check.user_code import load_function
+
+        fn = load_function(args.resharder, "resharder")
     if args.weights is not None and args.launcher == "torchrun":
         raise UnsupportedLauncher("--weights runs on the rank pool (--launcher pool); under "
                                   "torchrun the values are the seed's")
@@ -146,8 +157,9 @@ def cmd_sync(args: argparse.Namespace) -> int:
                 plan = PLAN_MUTATIONS[args.mutation](session.plan) if args.mutation else None
                 tick(1, steps, f"{session.plan.label}: resharding, checking every element"
                                + (", the destination forward" if session.forward else ""))
-                results.append(session.run(plan=plan, bucket_bytes=args.bucket,
-                                           calibrate=True, into=args.into))
+                results.append(session.run(fn or execute_plan, plan=plan,
+                                           bucket_bytes=args.bucket, calibrate=True,
+                                           into=args.into))
                 if args.naive:
                     tick(2, steps, f"{session.plan.label}: the naive gather-then-scatter")
                     results.append(session.run(gather_scatter, bucket_bytes=args.bucket,
@@ -198,6 +210,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--naive", action="store_true",
                    help="also run gather-then-scatter through rank 0, checked the same way")
     p.add_argument("--transfers", action="store_true", help="list every transfer of the plan")
+    p.add_argument("--resharder", default=None, metavar="MODULE:FUNCTION",
+                   help="check your distributed resharder fn(ctx, rank, local_shards, plan) -> "
+                        "this rank's destination tensors instead of the harness's executor "
+                        "(check_distributed_reshard): every element, the bytes, the time and "
+                        "the memory of your code")
     p.add_argument("--mutation", choices=list(PLAN_MUTATIONS), default=None,
                    help="run a planner mutation instead of the plan (pool only): the checks "
                         "must fail it")
