@@ -241,3 +241,18 @@ def test_dividing_by_the_scale_is_told_apart_from_multiplying_by_its_reciprocal(
     assert q[0, 1].float().item() == 1.0 and q[0, 0].float().item() == 448.0
     by_reciprocal = (w[0, 1] * (1 / scale[0, 0])).to(FP8).float().item()
     assert by_reciprocal == 1.125
+
+
+def test_flashinfers_up_then_gate_order_holds_for_the_scales_too():
+    """vLLM's FlashInfer FP8 MoE backend swaps w13 to [w3; w1] for the weights and the
+    scales alike (``swap_w13_to_w31``): each expert's scale rows are up's, then gate's."""
+    p = init_params(MOE, 0)
+    (hf,) = fp8_shards(MOE, endpoint("hf"), p)
+    ranks = fp8_shards(MOE, endpoint("vllm:tp=2,ep=2,kernel=flashinfer_cutlass"), p)
+    pre = "model.layers.0.mlp.experts."
+    for r, rank in enumerate(ranks):
+        w13 = rank[pre + "routed_experts.w13_weight_scale_inv"]
+        for j in range(2):
+            e = r * 2 + j
+            assert torch.equal(w13[j], torch.cat([hf[pre + f"{e}.up_proj.weight_scale_inv"],
+                                                  hf[pre + f"{e}.gate_proj.weight_scale_inv"]]))
