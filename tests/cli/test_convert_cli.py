@@ -290,3 +290,41 @@ def test_a_splitter_and_a_resharder_on_an_hf_directory(tmp_path, capsys, monkeyp
     assert "layers.0.o_proj.weight" in capsys.readouterr().out
     assert main(["check", *w]) == 2
     assert "give --converter, --splitter or --resharder" in capsys.readouterr().err
+
+
+def test_a_quantizing_converter_from_the_command_line(tmp_path, capsys, monkeypatch):
+    """``wsb check --converter ... --to vllm:tp=2,fp8=block128``: a geometry with 128-wide
+    heads (an HF config.json) passes the correct quantizer and fails its twin (a scale
+    transposed); the built-in toy, whose 64-row KV part cannot be cut on 128-blocks, is
+    refused with vLLM's rule (exit 2) before the converter runs."""
+    import json
+
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 1000,
+              "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 128, "intermediate_size": 512,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "wsb_cli_fp8.py").write_text(textwrap.dedent("""
+        from weight_sync_bench.conventions.fp8 import fp8_shards
+        from weight_sync_bench.conventions.maps import gather_canonical
+
+        def quantize(shards, degree, *, config, source, target):
+            full = gather_canonical(shards, source.pieces(config), config.param_shapes())
+            return fp8_shards(config, target, full)
+
+        def transposed(shards, degree, *, config, source, target):
+            out = quantize(shards, degree, config=config, source=source, target=target)
+            name = "model.layers.0.self_attn.o_proj.weight_scale_inv"
+            out[0][name] = out[0][name].t().contiguous()
+            return out
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = ["check", "--from", "megatron:2", "--to", "vllm:tp=2,fp8=block128", "--hf-config",
+            str(tmp_path / "config.json"), "--layers", "2", "--dtype", "bf16", "--converter"]
+    assert main([*base, "wsb_cli_fp8:quantize"]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
+    assert main([*base, "wsb_cli_fp8:transposed"]) == 1
+    assert "the declared scale transposed" in capsys.readouterr().out
+    assert main(["check", "--config", "toy", "--from", "megatron:2", "--to",
+                 "vllm:tp=2,fp8=block128", "--converter", "wsb_cli_fp8:quantize"]) == 2
+    assert "128-blocks" in capsys.readouterr().err

@@ -329,13 +329,26 @@ def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool,
     for config in _models(args):
         try:
             src.pieces(config)
-            dst.pieces(config)
+            dst.unquantized().pieces(config)
+            if dst.quantized:  # vLLM's block rules, before the converter runs
+                from weight_sync_bench.conventions.fp8 import fp8_shapes
+
+                fp8_shapes(config, dst)
         except UnsupportedLayout as exc:
             if not every:
                 raise
             skipped.append(f"skipped {config.name}: {exc}")
             continue
         common = _options(args)
+        if dst.quantized:  # its threshold is measured on its dequantized weights, per check
+            if args.stream is not None or args.backend != "inprocess" or args.measure_floor:
+                raise WsbError(f"{dst}: an FP8 destination is checked whole, in process, with "
+                               "a threshold measured on its dequantized weights: drop "
+                               "--stream, --backend and --measure-floor")
+            jobs.append((f"{config.name} {src} -> {dst}", lambda progress, c=config, **over:
+                         check_convert(fn, c, str(src), str(dst), seed=args.seed,
+                                       dtype=args.dtype, **over)))
+            continue
         job = (f"{config.name} {src} -> {dst}", lambda progress, c=config, **over: check_convert(
             fn, c, str(src), str(dst), progress=progress, **{**common, **over}))
         # The geometry's phase floor, as for a split (``check.convert``'s docstring says why
@@ -398,7 +411,7 @@ def _weights_job(args: argparse.Namespace, fn: Callable[..., Any], src: Endpoint
     measured on them."""
     config = _weights_config(args)
     src.pieces(config)
-    dst.pieces(config)
+    dst.unquantized().pieces(config)
     return (f"{config.name} {src} -> {dst} on {args.weights}",
             lambda progress, **over: check_convert(
                 fn, config, str(src), str(dst), seed=args.seed, backend=args.backend,
