@@ -24,7 +24,7 @@ from weight_sync_bench.conventions.fp8 import (
 )
 from weight_sync_bench.conventions.maps import gather_canonical
 from weight_sync_bench.errors import UnsupportedConvention, WrongShardShape
-from weight_sync_bench.model.config import ModelConfig, init_params
+from weight_sync_bench.model.config import TOY_KV4, ModelConfig, init_params
 
 TOY_FP8 = ModelConfig(name="toy_fp8", vocab=1000, d_model=256, n_layers=2, n_heads=4,
                       n_kv_heads=2, head_dim=128, ffn=512)
@@ -129,11 +129,18 @@ DIAGNOSED = {"scale_zero": "scale is 0 in 1 blocks", "scale_unsent": "never writ
              "scale_ue8m0": "powers of two", "scale_reciprocal": "reciprocal"}
 
 
+# the bugs that need a second rank (another rank's scale; the unsent one is rank 1's)
+MULTI_RANK = ("scale_unsent", "scale_other_rank")
+
+
 def fp8_kill_matrix(config, src="megatron:2", dst="vllm:tp=2,fp8=block128", **kw):
     """``{bug: (passed, ratio, first mismatch, diagnosis)}`` with the clean converter as
-    ``"none"``."""
+    ``"none"``; at a one-rank destination, the bugs that need two ranks are left out."""
     rows = {}
+    one_rank = endpoint(dst).world == 1
     for name, fn in {"none": good, **FP8_BUGS}.items():
+        if one_rank and name in MULTI_RANK:
+            continue
         v = check_convert(fn, config, src, dst, **kw)
         rows[name] = (v.passed, v.max_abs_error / v.threshold, v.first_mismatch, v.diagnosis)
     return rows
@@ -141,7 +148,10 @@ def fp8_kill_matrix(config, src="megatron:2", dst="vllm:tp=2,fp8=block128", **kw
 
 @pytest.mark.parametrize(("config", "dst"), [
     (TOY_FP8, "vllm:tp=2,fp8=block128"), (QWEN3_8B_REDUCED, "vllm:tp=2,fp8=block128"),
-    (MOE_FP8, "vllm:tp=2,ep=2,fp8=block128")], ids=["toy", "qwen3_8b_reduced", "moe_ep"])
+    (MOE_FP8, "vllm:tp=2,ep=2,fp8=block128"),
+    # TOY_KV4's MLP (704 rows) is not whole blocks, so vLLM refuses it at every degree; an HF
+    # FP8 checkpoint quantizes each tensor on its own, partial blocks and all
+    (TOY_KV4, "hf:fp8=block128")], ids=["toy", "qwen3_8b_reduced", "moe_ep", "toy_kv4_hf"])
 def test_a_correct_quantizer_passes_and_every_fp8_bug_fails_named(config, dst):
     rows = fp8_kill_matrix(config, dst=dst, dtype="bf16")
     passed, ratio, first, _ = rows.pop("none")
