@@ -90,3 +90,18 @@ def test_the_session_moves_the_checkpoint_not_a_seed(tmp_path, pool):
                                         seed=9))
     assert right.elements_passed, right.summary()
     assert not wrong.elements_passed
+
+
+def test_without_a_forward_the_driver_never_reads_the_whole_checkpoint(tmp_path, pool,
+                                                                        monkeypatch):
+    """``forward=False``: the ranks read their regions, the driver holds no model (its
+    whole-model reader is never called); the element check still passes."""
+    from weight_sync_bench.sync import session
+
+    directory, _ = hf_dir(tmp_path, tiny(2))
+    calls = []
+    monkeypatch.setattr(session, "held_weights", lambda *a, **k: calls.append(a))
+    with SyncSession(tiny(2), "megatron:2", "vllm:2", pool=pool, forward=False,
+                     weights=directory) as s:
+        assert s.run().elements_passed
+    assert calls == []

@@ -226,9 +226,12 @@ class SyncSession:
         # the values moved: the generator's of ``seed``, or the user's weights (``weights``,
         # a checkpoint directory each rank reads its own regions from, in float32)
         self.seed: Source = seed if weights is None else WeightValues(str(weights), config)
-        held = computing(held_weights(weights, config)) if weights is not None else None
         self.src = src if isinstance(src, SyncLayout) else sync_layout(config, src, dp=dp)
         self.dst = dst if isinstance(dst, SyncLayout) else sync_layout(config, dst)
+        # the whole model in this process only for the forward's reference (and the
+        # threshold measured on it); the element check reads regions on the ranks
+        held = (computing(held_weights(weights, config))
+                if weights is not None and forward and self.dst.runs_forward else None)
         self.plan = plan_for(self.src, self.dst)  # validates both covers before anything moves
         self.world = self.plan.world
         self.forward = forward and self.dst.runs_forward
