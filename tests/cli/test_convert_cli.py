@@ -236,7 +236,7 @@ def test_a_converter_on_a_megatron_torch_dist_checkpoint(tmp_path, capsys, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     base = ["check", "--from", "megatron:2", "--to", "vllm:2", "--weights", str(tmp_path / "m")]
     assert main([*base, "--converter", "wsb_cli_dist:megatron_to_vllm"]) == 2
-    assert "give its Hugging Face config with --hf-config" in capsys.readouterr().err
+    assert "give --hf-config PATH or --config NAME (as Megatron-Bridge" in capsys.readouterr().err
     assert main([*base, "--config", "toy_kv4", "--converter",
                  "wsb_cli_dist:megatron_to_vllm"]) == 0
     assert "1 passed, 0 failed" in capsys.readouterr().out

@@ -35,7 +35,7 @@ from weight_sync_bench.check.diagnosis import bit_equal
 from weight_sync_bench.check.floor import convention_logits
 from weight_sync_bench.check.user_code import call
 from weight_sync_bench.check.verdict import Verdict
-from weight_sync_bench.check.weights import measure_threshold
+from weight_sync_bench.check.weights import weights_threshold
 from weight_sync_bench.conventions import materialize
 from weight_sync_bench.conventions.fp8 import (
     FP8,
@@ -47,7 +47,6 @@ from weight_sync_bench.conventions.fp8 import (
 )
 from weight_sync_bench.errors import InvalidShards, WrongShardShape
 from weight_sync_bench.model.config import dtype_name, make_tokens
-from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import RoutingGuard
 from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
@@ -193,11 +192,7 @@ def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, targ
     with torch.no_grad():
         reference = model(tokens)
         unquantized = ReferenceModel(config, {n: x.float() for n, x in params.items()})(tokens)
-    measured = threshold is None
-    if threshold is None:
-        sharded = [t for t in layout_for(config).supported_degrees() if t > 1][:1]
-        threshold = measure_threshold(config, [plain, *(f"plain:{t}" for t in sharded)],
-                                      weights=full)
+    threshold, measured = weights_threshold(config, [plain], full, threshold)
     guard = RoutingGuard(model.routings, threshold) if config.n_experts else None
     names = list(dict.fromkeys(n for rank in declared for n in rank))
     differ = [n for n in names if any(n in d and not _same(c[n], d[n])
@@ -215,10 +210,8 @@ def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, targ
         lines.append(_diagnose(rank, first, checked[rank], declared))
     lines += [f"not finite: {b}" for b in bad[:4]]
     quant_error = float((reference - unquantized).abs().max())
-    notes = (f"fp8: the reference is the dense forward on the same dequantized weights; the "
-             f"threshold {threshold:g} was " + ("measured on them (the destination's declared "
-             "shards and the plain layout at its smallest sharded degree, token seeds "
-             "1000-1003, 100x the worst)" if measured else "given"),
+    notes = ("fp8: the reference is the dense forward on the same dequantized weights; "
+             + measured.replace("your weights", "the dequantized weights", 1),
              f"fp8 quantization error (the dequantized model against the unquantized one, "
              f"for information, never a threshold): max |logit difference| {quant_error:.4g}",
              *([weights_note] if weights_note else []))

@@ -37,6 +37,7 @@ from weight_sync_bench.conventions.checkpoint import (
     HF_CONFIG,
     META_PARAMS,
     checkpoint_geometry,
+    is_megatron_checkpoint,
     layout_of,
     write_checkpoint,
 )
@@ -103,6 +104,20 @@ def model_of(args: argparse.Namespace, *, need_layers: bool = True) -> ModelConf
     """The one geometry of a command that checks one (not ``all``)."""
     return hf_model(args, need_layers=need_layers) or config_by_name(
         args.config or args.config_default)
+
+
+def weights_geometry(directory: Path, given: ModelConfig | None, options: str) -> ModelConfig:
+    """The geometry of a ``--weights DIR`` check: ``given`` (what the model options named,
+    checked against the directory when it is read), else what an HF directory's
+    ``config.json`` states. A Megatron checkpoint's ``args`` state sizes, not the whole
+    model (vocabulary, norms, rope): without ``given`` it is refused naming ``options``."""
+    if given is not None:
+        return given
+    if is_megatron_checkpoint(directory):
+        raise WsbError(f"{directory}: a Megatron checkpoint's args state sizes, not the whole "
+                       f"model (vocabulary, norms, rope): give {options} (as Megatron-Bridge's "
+                       "export takes its Hugging Face config); the args are checked against it")
+    return checkpoint_geometry(directory, endpoint("hf"))
 
 
 def guard(args: argparse.Namespace, config: ModelConfig, *, unit: str = "model",

@@ -54,6 +54,7 @@ from weight_sync_bench.cli.checkpoint import (
     hf_model,
     model_of,
     phase_of,
+    weights_geometry,
 )
 from weight_sync_bench.cli.checkpoint import register as register_checkpoint
 from weight_sync_bench.cli.floor import register as register_floor
@@ -87,7 +88,6 @@ from weight_sync_bench.cli.sync import register as register_sync
 from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS
 from weight_sync_bench.conventions import convention_by_name, endpoint, render
-from weight_sync_bench.conventions.checkpoint import checkpoint_geometry, is_megatron_checkpoint
 from weight_sync_bench.conventions.table import render_ranks
 from weight_sync_bench.errors import (
     FloorNotMeasured,
@@ -365,14 +365,8 @@ def _weights_config(args: argparse.Namespace) -> ModelConfig:
     if args.dtype != "fp32" or args.stream is not None or args.measure_floor:
         raise WsbError("--weights checks your weights whole, in their own dtype, with a "
                        "threshold measured on them: drop --dtype, --stream and --measure-floor")
-    if args.config is not None or args.hf_config is not None:
-        return model_of(args)
-    if is_megatron_checkpoint(args.weights):
-        raise WsbError(f"{args.weights}: a Megatron checkpoint's args state sizes, not the "
-                       "whole model (vocabulary, norms, rope): give its Hugging Face config "
-                       "with --hf-config PATH (as Megatron-Bridge's export takes it) or "
-                       "--config NAME; the args are checked against it")
-    return checkpoint_geometry(args.weights, endpoint("hf"))
+    given = model_of(args) if args.config is not None or args.hf_config is not None else None
+    return weights_geometry(args.weights, given, "--hf-config PATH or --config NAME")
 
 
 def _weights_plan(args: argparse.Namespace, fn: Callable[..., Any], role: str

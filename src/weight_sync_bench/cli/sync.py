@@ -29,7 +29,12 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from weight_sync_bench.cli.checkpoint import add_model_options, guard, model_of
+from weight_sync_bench.cli.checkpoint import (
+    add_model_options,
+    guard,
+    model_of,
+    weights_geometry,
+)
 from weight_sync_bench.cli.launch import job_options, option_names
 from weight_sync_bench.cli.output import (
     EXIT_FAILED,
@@ -47,7 +52,6 @@ from weight_sync_bench.collectives.gloo.pool import check_ranks
 from weight_sync_bench.errors import (
     FloorNotMeasured,
     UnsupportedLauncher,
-    WsbError,
 )
 from weight_sync_bench.sync.execute import DEFAULT_BUCKET, execute_plan, gather_scatter
 from weight_sync_bench.sync.layouts import sync_layout
@@ -58,7 +62,6 @@ from weight_sync_bench.sync.torchrun import TORCHRUN_BACKENDS, device_for, run_t
 from weight_sync_bench.tolerance.rules import floor_for
 
 if TYPE_CHECKING:
-    from weight_sync_bench.model.config import ModelConfig
     from weight_sync_bench.sync.session import SyncResult
 
 
@@ -75,26 +78,12 @@ def _record(result: SyncResult) -> dict[str, Any]:
             "threshold": v.threshold if v else None, "passed": result.passed}
 
 
-def _weights_config(args: argparse.Namespace) -> ModelConfig:
-    """``--weights DIR``'s geometry: an HF directory's config.json, else the model options
-    (a Megatron checkpoint's args state sizes, not the whole model)."""
-    from weight_sync_bench.conventions import endpoint
-    from weight_sync_bench.conventions.checkpoint import (
-        checkpoint_geometry,
-        is_megatron_checkpoint,
-    )
-
-    if args.config is not None or args.hf_config is not None:
-        return model_of(args)
-    if is_megatron_checkpoint(args.weights):
-        raise WsbError(f"{args.weights}: a Megatron checkpoint's args state sizes, not the "
-                       "whole model: give --config NAME or --hf-config PATH")
-    return checkpoint_geometry(args.weights, endpoint("hf"))
-
-
 def cmd_sync(args: argparse.Namespace) -> int:
     out = Output(args)
-    config = model_of(args) if args.weights is None else _weights_config(args)
+    given = model_of(args) if args.weights is None or args.config is not None or \
+        args.hf_config is not None else None
+    config = given if args.weights is None else weights_geometry(
+        args.weights, given, "--config NAME or --hf-config PATH")
     guard(args, config)
     fn = None
     if args.resharder is not None:  # the user's distributed resharder, as the Python API

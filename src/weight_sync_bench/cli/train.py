@@ -78,11 +78,7 @@ def _weights(args: argparse.Namespace) -> tuple[ModelConfig, Params]:
     """``--weights DIR``: the geometry (an HF directory's config.json, else --config) and
     the parameters, in fp32 (AdamW trains fp32 parameters; bf16 values convert exactly)."""
     from weight_sync_bench.check.weights import held_weights
-    from weight_sync_bench.conventions import endpoint
-    from weight_sync_bench.conventions.checkpoint import (
-        checkpoint_geometry,
-        is_megatron_checkpoint,
-    )
+    from weight_sync_bench.cli.checkpoint import weights_geometry
     from weight_sync_bench.model.stepwise import computing
 
     if _sequence(args):
@@ -90,13 +86,8 @@ def _weights(args: argparse.Namespace) -> tuple[ModelConfig, Params]:
                        "built (their floor domain is measured on its own)")
     if args.config == "all":
         raise WsbError("--weights holds one model: give its --config NAME, not all")
-    if args.config is not None:
-        (config,) = _configs(args.config)
-    elif is_megatron_checkpoint(args.weights):
-        raise WsbError(f"{args.weights}: a Megatron checkpoint's args state sizes, not the "
-                       "whole model: give --config NAME")
-    else:
-        config = checkpoint_geometry(args.weights, endpoint("hf"))
+    given = _configs(args.config)[0] if args.config is not None else None
+    config = weights_geometry(args.weights, given, "--config NAME")
     return config, computing(held_weights(args.weights, config))
 
 

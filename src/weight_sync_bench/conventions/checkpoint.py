@@ -714,6 +714,22 @@ def _chunks(params: Mapping[str, torch.Tensor], where: Endpoint) -> dict[str, Pa
     return out
 
 
+def megatron_args(config: ModelConfig, where: Endpoint, **extra: Any) -> Any:
+    """The ``args`` Namespace a Megatron checkpoint the harness writes records: the degrees
+    it was saved at and the sizes ``_check_args`` reads back (megatron/training/arguments.py
+    names), plus ``extra``."""
+    import argparse
+
+    return argparse.Namespace(
+        tensor_model_parallel_size=where.degree, pipeline_model_parallel_size=where.pp,
+        expert_model_parallel_size=where.ep, num_layers=config.n_layers,
+        hidden_size=config.d_model, num_attention_heads=config.n_heads,
+        group_query_attention=config.n_kv_heads != config.n_heads,
+        num_query_groups=config.n_kv_heads, kv_channels=config.head_dim,
+        ffn_hidden_size=config.ffn, num_experts=config.n_experts or None,
+        moe_ffn_hidden_size=config.expert_ffn or None, **extra)
+
+
 def write_megatron_legacy(directory: str | Path, shards: Sequence[Mapping[str, torch.Tensor]],
                           where: Endpoint, config: ModelConfig, *, iteration: int = 1) -> Path:
     """``shards`` (``where``'s rank-local tensors, a ``megatron`` endpoint) written as
@@ -722,7 +738,6 @@ def write_megatron_legacy(directory: str | Path, shards: Sequence[Mapping[str, t
     the degrees and sizes), ``checkpoint_version`` 3.0, ``iteration`` and the model (data
     parallel replicas of a rank write nothing more: they hold the same tensors). Atomic as
     ``write_checkpoint``. Returns the iteration directory."""
-    import argparse
 
     out = Path(directory)
     if where.name != "megatron":
@@ -733,11 +748,7 @@ def write_megatron_legacy(directory: str | Path, shards: Sequence[Mapping[str, t
     if len(shards) != where.world:
         raise CheckpointError(f"{where}: {len(shards)} rank dicts to write, expected "
                               f"{where.world}", path=str(out))
-    args = argparse.Namespace(
-        tensor_model_parallel_size=where.degree, pipeline_model_parallel_size=where.pp,
-        expert_model_parallel_size=where.ep, num_layers=config.n_layers,
-        hidden_size=config.d_model, num_attention_heads=config.n_heads,
-        num_query_groups=config.n_kv_heads, ffn_hidden_size=config.ffn, ckpt_format="torch")
+    args = megatron_args(config, where, ckpt_format="torch")
     step = f"iter_{iteration:07d}"
     with _staged(out) as stage:
         _write_text(stage / MEGATRON_TRACKER, str(iteration))
@@ -1456,7 +1467,6 @@ def write_megatron_dist(directory: str | Path, params: Mapping[str, torch.Tensor
     the common state
     (``args`` with the degrees and sizes, ``checkpoint_version``, ``iteration``). Atomic as
     ``write_checkpoint``. Returns the iteration directory."""
-    import argparse
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -1493,14 +1503,7 @@ def write_megatron_dist(directory: str | Path, params: Mapping[str, torch.Tensor
         for index, x in members.items():
             full[index] = x
         state[key] = full
-    args = argparse.Namespace(
-        tensor_model_parallel_size=where.degree, pipeline_model_parallel_size=where.pp,
-        expert_model_parallel_size=where.ep, num_layers=config.n_layers,
-        hidden_size=config.d_model, num_attention_heads=config.n_heads,
-        group_query_attention=config.n_kv_heads != config.n_heads,
-        num_query_groups=config.n_kv_heads, kv_channels=config.head_dim,
-        ffn_hidden_size=config.ffn, padded_vocab_size=rows, ckpt_format="torch_dist",
-        num_experts=config.n_experts or None, moe_ffn_hidden_size=config.expert_ffn or None)
+    args = megatron_args(config, where, ckpt_format="torch_dist", padded_vocab_size=rows)
     common = io.BytesIO()
     torch.save([{"args": args, "checkpoint_version": 3.0, "iteration": iteration}], common)
     state[DIST_COMMON] = common
