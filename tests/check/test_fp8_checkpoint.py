@@ -24,26 +24,31 @@ from weight_sync_bench.model.config import init_params
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("where", ["hf:fp8=block128", "vllm:tp=2,fp8=block128"])
+@pytest.mark.parametrize("where", ["hf:fp8=block128", "vllm:tp=2,fp8=block128",
+                                   "hf:fp8=tensor", "vllm:tp=2,fp8=tensor"])
 def test_an_fp8_checkpoint_round_trips_and_a_changed_scale_fails(tmp_path, where, dtype):
     """In the trainer's dtype (bf16 norms and embeddings beside float32 scales: the
-    unquantized tensors' dtype is the weights')."""
+    unquantized tensors' dtype is the weights'). A per-tensor checkpoint states no block
+    size and names its scales ``weight_scale``."""
     at = endpoint(where)
     files = write_checkpoint(tmp_path / "c", fp8_shards(TOY_FP8, at, init_params(
         TOY_FP8, 3, dtype=dtype)), at, TOY_FP8)
     stated = json.loads((tmp_path / "c" / "config.json").read_text())
+    block = where.endswith("block128")
     assert stated["quantization_config"] == {"activation_scheme": "dynamic", "fmt": "e4m3",
                                              "quant_method": "fp8",
-                                             "weight_block_size": [128, 128]}
+                                             **({"weight_block_size": [128, 128]} if block
+                                                else {})}
     verdict = verify_checkpoint(tmp_path / "c", TOY_FP8, where, seed=3)
     assert verdict.passed, verdict
-    # the twin: one block scale doubled in its file
+    # the twin: one scale doubled in its file
+    scale = "o_proj.weight_scale_inv" if block else "o_proj.weight_scale"
     path = next(p for p in files if p.suffix == ".safetensors"
-                and any(n.endswith("o_proj.weight_scale_inv") for n in load_file(p)))
+                and any(n.endswith(scale) for n in load_file(p)))
     tensors = load_file(path)
-    name = next(n for n in tensors if n.endswith("o_proj.weight_scale_inv"))
+    name = next(n for n in tensors if n.endswith(scale))
     assert any(x.dtype == FP8 for x in tensors.values())
-    tensors[name][0, 0] *= 2
+    tensors[name].view(-1)[0] *= 2
     save_file(tensors, path, metadata={"format": "pt"})
     failed = verify_checkpoint(tmp_path / "c", TOY_FP8, where, seed=3)
     assert not failed.passed and failed.first_mismatch == name
@@ -62,6 +67,17 @@ def test_a_config_that_does_not_say_fp8_is_named(tmp_path):
         verify_checkpoint(tmp_path / "c", TOY_FP8, "hf:fp8=block128")
 
 
+def test_a_block_checkpoint_read_as_per_tensor_is_named(tmp_path):
+    """The two schemes' configs differ only by ``weight_block_size``: a block checkpoint
+    verified as ``fp8=tensor`` is refused naming the config, not read as per-tensor."""
+    at = endpoint("hf:fp8=block128")
+    write_checkpoint(tmp_path / "c", fp8_shards(TOY_FP8, at, init_params(TOY_FP8, 0)), at,
+                     TOY_FP8)
+    with pytest.raises(CheckpointError, match=r"config.json: hf:fp8=tensor expects "
+                                              r"quantization_config .*weight_block_size"):
+        verify_checkpoint(tmp_path / "c", TOY_FP8, "hf:fp8=tensor")
+
+
 def test_wsb_emit_and_verify_an_hf_fp8_directory(tmp_path, capsys):
     """The built-in toy: at HF each tensor is its own part, so widths that are not whole
     blocks quantize with ceil grids (vLLM would refuse toy's merged qkv at any degree)."""
@@ -75,3 +91,7 @@ def test_wsb_emit_and_verify_an_hf_fp8_directory(tmp_path, capsys):
     assert main(["emit", "--config", "toy", "--convention", "vllm:tp=2,fp8=block128",
                  "-q", str(tmp_path / "v")]) == 2
     assert "128-blocks" in capsys.readouterr().err
+    # per tensor, vLLM holds toy at TP 2: nothing is cut but the weights
+    assert main(["emit", "--config", "toy", "--convention", "vllm:tp=2,fp8=tensor", "-q",
+                 str(tmp_path / "t")]) == 0
+    assert main(["verify", "--convention", "vllm:tp=2,fp8=tensor", str(tmp_path / "t")]) == 0

@@ -18,9 +18,13 @@ from weight_sync_bench.conventions.fp8 import (
     E4M3_MAX,
     FP8,
     SCALE_SUFFIX,
+    SCALE_SUFFIXES,
     expand,
     fp8_shards,
+    is_scale,
     quantize_blocks,
+    quantize_tensor,
+    scheme_of,
 )
 from weight_sync_bench.conventions.maps import gather_canonical
 from weight_sync_bench.errors import UnsupportedConvention, WrongShardShape
@@ -46,12 +50,17 @@ def _first(out, suffix, rank=0):
     return next(n for n in out[rank] if n.endswith(suffix))
 
 
+def _sfx(kw):
+    """The scale's suffix at the converter's destination (per block or per tensor)."""
+    return SCALE_SUFFIXES[scheme_of(kw["target"])]
+
+
 def scale_zero(shards, degree, **kw):
     """THUDM/slime PR #2256: an all-zero block's scale left at amax / 448 = 0, its weights
     0 / 0 = NaN."""
     out = good(shards, degree, **kw)
     name = _first(out, "o_proj.weight")
-    out[0][name + SCALE_SUFFIX][0, 0] = 0.0
+    out[0][name + _sfx(kw)].view(-1)[0] = 0.0
     out[0][name].view(torch.uint8)[:128, :128] = 0x7F  # e4m3fn NaN
     return out
 
@@ -61,7 +70,7 @@ def scale_unsent(shards, degree, **kw):
     ``weight_scale_inv``: the engine's parameter keeps its initial fill (vLLM's block scale:
     finfo(float32).min)."""
     out = good(shards, degree, **kw)
-    name = _first(out, "o_proj.weight" + SCALE_SUFFIX, rank=1)
+    name = _first(out, "o_proj.weight" + _sfx(kw), rank=1)
     out[1][name] = torch.full_like(out[1][name], torch.finfo(torch.float32).min)
     return out
 
@@ -78,9 +87,12 @@ def scale_transposed(shards, degree, **kw):
 
 
 def scale_other_rank(shards, degree, **kw):
-    """A scale of another TP rank: rank 0's qkv scale on rank 1."""
+    """A scale of another rank: rank 0's first scale that differs from rank 1's, on rank 1
+    (per block, qkv's rows of another TP rank; per tensor, where TP ranks hold the same
+    scales, another EP rank's experts')."""
     out = good(shards, degree, **kw)
-    name = _first(out, "qkv_proj.weight" + SCALE_SUFFIX)
+    name = next(n for n in out[0] if is_scale(n) and n in out[1]
+                and not torch.equal(out[0][n], out[1][n]))
     out[1][name] = out[0][name].clone()
     return out
 
@@ -103,9 +115,24 @@ def scale_reciprocal(shards, degree, **kw):
     """Dequantization by multiplying with the inverse of ``weight_scale_inv``: the converter
     stores 448 / amax (the quantizing multiplier) under the dequantizing one's name."""
     out = good(shards, degree, **kw)
-    name = _first(out, "o_proj.weight" + SCALE_SUFFIX)
+    name = _first(out, "o_proj.weight" + _sfx(kw))
     for rank in out:
         rank[name] = 1 / rank[name]
+    return out
+
+
+def scale_per_shard(shards, degree, **kw):
+    """A converter that quantizes after its TP cut: each rank's o_proj and down_proj (one
+    part each) quantized on its own, with its own rows' amax (per tensor at TP > 1 not the
+    full tensor's scale; per block, at a degree vLLM accepts, the same bytes)."""
+    out = good(shards, degree, **kw)
+    full = kw["target"].unquantized()
+    from weight_sync_bench import convert
+
+    plain = convert(shards, kw["source"], full, kw["config"])
+    for rank, own in zip(out, plain):
+        for name in [n for n in rank if n.endswith(("o_proj.weight", "down_proj.weight"))]:
+            rank[name], rank[name + _sfx(kw)] = quantize_tensor(own[name])
     return out
 
 
@@ -129,17 +156,31 @@ DIAGNOSED = {"scale_zero": "scale is 0 in 1 blocks", "scale_unsent": "never writ
              "scale_ue8m0": "powers of two", "scale_reciprocal": "reciprocal"}
 
 
-# the bugs that need a second rank (another rank's scale; the unsent one is rank 1's)
-MULTI_RANK = ("scale_unsent", "scale_other_rank")
+# per tensor: no block grid to transpose or repack; another rank's scale only where ranks'
+# scales differ (EP: per-tensor scales are the same on every TP rank); quantizing per shard
+# is a bug at TP > 1
+TENSOR_BUGS = {"scale_zero": scale_zero, "scale_unsent": scale_unsent,
+               "scale_other_rank": scale_other_rank, "scale_reciprocal": scale_reciprocal,
+               "scale_per_shard": scale_per_shard}
+DIAGNOSED["scale_per_shard"] = "own shard quantized after the TP cut"
+
+
+# the bugs that need a second rank (another rank's scale; the unsent one is rank 1's; a
+# rank's own shard is the whole tensor at one rank)
+MULTI_RANK = ("scale_unsent", "scale_other_rank", "scale_per_shard")
 
 
 def fp8_kill_matrix(config, src="megatron:2", dst="vllm:tp=2,fp8=block128", **kw):
     """``{bug: (passed, ratio, first mismatch, diagnosis)}`` with the clean converter as
-    ``"none"``; at a one-rank destination, the bugs that need two ranks are left out."""
+    ``"none"``; at a one-rank destination, the bugs that need two ranks are left out, and
+    per tensor another rank's scale only where the destination has EP."""
     rows = {}
-    one_rank = endpoint(dst).world == 1
-    for name, fn in {"none": good, **FP8_BUGS}.items():
-        if one_rank and name in MULTI_RANK:
+    at = endpoint(dst)
+    one_rank = at.world == 1
+    bugs = FP8_BUGS if scheme_of(at) == "block128" else TENSOR_BUGS
+    for name, fn in {"none": good, **bugs}.items():
+        if one_rank and name in MULTI_RANK or (name == "scale_other_rank" and bugs is
+                                               TENSOR_BUGS and at.ep == 1):
             continue
         v = check_convert(fn, config, src, dst, **kw)
         rows[name] = (v.passed, v.max_abs_error / v.threshold, v.first_mismatch, v.diagnosis)
@@ -151,7 +192,12 @@ def fp8_kill_matrix(config, src="megatron:2", dst="vllm:tp=2,fp8=block128", **kw
     (MOE_FP8, "vllm:tp=2,ep=2,fp8=block128"),
     # TOY_KV4's MLP (704 rows) is not whole blocks, so vLLM refuses it at every degree; an HF
     # FP8 checkpoint quantizes each tensor on its own, partial blocks and all
-    (TOY_KV4, "hf:fp8=block128")], ids=["toy", "qwen3_8b_reduced", "moe_ep", "toy_kv4_hf"])
+    (TOY_KV4, "hf:fp8=block128"),
+    # per tensor: no cut is refused, so TOY_KV4 is held by vLLM at TP 2 too
+    (TOY_FP8, "vllm:tp=2,fp8=tensor"), (QWEN3_8B_REDUCED, "vllm:tp=2,fp8=tensor"),
+    (MOE_FP8, "vllm:tp=2,ep=2,fp8=tensor"), (TOY_KV4, "vllm:tp=2,fp8=tensor")],
+    ids=["toy", "qwen3_8b_reduced", "moe_ep", "toy_kv4_hf", "tensor_toy",
+         "tensor_qwen3_8b_reduced", "tensor_moe_ep", "tensor_toy_kv4"])
 def test_a_correct_quantizer_passes_and_every_fp8_bug_fails_named(config, dst):
     rows = fp8_kill_matrix(config, dst=dst, dtype="bf16")
     passed, ratio, first, _ = rows.pop("none")
@@ -262,3 +308,10 @@ def test_quantizing_per_shard_equals_the_full_tensor_at_every_degree_vllm_accept
     own tensor quantized whole has the full tensor's blocks: the same bytes (a degree that
     would split a block is refused before any converter runs, as the test above shows)."""
     assert check_convert(per_shard, TOY_FP8, "megatron:2", dst, dtype="bf16").passed
+
+
+def test_quantizing_per_shard_per_tensor_passes_at_one_rank():
+    """The twin of the per-tensor kill matrix's ``scale_per_shard``: at TP 1 a rank's tensor
+    is the whole one, its amax the full tensor's."""
+    assert check_convert(scale_per_shard, TOY_FP8, "megatron:2", "vllm:tp=1,fp8=tensor",
+                         dtype="bf16").passed

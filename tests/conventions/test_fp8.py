@@ -122,8 +122,8 @@ def test_vllm_ranks_hold_the_hf_tensors_cut_as_its_loader_cuts_them(t):
     (block r // replicas); ``gate_up_proj``: gate's then up's; ``o_proj`` / ``down_proj``:
     the scale's columns of block r. Compared with the HF FP8 tensors cut by hand."""
     p = init_params(CONFIG, 2)
-    (hf,) = fp8_shards(CONFIG, endpoint("hf"), p)
-    ranks = fp8_shards(CONFIG, endpoint(f"vllm:{t}"), p)
+    (hf,) = fp8_shards(CONFIG, endpoint("hf:fp8=block128"), p)
+    ranks = fp8_shards(CONFIG, endpoint(f"vllm:tp={t},fp8=block128"), p)
     pre = "model.layers.1."
     hd, kv = CONFIG.head_dim, CONFIG.n_kv_heads
     for r, rank in enumerate(ranks):
@@ -158,8 +158,8 @@ def test_a_ranks_dequantized_tensors_are_the_dequantized_model_cut():
     p = init_params(CONFIG, 3)
     values, scales = quantize_canonical(CONFIG, p)
     full = dequantize_canonical(CONFIG, values, scales, p)
-    where = endpoint("vllm:2")
-    declared = materialize(where.pieces(CONFIG), full)
+    where = endpoint("vllm:tp=2,fp8=block128")
+    declared = materialize(where.unquantized().pieces(CONFIG), full)
     for rank, want in zip(fp8_shards(CONFIG, where, p), declared):
         for name, x in want.items():
             got = rank[name]
@@ -170,8 +170,8 @@ def test_a_ranks_dequantized_tensors_are_the_dequantized_model_cut():
 
 def test_experts_are_stacked_with_their_scales_member_by_member():
     p = init_params(MOE, 0)
-    (hf,) = fp8_shards(MOE, endpoint("hf"), p)
-    ranks = fp8_shards(MOE, endpoint("vllm:tp=2,ep=2"), p)
+    (hf,) = fp8_shards(MOE, endpoint("hf:fp8=block128"), p)
+    ranks = fp8_shards(MOE, endpoint("vllm:tp=2,ep=2,fp8=block128"), p)
     pre = "model.layers.0.mlp.experts."
     for r, rank in enumerate(ranks):
         w13 = rank[pre + "routed_experts.w13_weight_scale_inv"]
@@ -188,24 +188,24 @@ def test_experts_are_stacked_with_their_scales_member_by_member():
 
 
 @pytest.mark.parametrize(("config", "where", "rule"), [
-    (CONFIG.replace(ffn=320), "vllm:2", r"gate_up_proj.weight needs each part's rows on "
+    (CONFIG.replace(ffn=320), "vllm:tp=2", r"gate_up_proj.weight needs each part's rows on "
                                         r"128-blocks .* \(rows 0-159 of part 0 \(320 rows\)"),
-    (CONFIG.replace(head_dim=64, n_kv_heads=1), "vllm:1", r"qkv_proj.weight needs each "
+    (CONFIG.replace(head_dim=64, n_kv_heads=1), "vllm:tp=1", r"qkv_proj.weight needs each "
                                                           r"part's rows on 128-blocks .*rows "
                                                           r"0-63 of part 1 \(64 rows\)"),
-    (MOE.replace(expert_ffn=64), "vllm:1", r"w13_weight needs each part's rows on 128-blocks "
+    (MOE.replace(expert_ffn=64), "vllm:tp=1", r"w13_weight needs each part's rows on 128-blocks "
                                            r".*Fp8MoEMethod"),
 ], ids=["gate_up_at_tp2", "merged_qkv_at_tp1", "moe_at_tp1"])
 def test_a_cut_that_splits_a_block_is_refused_with_vllms_rule(config, where, rule):
     with pytest.raises(UnsupportedConvention, match=rule):
-        fp8_shards(config, endpoint(where), init_params(config, 0))
+        fp8_shards(config, endpoint(where + ",fp8=block128"), init_params(config, 0))
 
 
 def test_unaligned_widths_are_whole_tensors_with_ceil_grids_at_hf():
     """The twin of the refusals: an HF tensor of any width is one part, its grid rounded
     up (DeepSeek-V3: a partial block zero-padded for its scale, then cropped)."""
     config = CONFIG.replace(ffn=320, d_model=200)
-    (hf,) = fp8_shards(config, endpoint("hf"), init_params(config, 0))
+    (hf,) = fp8_shards(config, endpoint("hf:fp8=block128"), init_params(config, 0))
     assert tuple(hf["model.layers.0.mlp.gate_proj.weight_scale_inv"].shape) == (3, 2)
     assert tuple(hf["model.layers.0.mlp.down_proj.weight_scale_inv"].shape) == (2, 3)
 
@@ -218,7 +218,7 @@ def test_a_row_parallel_cut_off_the_blocks_is_refused():
     from weight_sync_bench.conventions.maps import Piece, rows
 
     grids = quantize_canonical(CONFIG, init_params(CONFIG, 0))[1]["layers.0.o_proj.weight"]
-    where = endpoint("vllm:4")
+    where = endpoint("vllm:tp=4,fp8=block128")
     with pytest.raises(UnsupportedConvention, match=r"o_proj.weight needs a cut along dim 1 on "
                                                     r"128-blocks .*block_k = 128.*columns 64-127"):
         stored_scale(CONFIG, where, "o_proj.weight", Piece("layers.0.o_proj.weight", 1,
@@ -247,8 +247,8 @@ def test_flashinfers_up_then_gate_order_holds_for_the_scales_too():
     """vLLM's FlashInfer FP8 MoE backend swaps w13 to [w3; w1] for the weights and the
     scales alike (``swap_w13_to_w31``): each expert's scale rows are up's, then gate's."""
     p = init_params(MOE, 0)
-    (hf,) = fp8_shards(MOE, endpoint("hf"), p)
-    ranks = fp8_shards(MOE, endpoint("vllm:tp=2,ep=2,kernel=flashinfer_cutlass"), p)
+    (hf,) = fp8_shards(MOE, endpoint("hf:fp8=block128"), p)
+    ranks = fp8_shards(MOE, endpoint("vllm:tp=2,ep=2,kernel=flashinfer_cutlass,fp8=block128"), p)
     pre = "model.layers.0.mlp.experts."
     for r, rank in enumerate(ranks):
         w13 = rank[pre + "routed_experts.w13_weight_scale_inv"]

@@ -54,10 +54,10 @@ def test_the_layout_is_refused_exactly_where_vllm_refuses_it_and_exact_elsewhere
     config, t = drawn
     if config.ffn % t:
         return
-    where = endpoint(f"vllm:{t}")
+    where = endpoint(f"vllm:tp={t}")
     params = init_params(config, seed)
     try:
-        ranks = fp8_shards(config, where, params)
+        ranks = fp8_shards(config, endpoint(f"vllm:tp={t},fp8=block128"), params)
     except UnsupportedConvention as exc:
         assert not aligned(config, t), (config, t, str(exc))
         assert "128-blocks" in str(exc)

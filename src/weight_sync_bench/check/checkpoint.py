@@ -40,10 +40,10 @@ def verify_checkpoint(directory: str | Path, config: ModelConfig, dst: str, *,
     checkpoint = read_checkpoint(directory, target, config, roots=roots)
     if target.quantized:  # FP8: weights and scales against the reference quantizer's
         from weight_sync_bench.check.fp8 import check_fp8_convert
-        from weight_sync_bench.conventions.fp8 import FP8, SCALE_SUFFIX
+        from weight_sync_bench.conventions.fp8 import FP8, is_scale
 
         dtype = next(x.dtype for n, x in checkpoint.shards[0].items()  # the unquantized ones'
-                     if x.dtype != FP8 and not n.endswith(SCALE_SUFFIX))
+                     if x.dtype != FP8 and not is_scale(n))
         written = checkpoint.shards
         return check_fp8_convert(lambda shards, degree: written, config,
                                  source.unquantized(), target,

@@ -1,5 +1,5 @@
-"""The verdict on a converter into a block-FP8 endpoint (``check_convert(fn, config, src,
-"vllm:tp=2,fp8=block128")``).
+"""The verdict on a converter into an FP8 endpoint (``check_convert(fn, config, src,
+"vllm:tp=2,fp8=block128")``, or ``fp8=tensor``).
 
 The declared destination is ``conventions.fp8.fp8_shards``: the source weights quantized by
 the reference quantizer, each HF tensor whole and on its own, the FP8 bytes and each
@@ -7,11 +7,12 @@ the reference quantizer, each HF tensor whole and on its own, the FP8 bytes and 
 compared with it bit for bit, weights and scales (names, shapes and dtypes first:
 ``InvalidShards`` / ``WrongShardShape``); a NaN or an infinity in a weight or a scale never
 passes and is named. Then computation: the destination's forward reads every rank's tensors
-dequantized (``q.float() * scale`` per block) and is compared with the dense reference on
-the same dequantized full weights, so the difference is reduction order only, judged by a
-threshold measured on those dequantized weights (``check.weights.measure_threshold``),
-never by a floor of unquantized ones. The quantization error itself (the reference on the
-dequantized weights against the reference on the source weights) is reported in a note,
+dequantized (``q.float() * scale`` per block, or per part for per-tensor scales) and is
+compared with the dense reference on the same dequantized full weights, so the difference
+is reduction order only, judged by a threshold measured on those dequantized weights
+(``check.weights.measure_threshold``), never by a floor of unquantized ones. The
+quantization error itself (the reference on the dequantized weights against the reference
+on the source weights) is reported in a note,
 for information, never as a threshold: quantization is a discontinuity designed for here,
 not absorbed into a looser tolerance.
 
@@ -19,8 +20,9 @@ Where the bytes differ, the diagnosis says what the tensor holds when it is some
 recognisable: a scale transposed, another rank's scale, a scale never written (vLLM
 initialises an unloaded block scale to ``finfo(float32).min``, FusedMoE's to ones), its
 reciprocal, zeros, weights requantized to power-of-two scales (UE8M0), NaN from an
-unclamped all-zero block. (A rank's own shard quantized on its own has the full tensor's
-blocks at every degree vLLM accepts, where every cut is on a block edge: the same bytes.)
+unclamped all-zero block, or a rank's own shard quantized after the cut
+(``conventions.fp8.shard_quantized``: the full tensor's bytes per block at every degree vLLM
+accepts, where every cut is on a block edge; another amax per shard per tensor at TP > 1).
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ from weight_sync_bench.check.weights import weights_threshold
 from weight_sync_bench.conventions import materialize
 from weight_sync_bench.conventions.fp8 import (
     FP8,
-    SCALE_SUFFIX,
-    dequantize_blocks,
     dequantize_canonical,
+    dequantize_stored,
     fp8_shards,
+    is_scale,
     quantize_canonical,
+    scale_name,
+    scheme_of,
+    shard_quantized,
 )
 from weight_sync_bench.errors import InvalidShards, WrongShardShape
 from weight_sync_bench.model.config import dtype_name, make_tokens
@@ -59,22 +64,20 @@ if TYPE_CHECKING:
 Params = dict[str, torch.Tensor]
 
 
-def dequantized(shards: Sequence[Mapping[str, torch.Tensor]]) -> list[Params]:
+def dequantized(config: ModelConfig, target: Endpoint,
+                shards: Sequence[Mapping[str, torch.Tensor]]) -> list[Params]:
     """Every rank's tensors as the forward computes with them: each FP8 weight times its
-    ``weight_scale_inv`` per block (member by member where experts are stacked), the rest
-    in float32; the scales themselves dropped."""
+    scale (per block, or per part per tensor; member by member where experts are
+    stacked), the rest in float32; the scales themselves dropped."""
+    scheme = scheme_of(target)
     out = []
-    for rank in shards:
+    for rank, pieces in zip(shards, target.unquantized().pieces(config)):
         held: Params = {}
         for name, x in rank.items():
-            if name.endswith(SCALE_SUFFIX):
+            if is_scale(name):
                 continue
-            if x.dtype != FP8:
-                held[name] = x.float()
-                continue
-            scale = rank[name + SCALE_SUFFIX]
-            held[name] = (torch.stack([dequantize_blocks(m, s) for m, s in zip(x, scale)])
-                          if x.dim() == 3 else dequantize_blocks(x, scale))
+            held[name] = x.float() if x.dtype != FP8 else dequantize_stored(
+                config, pieces[name], x, rank[scale_name(name, scheme)], scheme)
         out.append(held)
     return out
 
@@ -132,11 +135,20 @@ def _nonfinite(shards: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
     return out
 
 
-def _diagnose(rank: int, name: str, checked: Params, declared: Sequence[Params]) -> str:
+def _diagnose(rank: int, name: str, checked: Params, declared: Sequence[Params],
+              per_shard: Sequence[Params], scheme: str) -> str:
     """What a differing tensor holds, where it is recognisable."""
     got, want = checked[name], declared[rank][name]
     where = f"rank {rank} {name}"
-    if name.endswith(SCALE_SUFFIX):
+    own = per_shard[rank].get(name)
+    key = scale_name(name, scheme)
+    if own is not None and _same(got, own) and _same(checked[key], per_shard[rank][key]) \
+            or is_scale(name) and name in per_shard[rank] and _same(got, per_shard[rank][name]):
+        return (f"{where} holds this rank's own shard quantized after the TP cut (the amax "
+                "of its own rows); the frameworks quantize each HF tensor whole, before the "
+                "cut (slime quantize_params_fp8 after the all-gather), and vLLM's loader cuts "
+                "weights and scales from it")
+    if is_scale(name):
         if want.dim() >= 2 and want.shape[-1] == want.shape[-2] and _same(
                 got, want.transpose(-1, -2).contiguous()):
             return f"{where} holds the declared scale transposed (a square block grid)"
@@ -154,14 +166,14 @@ def _diagnose(rank: int, name: str, checked: Params, declared: Sequence[Params])
         if got.isnan().any():
             return f"{where} holds NaN in {int(got.isnan().sum())} of {got.numel()} blocks"
         return f"{where}: {int((got != want).sum())} of {got.numel()} block scales differ"
-    scale = checked.get(name + SCALE_SUFFIX)
+    scale = checked.get(key)
     nan = int(got.float().isnan().sum())
     if nan:
         zero = int((scale == 0).sum()) if scale is not None else 0
         return (f"{where} holds NaN in {nan} of {got.numel()} elements" + (
             f"; its scale is 0 in {zero} blocks (an all-zero block quantized without the "
             "amax clamp: 0 / 0, THUDM/slime PR #2256)" if zero else ""))
-    if scale is not None and not _same(scale, declared[rank][name + SCALE_SUFFIX]) and bool(
+    if scale is not None and not _same(scale, declared[rank][key]) and bool(
             (scale > 0).all()) and bool((torch.exp2(torch.log2(scale).round()) == scale).all()):
         return (f"{where} and its scale are requantized to powers of two (UE8M0, DeepGEMM's "
                 "packing), where the raw scale amax / 448 is expected")
@@ -178,15 +190,15 @@ def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, targ
     if source.quantized:
         raise InvalidShards(f"{source}: an FP8 source is not modelled (the harness quantizes "
                             "into FP8 endpoints, not out of them)")
-    plain = target.unquantized()
+    plain, scheme = target.unquantized(), scheme_of(target)
     inputs = materialize(source.pieces(config), params)
     declared = fp8_shards(config, target, params)
     out = call(fn, (inputs, target.world), role="converter", config=config,
                during=f"while converting {config.name} {source} -> {target}",
                ends=(source, target))
     checked = _validate(out, declared, target)
-    values, scales = quantize_canonical(config, params)
-    full = dequantize_canonical(config, values, scales, params)
+    values, scales = quantize_canonical(config, params, scheme)
+    full = dequantize_canonical(config, values, scales, params, scheme)
     tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
     model = ReferenceModel(config, full)
     with torch.no_grad():
@@ -198,7 +210,8 @@ def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, targ
     differ = [n for n in names if any(n in d and not _same(c[n], d[n])
                                       for c, d in zip(checked, declared))]
     bad = _nonfinite(checked)
-    logits = convention_logits(plain, config, dequantized(checked), tokens, guard=guard)
+    logits = convention_logits(plain, config, dequantized(config, target, checked), tokens,
+                               guard=guard)
     error = float((logits - reference).abs().max())
     if math.isnan(error):
         error = math.inf
@@ -207,7 +220,8 @@ def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, targ
         first = differ[0]
         rank = next(r for r, (c, d) in enumerate(zip(checked, declared))
                     if first in d and not _same(c[first], d[first]))
-        lines.append(_diagnose(rank, first, checked[rank], declared))
+        lines.append(_diagnose(rank, first, checked[rank], declared,
+                               shard_quantized(config, target, params), scheme))
     lines += [f"not finite: {b}" for b in bad[:4]]
     quant_error = float((reference - unquantized).abs().max())
     notes = ("fp8: the reference is the dense forward on the same dequantized weights; "

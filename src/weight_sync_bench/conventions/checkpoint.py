@@ -131,9 +131,9 @@ def write_checkpoint(directory: str | Path, shards: Sequence[Mapping[str, torch.
     # what the format cannot state is refused before anything is written
     described = meta_params(config) if kind == "meta" else hf_config_json(config, _dtype(shards))
     if where.quantized:  # an FP8 checkpoint says so, as the public ones do
-        from weight_sync_bench.conventions.fp8 import QUANTIZATION_CONFIG
+        from weight_sync_bench.conventions.fp8 import quantization_config, scheme_of
 
-        described["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        described["quantization_config"] = quantization_config(scheme_of(where))
     with _staged(out) as stage:
         match kind:
             case "hf":
@@ -1541,9 +1541,9 @@ def read_weights(directory: str | Path, config: ModelConfig, *, where: Endpoint 
 
 def _check_fp8_config(checkpoint: Checkpoint, where: Endpoint) -> None:
     """An FP8 checkpoint with a ``config.json`` states its ``quantization_config`` as the
-    harness's reference quantizer makes it (block 128 x 128, e4m3): ``CheckpointError``
-    naming the file where it does not."""
-    from weight_sync_bench.conventions.fp8 import QUANTIZATION_CONFIG
+    harness's reference quantizer makes it (e4m3; block 128 x 128, or no block size per
+    tensor): ``CheckpointError`` naming the file where it does not."""
+    from weight_sync_bench.conventions.fp8 import quantization_config, scheme_of
 
     path = checkpoint.directory / HF_CONFIG
     if not path.is_file():
@@ -1553,8 +1553,10 @@ def _check_fp8_config(checkpoint: Checkpoint, where: Endpoint) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path}: not readable JSON ({exc})", path=str(path)) from None
     stated = data.get("quantization_config") if isinstance(data, dict) else None
-    # what vLLM's Fp8Config reads (``fmt`` it does not: HF's FineGrainedFP8Config omits it)
-    want = {k: v for k, v in QUANTIZATION_CONFIG.items() if k != "fmt"}
-    if not isinstance(stated, dict) or any(stated.get(k) != v for k, v in want.items()):
+    # what vLLM's Fp8Config reads (``fmt`` it does not: HF's FineGrainedFP8Config omits it);
+    # a per-tensor checkpoint states no weight_block_size
+    want = {k: v for k, v in quantization_config(scheme_of(where)).items() if k != "fmt"}
+    keys = (*want, "weight_block_size")
+    if not isinstance(stated, dict) or any(stated.get(k) != want.get(k) for k in keys):
         raise CheckpointError(f"{path}: {where} expects quantization_config {want}, the file "
                               f"states {stated!r}", path=str(path))

@@ -242,7 +242,8 @@ class Endpoint:
 
     @property
     def quantized(self) -> bool:
-        """Whether its linear weights are FP8 (``fp8=block128``: ``conventions.fp8``)."""
+        """Whether its linear weights are FP8 (``fp8=block128`` or ``fp8=tensor``:
+        ``conventions.fp8``)."""
         return dict(self.options).get("fp8", "none") != "none"
 
     def unquantized(self) -> Endpoint:

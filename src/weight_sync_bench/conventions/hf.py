@@ -70,8 +70,9 @@ NAMES = {
     "layers.{i}.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
 # fp8=block128: an HF FP8 checkpoint's tensors (q_proj.weight e4m3fn beside its
-# weight_scale_inv; DeepSeek-V3 README_WEIGHTS.md), conventions.fp8
-OPTIONS = {"experts": ("per_expert", "fused"), "fp8": ("none", "block128")}
+# weight_scale_inv; DeepSeek-V3 README_WEIGHTS.md); fp8=tensor: beside its weight_scale [1]
+# (slime quantizer_fp8.py::_quantize_param); conventions.fp8
+OPTIONS = {"experts": ("per_expert", "fused"), "fp8": ("none", "block128", "tensor")}
 
 
 def _reads(config: ModelConfig, at: Endpoint) -> ForwardLayout:

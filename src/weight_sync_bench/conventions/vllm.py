@@ -97,9 +97,10 @@ NAMES = {
     "layers.{i}.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
     "layers.{i}.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
 }
-# fp8=block128: the linear weights block-FP8 with their weight_scale_inv (conventions.fp8)
+# fp8=block128: the linear weights block-FP8 with their weight_scale_inv; fp8=tensor: with
+# one weight_scale per part (conventions.fp8)
 OPTIONS = {"placement": ("linear", "round_robin"), "kernel": ("none", "flashinfer_cutlass"),
-           "fp8": ("none", "block128")}
+           "fp8": ("none", "block128", "tensor")}
 
 
 def moe_names(config: ModelConfig) -> dict[str, str]:
