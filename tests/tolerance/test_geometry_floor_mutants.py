@@ -204,7 +204,10 @@ def test_coverage_checks_fp32_weights_by_default():
 @pytest.mark.parametrize("phase, dtype, name", [("1a", "fp32", "phase1a.json"),
                                                 ("1b", "fp32", "phase1b.json"),
                                                 ("1a", "bf16", "phase1a_bf16.json"),
-                                                ("1a", "fp16", "phase1a_fp16.json")])
+                                                ("1a", "fp16", "phase1a_fp16.json"),
+                                                ("1a", "fp8_block128",
+                                                 "phase1a_fp8_block128.json"),
+                                                ("1a", "fp8_tensor", "phase1a_fp8_tensor.json")])
 def test_a_committed_floor_of_the_phase_and_dtype_asked_for_is_chosen(phase, dtype, name,
                                                                      tolerance):
     floor = floor_for(TOY, phase, dtype)

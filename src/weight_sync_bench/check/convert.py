@@ -133,7 +133,8 @@ def check_convert(fn: ConvertFn, config: ModelConfig, src: str, dst: str, *, see
         if weights is not None:
             held = held_weights(weights, config)
             return check_fp8_convert(fn, config, source, target, held, threshold=threshold,
-                                     seed=seed, weights_note=dtypes_of(held)[1])
+                                     seed=seed, weights_note=dtypes_of(held)[1],
+                                     seeded=False)
         return check_fp8_convert(fn, config, source, target,
                                  init_params(config, seed, dtype=parse_dtype(dtype)),
                                  threshold=threshold, seed=seed)

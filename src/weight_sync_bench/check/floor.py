@@ -41,6 +41,7 @@ from weight_sync_bench.conventions import (
     moe_endpoints,
     reading_plan,
 )
+from weight_sync_bench.conventions.fp8 import dequantize_canonical, quantize_canonical
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.layout.placements import HeadReplicated
 from weight_sync_bench.layout.reshard import split
@@ -65,7 +66,7 @@ from weight_sync_bench.model.stepwise import (
     stages,
 )
 from weight_sync_bench.tolerance import phase as record
-from weight_sync_bench.tolerance.artifacts import PHASES, write_artifact
+from weight_sync_bench.tolerance.artifacts import FP8_WEIGHTS, PHASES, write_artifact
 from weight_sync_bench.tolerance.phase import (
     EXPERT_PARALLEL,
     PLAIN_FORWARD,
@@ -276,6 +277,10 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
     values by both the reference and the sharded forward, which then gets the declared
     shards through ``forward`` (a ``check.Forward``; phase 1a defaults to the in-process
     one). The artifact records ``weights_dtype``; an fp32 one is exactly what it always was.
+    ``"fp8_block128"`` / ``"fp8_tensor"``: the floor of an FP8 destination's forward, bf16
+    weights quantized by ``conventions.fp8``'s reference quantizer in that scheme and both
+    forwards computed from the dequantized values (each rank's dequantized tensors are the
+    cut of the dequantized model, bit for bit: ``check.fp8``'s comparison).
 
     ``replicated``: also measure each config's replicated-KV cells (``replicated_degrees``
     up to ``max_degree``, ``"forward": REPLICATED_KV``; the same seeds, tokens and dtype,
@@ -290,7 +295,8 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
     """
     if phase not in PHASES:
         raise ToleranceMismatch(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
-    weights = parse_dtype(dtype)
+    fp8 = FP8_WEIGHTS.get(dtype)  # bf16 weights through the reference quantizer, dequantized
+    weights = torch.bfloat16 if fp8 is not None else parse_dtype(dtype)
     if weights != torch.float32 and forward is None:
         if phase != "1a":
             raise ToleranceMismatch(f"phase {phase} needs its own forward (the gloo one)")
@@ -320,6 +326,9 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
         layout = layout_for(config)
         for rep in range(repetitions):
             params = init_params(config, rep, dtype=weights)
+            if fp8 is not None:  # what an FP8 endpoint's forward computes with
+                params = dequantize_canonical(config, *quantize_canonical(config, params, fp8),
+                                              params, fp8)
             tokens = make_tokens(config, TOKEN_SEED_OFFSET + rep)
             model = ReferenceModel(config, computing(params))
             reference = model(tokens)
@@ -356,7 +365,7 @@ def measure(phase: str = "1a", *, configs: Iterable[ModelConfig] = (TOY, TOY_KV4
         cells += [record.cell(config.name, t, copies[t], forward=REPLICATED_KV) for t in wide]
         cells += [record.cell(config.name, t, spread[t], forward=EXPERT_PARALLEL)
                   for t in experts]
-    return record.artifact(phase, configs, cells, repetitions, weights)
+    return record.artifact(phase, configs, cells, repetitions, weights, fp8)
 
 
 def measure_geometry(config: ModelConfig, *, phase: str = "1a", dtype: str = "fp32",

@@ -9,8 +9,11 @@ compared with it bit for bit, weights and scales (names, shapes and dtypes first
 passes and is named. Then computation: the destination's forward reads every rank's tensors
 dequantized (``q.float() * scale`` per block, or per part for per-tensor scales) and is
 compared with the dense reference on the same dequantized full weights, so the difference
-is reduction order only, judged by a threshold measured on those dequantized weights
-(``check.weights.measure_threshold``), never by a floor of unquantized ones. The
+is reduction order only, judged by the committed FP8 floor where it covers the check (a
+seed's weights at a committed geometry: ``tolerance/phase1a_fp8_<scheme>.json``, measured
+under every kernel set on bf16 weights quantized in that scheme), else by a threshold
+measured on these dequantized weights (``check.weights.measure_threshold``); never by a
+floor of unquantized ones. The
 quantization error itself (the reference on the dequantized weights against the reference
 on the source weights) is reported in a note,
 for information, never as a threshold: quantization is a discontinuity designed for here,
@@ -33,8 +36,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from weight_sync_bench.check.conversion import require_cell
 from weight_sync_bench.check.diagnosis import bit_equal
 from weight_sync_bench.check.floor import convention_logits
+from weight_sync_bench.check.threshold import environment_notes
 from weight_sync_bench.check.user_code import call
 from weight_sync_bench.check.verdict import Verdict
 from weight_sync_bench.check.weights import weights_threshold
@@ -50,11 +55,11 @@ from weight_sync_bench.conventions.fp8 import (
     scheme_of,
     shard_quantized,
 )
-from weight_sync_bench.errors import InvalidShards, WrongShardShape
+from weight_sync_bench.errors import FloorNotMeasured, InvalidShards, WrongShardShape
 from weight_sync_bench.model.config import dtype_name, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import RoutingGuard
-from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET
+from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, floor_for, threshold_from
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.streamed_conversion import ConvertFn
@@ -182,11 +187,39 @@ def _diagnose(rank: int, name: str, checked: Params, declared: Sequence[Params],
     return f"{where}: {differ} of {got.numel()} elements differ from the declared bytes"
 
 
+def fp8_threshold(config: ModelConfig, target: Endpoint, full: Mapping[str, torch.Tensor],
+                  threshold: float | None, *, seeded: bool) -> tuple[float, tuple[str, ...]]:
+    """The threshold an FP8 check judges its forward by, and the notes that say where it
+    came from: ``threshold`` where given; the committed FP8 floor of the target's scheme
+    where ``seeded`` (the seed's weights) and it measured this geometry at the target's
+    forward and degree (with its environment notes); else measured on ``full``, the
+    dequantized weights."""
+    plain, scheme = target.unquantized(), scheme_of(target)
+    if threshold is None and seeded:
+        try:
+            floor = floor_for(config, "1a", f"fp8_{scheme}")
+            require_cell(floor, config, plain)
+        except FloorNotMeasured:
+            floor = None
+        if floor is not None:
+            found = threshold_from(floor.artifact)
+            return found, (f"fp8: the threshold {found:g} is the committed FP8 floor's "
+                           f"({floor.path.name}: bf16 weights quantized {scheme}, every kernel "
+                           "set measured, the reference and the sharded forward on the same "
+                           "dequantized weights)",
+                           *environment_notes(floor, config, "1a", f"fp8_{scheme}"))
+    found, note = weights_threshold(config, [plain], full, threshold)
+    return found, ("fp8: the reference is the dense forward on the same dequantized weights; "
+                   + note.replace("your weights", "the dequantized weights", 1),)
+
+
 def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, target: Endpoint,
                       params: Mapping[str, torch.Tensor], *, threshold: float | None = None,
-                      seed: int = 0, weights_note: str | None = None) -> Verdict:
+                      seed: int = 0, weights_note: str | None = None,
+                      seeded: bool = True) -> Verdict:
     """``check_convert`` into a quantized ``target`` (see the module docstring): ``params``
-    the canonical source weights (a seed's in the check's dtype, or the user's)."""
+    the canonical source weights (``seeded``: the seed's in the check's dtype, else the
+    user's)."""
     if source.quantized:
         raise InvalidShards(f"{source}: an FP8 source is not modelled (the harness quantizes "
                             "into FP8 endpoints, not out of them)")
@@ -204,7 +237,7 @@ def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, targ
     with torch.no_grad():
         reference = model(tokens)
         unquantized = ReferenceModel(config, {n: x.float() for n, x in params.items()})(tokens)
-    threshold, measured = weights_threshold(config, [plain], full, threshold)
+    threshold, origin = fp8_threshold(config, target, full, threshold, seeded=seeded)
     guard = RoutingGuard(model.routings, threshold) if config.n_experts else None
     names = list(dict.fromkeys(n for rank in declared for n in rank))
     differ = [n for n in names if any(n in d and not _same(c[n], d[n])
@@ -224,8 +257,7 @@ def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, targ
                                shard_quantized(config, target, params), scheme))
     lines += [f"not finite: {b}" for b in bad[:4]]
     quant_error = float((reference - unquantized).abs().max())
-    notes = ("fp8: the reference is the dense forward on the same dequantized weights; "
-             + measured.replace("your weights", "the dequantized weights", 1),
+    notes = (*origin,
              f"fp8 quantization error (the dequantized model against the unquantized one, "
              f"for information, never a threshold): max |logit difference| {quant_error:.4g}",
              *([weights_note] if weights_note else []))

@@ -1,6 +1,6 @@
 """``wsb floor <kind>``: measure a numerical floor and write its artifact.
 
-    wsb floor phase [--phase 1a|1b] [--dtype fp32|bf16|fp16] [--repetitions R]
+    wsb floor phase [--phase 1a|1b] [--dtype fp32|bf16|fp16|fp8_...] [--repetitions R]
     wsb floor geometry (--hf-config PATH --layers N [--vocab V] | --config NAME) [--dtype D]
     wsb floor training | sequence [--phase 1a|1b] [--repetitions R] [--steps K]
     wsb floor random --random N [--search M --keep K] [--seed S] [--phase P]
@@ -47,7 +47,7 @@ from weight_sync_bench.cli.output import (
     seed,
 )
 from weight_sync_bench.model.config import CONFIGS, DTYPES, MOE_CONFIGS
-from weight_sync_bench.tolerance.artifacts import PHASES
+from weight_sync_bench.tolerance.artifacts import FP8_WEIGHTS, PHASES
 from weight_sync_bench.training import floor as training_floor
 
 KINDS = ("phase", "random", "geometry", "replicated-kv", "moe", "training", "sequence")
@@ -93,9 +93,12 @@ def _measure_options() -> argparse.ArgumentParser:
                              f"{training_floor.REPETITIONS} (training, sequence)")
     parser.add_argument("--steps", type=count, default=training_floor.STEPS,
                         help="optimizer steps (training, sequence)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+    parser.add_argument("--dtype", choices=[*DTYPES, *FP8_WEIGHTS], default="fp32",
                         help="the synced weights' dtype (phase, geometry): bf16 and fp16 "
-                             "weights are compared bit-exactly and computed in fp32")
+                             "weights are compared bit-exactly and computed in fp32; "
+                             "fp8_block128 / fp8_tensor (phase 1a): an FP8 destination's, bf16 "
+                             "weights quantized by the reference quantizer, computed "
+                             "dequantized")
     what = parser.add_argument_group("geometry", "the geometry whose floor is measured")
     what.add_argument("--hf-config", type=Path, default=None, metavar="PATH",
                       help="a Hugging Face config.json (geometry)")

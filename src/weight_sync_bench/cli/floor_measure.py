@@ -67,6 +67,9 @@ def measure_kind(args: argparse.Namespace, line: ProgressLine) -> int:
     if args.dtype != "fp32" and args.kind != "phase":
         raise InvalidConfig(f"--dtype {args.dtype}: the {args.kind} floor is measured on fp32 "
                             "weights only")
+    if args.dtype.startswith("fp8") and args.phase != "1a":
+        raise InvalidConfig(f"--dtype {args.dtype}: an FP8 destination is checked in process, "
+                            "phase 1a only")
     repetitions = args.repetitions or (phase_floor.REPETITIONS if args.kind == "phase"
                                        else training_floor.REPETITIONS)
     path = args.out or artifact_path(args.phase, kind=args.kind, dtype=args.dtype)
@@ -138,6 +141,10 @@ def measure_geometry(args: argparse.Namespace, line: ProgressLine) -> int:
     """``geometry``: measure (or find already measured) one geometry's floor: measured here
     where no floor covers it, or where the one that does was measured on another machine
     class or kernel set (merged in); ``--force`` measures it again anyway."""
+    if args.dtype.startswith("fp8"):
+        raise InvalidConfig(f"--dtype {args.dtype}: an FP8 destination's floor is measured for "
+                            "the committed configs (wsb floor phase --dtype ...); another "
+                            "geometry's is measured by each check on its dequantized weights")
     config = geometry_config(args)
     guard(args, config, unit="layer" if args.phase == "1a" else "model")  # 1a: streamed
     # a user's floor cache by default; --write: the harness's committed tolerance/geometry/

@@ -30,14 +30,18 @@ PHASES = ("1a", "1b")
 ARTIFACT_KINDS = ("phase", "training", "sequence", "random_floor")
 
 
-WEIGHT_DTYPES = ("fp32", "bf16", "fp16")  # model.config.DTYPES' names
+# model.config.DTYPES' names, then FP8 destinations' (phase floors only): bf16 weights
+# quantized by conventions.fp8's reference quantizer in a scheme, computed dequantized
+FP8_WEIGHTS = {"fp8_block128": "block128", "fp8_tensor": "tensor"}
+WEIGHT_DTYPES = ("fp32", "bf16", "fp16", *FP8_WEIGHTS)
 
 
 def artifact_path(phase: str = "1a", *, kind: str = "phase", dtype: str = "fp32") -> Path:
     """The committed artifact of one kind and phase, under ``paths.tolerance_dir()``:
     ``phase1a.json``, ``training.json`` / ``training_1b.json``, ``sequence.json`` /
     ``sequence_1b.json``, ``random_floor_1a.json`` (the names the artifacts were committed
-    under). A phase floor of bf16 or fp16 weights (``dtype``) is ``phase1a_bf16.json``."""
+    under). A phase floor of bf16 or fp16 weights (``dtype``) is ``phase1a_bf16.json``; of
+    FP8 weights, ``phase1a_fp8_block128.json`` / ``phase1a_fp8_tensor.json``."""
     if phase not in PHASES:
         raise ToleranceMismatch(f"unknown phase {phase!r}; known: {', '.join(PHASES)}")
     if dtype not in WEIGHT_DTYPES:

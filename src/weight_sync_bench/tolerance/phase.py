@@ -79,14 +79,18 @@ def route_headroom(artifact: Mapping[str, Any], threshold: float) -> float | Non
 
 
 def artifact(phase: str, configs: Iterable[ModelConfig], cells: list[dict[str, Any]],
-             repetitions: int, weights: torch.dtype) -> dict[str, Any]:
+             repetitions: int, weights: torch.dtype, fp8: str | None = None) -> dict[str, Any]:
     """The phase floor of ``cells`` measured over ``repetitions`` seeds (model seed ``r``,
-    token seed ``TOKEN_SEED_OFFSET + r``) on weights of dtype ``weights``, with the
-    geometry, token shape and numerics of each config (what ``check_geometry`` compares),
-    its worst observation, the threshold it implies and the environment it ran in."""
+    token seed ``TOKEN_SEED_OFFSET + r``) on weights of dtype ``weights`` (``fp8``: those
+    weights quantized by ``conventions.fp8`` in that scheme and computed dequantized), with
+    the geometry, token shape and numerics of each config (what ``check_geometry``
+    compares), its worst observation, the threshold it implies and the environment it ran
+    in."""
     worst = max(c["worst_abs"] for c in cells)
-    extra = {} if weights == torch.float32 else {
-        "weights_dtype": dtype_name(weights), "compute_dtype": "fp32"}
+    extra = {} if weights == torch.float32 and fp8 is None else {
+        "weights_dtype": dtype_name(weights) if fp8 is None else f"fp8_{fp8}",
+        **({"quantized_from": dtype_name(weights)} if fp8 is not None else {}),
+        "compute_dtype": "fp32"}
     return {
         "schema": SCHEMA, "phase": phase, "unit": "2^-23", "repetitions": repetitions, **extra,
         "seeds": {"param": f"0..{repetitions - 1}",

@@ -1,0 +1,62 @@
+"""The FP8 floor: ``tolerance/phase1a_fp8_block128.json`` and ``phase1a_fp8_tensor.json``
+measure the forward of an FP8 destination (bf16 weights through the reference quantizer,
+the reference and the sharded forward on the same dequantized values) under every kernel
+set, as the other phase floors are measured; a seeded FP8 check at a committed geometry is
+judged by it, and says so. Its twins: the user's own weights, or a geometry the floor did
+not measure, get a threshold measured on their dequantized weights, and say that."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.check.test_fp8_convert import TOY_FP8, good
+from weight_sync_bench import check_convert
+from weight_sync_bench.check import floor
+from weight_sync_bench.model.config import TOY_KV4, init_params
+from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.rules import load_artifact, threshold_from
+
+
+@pytest.mark.parametrize("scheme", ["block128", "tensor"])
+def test_the_committed_fp8_floor_records_what_it_measured(scheme):
+    artifact = load_artifact("1a", artifact_path("1a", dtype=f"fp8_{scheme}"))
+    assert artifact["weights_dtype"] == f"fp8_{scheme}"
+    assert artifact["quantized_from"] == "bf16" and artifact["compute_dtype"] == "fp32"
+    assert set(artifact["configs"]) == {"toy", "toy_kv4"}
+    assert all(len(c["by_kernel_set"]) >= 2 for c in artifact["cells"])  # every kernel set
+    sharded = [c["worst_abs"] for c in artifact["cells"] if c["degree"] > 1]
+    assert min(sharded) > 0  # a sharded forward sums in another order: a floor, not zero
+
+
+@pytest.mark.parametrize("scheme", ["block128", "tensor"])
+def test_measuring_again_stays_within_the_committed_cells(scheme):
+    """Seed 0 on the running kernel set is one of the observations each committed cell is
+    the worst of: measured again by the same code, no cell exceeds it (a quantizer or a
+    measurement that changed without the artifact would)."""
+    committed = load_artifact("1a", artifact_path("1a", dtype=f"fp8_{scheme}"))
+    again = floor.measure("1a", configs=[TOY_KV4], repetitions=1, dtype=f"fp8_{scheme}",
+                          replicated=True)
+    worst = {(c["config"], c["degree"], c.get("forward")): c["worst_abs"]
+             for c in committed["cells"]}
+    for cell in again["cells"]:
+        key = (cell["config"], cell["degree"], cell.get("forward"))
+        assert cell["worst_abs"] <= worst[key], (key, cell["worst_abs"], worst[key])
+    assert sum(c["worst_abs"] for c in again["cells"]) > 0
+    # and it measured the quantized weights, not the bf16 ones they were quantized from
+    bf16 = floor.measure("1a", configs=[TOY_KV4], repetitions=1, dtype="bf16", replicated=True)
+    assert [c["worst_abs"] for c in again["cells"]] != [c["worst_abs"] for c in bf16["cells"]]
+
+
+def test_a_seeded_check_at_a_committed_geometry_reads_the_fp8_floor_and_its_twins_measure():
+    at = "vllm:tp=2,fp8=tensor"
+    v = check_convert(good, TOY_KV4, "megatron:2", at, dtype="bf16")
+    artifact = load_artifact("1a", artifact_path("1a", dtype="fp8_tensor"))
+    assert v.passed and v.threshold == threshold_from(artifact)
+    assert any("committed FP8 floor" in n and "phase1a_fp8_tensor.json" in n for n in v.notes)
+    # the user's own weights: measured on them, whatever the geometry
+    mine = check_convert(good, TOY_KV4, "megatron:2", at, weights=init_params(TOY_KV4, 0))
+    assert mine.passed and not any("committed FP8 floor" in n for n in mine.notes)
+    assert any("measured on them" in n for n in mine.notes)
+    # a geometry the floor did not measure
+    other = check_convert(good, TOY_FP8, "megatron:2", at, dtype="bf16")
+    assert other.passed and any("measured on them" in n for n in other.notes)
