@@ -178,9 +178,17 @@ def floor_mismatches(text: str) -> list[str]:
         return [*wrong, "the README no longer states the kernel sets of the MoE validation"]
     moe_sets = [f"{moe.group(v)}/{k}" for v in ("a", "b")
                 for k in [*moe.group(f"{v}set").split(", "), moe.group(f"{v}last")]]
+    fp8 = re.search(r"the FP8 floors \(`phase1a_fp8_block128\.json`, `phase1a_fp8_tensor\.json`\): "
+                    r"on (?P<v>\w+) under (?P<set>[A-Z0-9, ]+?) and (?P<last>[A-Z0-9]+) only",
+                    _flat(text))
+    if fp8 is None:
+        return [*wrong, "the README no longer states the kernel sets of the FP8 floors"]
+    fp8_sets = [f"{fp8.group('v')}/{k}" for k in [*fp8.group("set").split(", "),
+                                                  fp8.group("last")]]
     for path in sorted(TOLERANCE.glob("*.json")):
         recorded = _artifact(path).get("kernel_sets")
-        said = moe_sets if path.name == "random_floor_1a_moe.json" else sets
+        said = (moe_sets if path.name == "random_floor_1a_moe.json" else
+                fp8_sets if path.name.startswith("phase1a_fp8_") else sets)
         if recorded != said:
             wrong.append(f"{path.name}: kernel sets {recorded}, the README says {said}")
     # the random floors' figures per kernel set, on each vendor's CPU
