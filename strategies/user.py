@@ -26,10 +26,10 @@ from hypothesis import strategies as st
 from weight_sync_bench.fuzz.strategies import geometries, seeds
 from weight_sync_bench.fuzz.strategies.conventions import case_end, staged_endpoints
 
-from weight_sync_bench.conventions import CONVENTIONS, convention_by_name, endpoint
+from weight_sync_bench.conventions import CONVENTIONS, Endpoint, convention_by_name, endpoint
 from weight_sync_bench.conventions.stages import Pipeline
 from weight_sync_bench.errors import InvalidConfig, UnsupportedLayout
-from weight_sync_bench.fuzz.case import Case, ConversionCase
+from weight_sync_bench.fuzz.case import Case, ConversionCase, end_of, options_only
 from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain, IntRange
 from weight_sync_bench.model.config import ModelConfig
 from weight_sync_bench.model.plan import layout_for
@@ -130,13 +130,31 @@ def _show(value: Range) -> str:
 
 def convention_degrees(name: str, config: ModelConfig, max_degree: int = MAX_DEGREE
                        ) -> list[int]:
-    """The degrees in 1..``max_degree`` convention ``name`` can store ``config`` at; for a
-    whole endpoint (``"megatron:tp=2,pp=2"``, fixed by the user) its world, where it stores
-    ``config``."""
+    """The degrees in 1..``max_degree`` convention ``name`` can store ``config`` at (with its
+    options, ``"vllm:fp8=block128"``: where that endpoint holds it too, vLLM's FP8 block
+    rules included); for a whole endpoint (``"megatron:tp=2,pp=2"``, fixed by the user) its
+    world, where it stores ``config``."""
+    if options_only(name):
+        return [t for t in convention_by_name(name.partition(":")[0]).supported_degrees(
+            config, max_degree) if holds(end_of(name, t), config)]
     if ":" in name:
         at = endpoint(name)
         return [at.world] if at.convention.supports(config, at) else []
     return convention_by_name(name).supported_degrees(config, max_degree)
+
+
+def holds(at: Endpoint, config: ModelConfig) -> bool:
+    """Whether endpoint ``at`` stores ``config`` (an FP8 one: with its scales, vLLM's block
+    rules included, ``conventions.fp8.fp8_shapes``)."""
+    try:
+        at.unquantized().pieces(config)
+        if at.quantized:
+            from weight_sync_bench.conventions.fp8 import fp8_shapes
+
+            fp8_shapes(config, at)
+    except UnsupportedLayout:
+        return False
+    return True
 
 
 def convention_ends(name: str, config: ModelConfig, max_degree: int = MAX_DEGREE

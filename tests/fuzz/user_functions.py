@@ -231,3 +231,48 @@ def convert_staged_local_as_global(shards, degree, *, config, source):
             name = f"model.layers.{local[int(found.group(1))]}.{found.group(2)}"
         out.setdefault(name, x)
     return [out]
+
+
+# -- converters into FP8 destinations (``vllm:fp8=block128``, ``vllm:fp8=tensor``)
+
+
+def convert_to_fp8(shards, degree, *, config, source, target):
+    """A correct quantizing converter: the canonical weights gathered, then the
+    destination's FP8 tensors as the reference quantizer makes them (whole HF tensors)."""
+    from weight_sync_bench.conventions.fp8 import fp8_shards
+    from weight_sync_bench.conventions.maps import gather_canonical
+
+    return fp8_shards(config, target, gather_canonical(shards, source.pieces(config),
+                                                       config.param_shapes()))
+
+
+def convert_to_fp8_per_shard(shards, degree, *, config, source, target):
+    """Quantizes after the TP cut: each rank's o_proj and down_proj (one HF tensor each) on
+    its own. Per block, at the degrees vLLM accepts (every cut on a block edge), the same
+    bytes; per tensor, another amax per shard at TP > 1."""
+    from weight_sync_bench import convert
+    from weight_sync_bench.conventions.fp8 import SCALE_SUFFIXES, quantize, scheme_of
+
+    scheme = scheme_of(target)
+    out = convert_to_fp8(shards, degree, config=config, source=source, target=target)
+    for rank, own in zip(out, convert(shards, source, target.unquantized(), config)):
+        for name in [n for n in rank if n.endswith(("o_proj.weight", "down_proj.weight"))]:
+            rank[name], rank[name + SCALE_SUFFIXES[scheme]] = quantize(own[name], scheme)
+    return out
+
+
+def convert_to_fp8_unclamped(shards, degree, *, config, source, target):
+    """THUDM/slime before PR #2256 on a block that is all zeros: scale 0, weights 0 / 0.
+    Trainers' weights have such blocks only where a layer was zeroed, so this converter
+    plants the zero block itself (the first 128 x 128 of every o_proj it writes)."""
+    import torch
+
+    from weight_sync_bench.conventions.fp8 import SCALE_SUFFIXES, scheme_of
+
+    out = convert_to_fp8(shards, degree, config=config, source=source, target=target)
+    suffix = SCALE_SUFFIXES[scheme_of(target)]
+    for rank in out:
+        for name in [n for n in rank if n.endswith("o_proj.weight")]:
+            rank[name + suffix].view(-1)[0] = 0.0
+            rank[name].view(torch.uint8)[:128, :128] = 0x7F  # e4m3fn NaN
+    return out

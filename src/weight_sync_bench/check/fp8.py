@@ -42,7 +42,7 @@ from weight_sync_bench.check.floor import convention_logits
 from weight_sync_bench.check.threshold import environment_notes
 from weight_sync_bench.check.user_code import call
 from weight_sync_bench.check.verdict import Verdict
-from weight_sync_bench.check.weights import weights_threshold
+from weight_sync_bench.check.weights import measure_worst, measured_note, threshold_ends
 from weight_sync_bench.conventions import materialize
 from weight_sync_bench.conventions.fp8 import (
     FP8,
@@ -59,7 +59,14 @@ from weight_sync_bench.errors import FloorNotMeasured, InvalidShards, WrongShard
 from weight_sync_bench.model.config import dtype_name, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import RoutingGuard
-from weight_sync_bench.tolerance.rules import TOKEN_SEED_OFFSET, floor_for, threshold_from
+from weight_sync_bench.tolerance.artifacts import artifact_path
+from weight_sync_bench.tolerance.rules import (
+    TOKEN_SEED_OFFSET,
+    derive_threshold,
+    floor_for,
+    load_artifact,
+    threshold_from,
+)
 
 if TYPE_CHECKING:
     from weight_sync_bench.check.streamed_conversion import ConvertFn
@@ -208,9 +215,25 @@ def fp8_threshold(config: ModelConfig, target: Endpoint, full: Mapping[str, torc
                            "set measured, the reference and the sharded forward on the same "
                            "dequantized weights)",
                            *environment_notes(floor, config, "1a", f"fp8_{scheme}"))
-    found, note = weights_threshold(config, [plain], full, threshold)
-    return found, ("fp8: the reference is the dense forward on the same dequantized weights; "
-                   + note.replace("your weights", "the dequantized weights", 1),)
+    if threshold is None:
+        ends = [plain, *threshold_ends(config, every=True)]
+        worst = measure_worst(config, ends, weights=full)
+        if worst == 0.0:
+            # every sharded forward summed exactly on these weights: no floor to derive from
+            # (derive_threshold refuses 0), so the committed FP8 floor's threshold, said so
+            artifact = load_artifact("1a", artifact_path("1a", dtype=f"fp8_{scheme}"))
+            found = threshold_from(artifact)
+            return found, (f"fp8: the sharded forwards summed exactly on these dequantized "
+                           f"weights (floor 0 at {', '.join(map(str, ends))}, token seeds "
+                           f"1000-1003): judged by the committed FP8 floor's threshold "
+                           f"{found:g} (phase1a_fp8_{scheme}.json, measured on TOY and "
+                           "TOY_KV4)",)
+        threshold = derive_threshold(worst)
+        note = measured_note(threshold, every=True)
+    else:
+        note = "your weights: the threshold was given"
+    return threshold, ("fp8: the reference is the dense forward on the same dequantized "
+                       "weights; " + note.replace("your weights", "the dequantized weights", 1),)
 
 
 def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, target: Endpoint,

@@ -88,6 +88,16 @@ def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
     ``derive_threshold`` (the smallest power of ten >= 100x it). ``weights``: these
     weights at every seed, only the tokens drawn (a floor measured on real weights).
     ``phase="1b"``: the endpoints' forwards over gloo, as phase 2's destination forward runs."""
+    return derive_threshold(measure_worst(config, endpoints, seeds, weights=weights,
+                                          phase=phase))
+
+
+def measure_worst(config: ModelConfig, endpoints: Iterable[str | Endpoint],
+                  seeds: Iterable[int] = range(4), *,
+                  weights: Mapping[str, torch.Tensor] | None = None,
+                  phase: str = "1a") -> float:
+    """``measure_threshold``'s observation before the rule: the worst max |logits -
+    reference| over the endpoints and seeds (0.0 where every forward summed exactly)."""
     worst = 0.0
     eps = [endpoint(e) for e in endpoints]
     held = computing(weights) if weights is not None else None  # fp32, as the forwards read
@@ -101,22 +111,36 @@ def measure_threshold(config: ModelConfig, endpoints: Iterable[str | Endpoint],
             logits = convention_logits(ep, config, materialize(ep.pieces(config), params),
                                        tokens, phase=phase, guard=guard)
             worst = max(worst, float((logits - reference).abs().max()))
-    return derive_threshold(worst)
+    return worst
+
+
+def threshold_ends(config: ModelConfig, *, every: bool = False) -> list[str]:
+    """The plain layout's sharded degrees a threshold on real weights is measured at, beside
+    the check's ends: the smallest (``every``: all of them)."""
+    sharded = [t for t in layout_for(config).supported_degrees() if t > 1]
+    return [f"plain:{t}" for t in sharded[:None if every else 1]]
 
 
 def weights_threshold(config: ModelConfig, ends: Iterable[str | Endpoint],
                       weights: Mapping[str, torch.Tensor], threshold: float | None,
-                      phase: str = "1a") -> tuple[float, str]:
+                      phase: str = "1a", *, every: bool = False) -> tuple[float, str]:
     """The threshold a check on ``weights`` judges its forward by, and the note that says
     where it came from: ``threshold`` where given, else measured on the weights over the
     check's ``ends`` and the plain layout at its smallest sharded degree (two one-rank ends
-    compute exactly the reference's sums, and a floor of zero sets no threshold)."""
+    compute exactly the reference's sums, and a floor of zero sets no threshold); ``every``:
+    at every sharded degree (a small geometry's smallest one can sum exactly: 4 heads of
+    64 at t=2, d_model 64, gave a floor of 0 over four seeds, t=4 one of 1.4e-6)."""
     if threshold is not None:
         return threshold, "your weights: the threshold was given"
-    sharded = [t for t in layout_for(config).supported_degrees() if t > 1][:1]
-    measured = measure_threshold(config, [*ends, *(f"plain:{t}" for t in sharded)],
+    measured = measure_threshold(config, [*ends, *threshold_ends(config, every=every)],
                                  weights=weights, phase=phase)
-    return measured, (f"your weights: the threshold {measured:g} was measured on them (the "
-                      "declared shards of the check's ends and of the plain layout at its "
-                      "smallest sharded degree, token seeds 1000-1003, 100x the worst"
-                      + (", over gloo)" if phase == "1b" else ")"))
+    return measured, measured_note(measured, every=every, phase=phase)
+
+
+def measured_note(measured: float, *, every: bool = False, phase: str = "1a") -> str:
+    """What a verdict says of a threshold measured on its weights (``weights_threshold``)."""
+    return (f"your weights: the threshold {measured:g} was measured on them (the declared "
+            "shards of the check's ends and of the plain layout at its "
+            + ("sharded degrees" if every else "smallest sharded degree")
+            + ", token seeds 1000-1003, 100x the worst"
+            + (", over gloo)" if phase == "1b" else ")"))

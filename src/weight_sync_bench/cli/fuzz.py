@@ -203,12 +203,16 @@ def _domain_field(text: str) -> tuple[str, int | tuple[int, int]]:
 
 
 def _end(text: str) -> tuple[str, int | None]:
-    """``--from megatron:4`` -> ``("megatron", 4)``; ``--from megatron`` -> drawn; a whole
+    """``--from megatron:4`` -> ``("megatron", 4)``; ``--from megatron`` -> drawn; with
+    options only, ``--to vllm:fp8=block128`` -> drawn, each end with them; a whole
     endpoint, ``--from megatron:tp=2,pp=2``, is fixed: ``("megatron:tp=2,pp=2", 4)`` (its
     world)."""
     from weight_sync_bench.conventions import endpoint
+    from weight_sync_bench.fuzz.case import options_only
 
     ep = endpoint(text)
+    if options_only(text):
+        return text, None
     if "=" in text:
         return str(ep), ep.world
     return ep.name, (ep.degree if ":" in text else None)
@@ -248,6 +252,7 @@ def _cmd_fuzz_user(args: argparse.Namespace, out: Output) -> int:
     function = UserFunction(load_function(spec, role), role,
                             src=conventions[0] if conventions else None,
                             dst=conventions[1] if conventions else None, name=spec)
+    domain = function.domain(domain)  # FP8_DOMAIN for an FP8 destination
     stats = UserStats()
     run = fuzz_run(function, domain=domain, src=src, dst=dst, stats=stats,
                    real=not args.no_real_geometries, phase=args.phase)

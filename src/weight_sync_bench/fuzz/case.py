@@ -198,7 +198,11 @@ class ConversionCase:
                                 f"phase {self.phase!r}")
         conversion = self.conversion()
         for end in (conversion.src, conversion.dst):
-            end.pieces(self.config)  # the convention's rules: UnsupportedConvention names one
+            end.unquantized().pieces(self.config)  # its rules: UnsupportedConvention names one
+            if end.quantized:  # vLLM's FP8 block rules too
+                from weight_sync_bench.conventions.fp8 import fp8_shapes
+
+                fp8_shapes(self.config, end)
         if self.mutation is not None:
             why = conversion_mutation(self.mutation).not_applicable(conversion)
             if why is not None:
@@ -235,13 +239,31 @@ class ConversionCase:
                 f", seed {self.seed}{what} (phase {self.phase})")
 
 
+def options_only(convention: str) -> bool:
+    """Whether ``convention`` names a convention with some of its own options but no degree
+    (``"vllm:fp8=block128"``, ``"hf:fp8=tensor"``): fuzzed, like a bare name, at every TP
+    degree it stores a geometry at, each end with those options. Any degree key
+    (``vllm:tp=2,fp8=...``, ``megatron:tp=2,pp=2``) makes it a whole endpoint, fixed."""
+    from weight_sync_bench.conventions import CONVENTIONS, convention_by_name
+
+    name, sep, rest = convention.partition(":")
+    if not sep or not rest or name not in CONVENTIONS:
+        return False
+    items = [item.partition("=") for item in rest.split(",")]
+    return all(eq and key in convention_by_name(name).options for key, eq, _ in items)
+
+
 def end_of(convention: str, degree: int) -> Endpoint:
-    """A conversion case's end: a convention at a TP degree (``"vllm"``, 2), or a whole
-    endpoint (``"megatron:tp=2,ep=4"``, its world 8)."""
+    """A conversion case's end: a convention at a TP degree (``"vllm"``, 2; with options,
+    ``"vllm:fp8=block128"``, 2: ``vllm:tp=2,fp8=block128``), or a whole endpoint
+    (``"megatron:tp=2,ep=4"``, its world 8)."""
     from weight_sync_bench.conventions import endpoint
 
     if ":" not in convention:
         return endpoint(f"{convention}:{degree}")
+    if options_only(convention):
+        name, _, rest = convention.partition(":")
+        return endpoint(f"{name}:tp={degree},{rest}")
     found = endpoint(convention)
     if found.world != degree:
         raise InvalidConfig(f"{convention}: {found.world} ranks, the case says {degree}")

@@ -69,6 +69,8 @@ from weight_sync_bench.fuzz.case import (
     Case,
     ConversionCase,
     Outcome,
+    end_of,
+    options_only,
 )
 from weight_sync_bench.model.config import BOOL_FIELDS, MOE_FIELDS, VARIANT_FIELDS, ModelConfig
 from weight_sync_bench.model.footprint import Limits, driving_field, footprint, sizes
@@ -372,11 +374,11 @@ def _conversion_case_from(entry: Any, config: ModelConfig, conventions: dict[str
     ends = {}
     for end in ("src", "dst"):
         name = conventions.get(end)
-        if isinstance(name, str) and ":" in name:  # a whole endpoint
+        if isinstance(name, str) and ":" in name:  # a whole endpoint, or options at a degree
             degree = _field(entry, f"case.degrees.{end}", int, path)
             try:
-                where = endpoint(name)
-                where.pieces(config)
+                where = end_of(name, degree) if options_only(name) else endpoint(name)
+                where.unquantized().pieces(config)
             except (UnknownConvention, UnsupportedLayout) as exc:
                 raise CorruptCorpusEntry(f"{path}: field 'case.conventions.{end}' is {name!r}: "
                                          f"{exc}", path=str(path),

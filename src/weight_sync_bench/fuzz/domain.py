@@ -140,6 +140,19 @@ _COORDINATES = ("n_kv_heads", "group", "head_dim", "d_model", "ffn_per_kv_head",
 
 DOMAIN = FuzzDomain()
 
+# Where a converter into an FP8 destination is fuzzed (``vllm:fp8=block128``): widths that
+# cross the 128-row block boundary (head_dim 64, 128, 192 times 1-4 KV heads; MLP widths of
+# 64-256 per KV head), so that vLLM's block rules hold some geometries at some degrees and
+# refuse others, and per-tensor scales meet shards of every size. Outside DOMAIN: an FP8
+# check's threshold is the committed FP8 floor's or one measured on the case's dequantized
+# weights (``check.fp8.fp8_threshold``), never the random-geometry rule; at least 2 KV
+# heads, so the plain layout shards every geometry and that measurement has a floor.
+FP8_DOMAIN = FuzzDomain(n_kv_heads=IntRange(2, 4), head_dim=IntRange(64, 192, 64),
+                        d_model=IntRange(64, 256, 64),
+                        ffn_per_kv_head=IntRange(64, 256, 64),
+                        vocab_per_kv_head=IntRange(16, 64), n_layers=IntRange(1, 2),
+                        seq_len=IntRange(4, 8))
+
 
 def _outside(domain: FuzzDomain | MoeDomain, derived: dict[str, float | int]) -> list[str]:
     """Each derived value outside ``domain``'s range of the same name, said as such."""

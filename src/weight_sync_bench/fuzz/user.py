@@ -77,7 +77,7 @@ from weight_sync_bench.fuzz.corpus import (
     make_entry,
     save_entry,
 )
-from weight_sync_bench.fuzz.domain import DOMAIN, FuzzDomain
+from weight_sync_bench.fuzz.domain import DOMAIN, FP8_DOMAIN, FuzzDomain
 from weight_sync_bench.fuzz.runner import (
     FuzzReport,
     HarnessAbort,
@@ -148,6 +148,18 @@ class UserFunction:
             return (False, False)
         keywords = geometry_keywords(self.fn, self.role)
         return ("source" in keywords, "target" in keywords)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether this is a converter into an FP8 destination (``vllm:fp8=block128``)."""
+        return self.dst is not None and ":" in self.dst and endpoint(self.dst).quantized
+
+    def domain(self, domain: FuzzDomain) -> FuzzDomain:
+        """Where this function is fuzzed: ``FP8_DOMAIN`` in place of the default ``DOMAIN``
+        for a converter into an FP8 destination (the small widths of ``DOMAIN`` are not
+        whole 128-row blocks anywhere: vLLM would refuse every case), a domain the user
+        narrowed as it is."""
+        return FP8_DOMAIN if self.quantized and domain == DOMAIN else domain
 
     @property
     def label(self) -> str:
@@ -245,7 +257,8 @@ def report(outcome: UserOutcome) -> str:
         lines.append(f"  declined: Unsupported: {outcome.declined}")
     elif outcome.error is not None:
         lines.extend("  " + line for line in outcome.error.splitlines())
-        lines.append(f"  threshold {outcome.threshold:.4g} (no forward ran)")
+        if not math.isnan(outcome.threshold):  # an FP8 check measures its own, after the bytes
+            lines.append(f"  threshold {outcome.threshold:.4g} (no forward ran)")
     else:
         assert outcome.verdict is not None
         lines.extend(str(outcome.verdict).splitlines()[1:])  # the fixed check's own words
@@ -313,7 +326,11 @@ def run_user_case(function: UserFunction, case: Case, *, forward: Forward = inpr
                   threshold_rule: ThresholdRule | None = None) -> UserOutcome:
     """Call the user's function on ``case`` as the fixed checks do, with the geometry, and
     judge what it returns. What it raises or returns that is not shards is the outcome's
-    ``error``; ``Unsupported`` is ``declined``."""
+    ``error``; ``Unsupported`` is ``declined``. A converter into an FP8 destination is
+    judged as ``check_convert`` judges one (``check.fp8``: weights and scales against the
+    reference quantizer's, bit for bit; its own threshold), on the fuzz weights."""
+    if function.role == "converter" and _ends(function, case)[1].quantized:
+        return _fp8_case(function, case)
     checker = _checker(function, case, forward, threshold_rule)
     assert checker.threshold is not None
     config, fn, role, name = case.config, function.fn, function.role, function.name
@@ -351,6 +368,30 @@ def run_user_case(function: UserFunction, case: Case, *, forward: Forward = inpr
                                  f"fit the convention: {err}", **common)
     return UserOutcome(deviation=verdict.max_abs_error, shards_differ=verdict.first_mismatch
                        is not None, verdict=verdict, **common)
+
+
+def _fp8_case(function: UserFunction, case: Case) -> UserOutcome:
+    """A converter's case into an FP8 destination (``run_user_case``)."""
+    from weight_sync_bench.check.fp8 import check_fp8_convert
+    from weight_sync_bench.fuzz.domain import fuzz_params
+
+    src, dst = _ends(function, case)
+    common: dict[str, Any] = {"case": case, "function": function}
+    try:
+        verdict = check_fp8_convert(function.fn, case.config, src, dst,
+                                    fuzz_params(case.config, case.seed), seed=case.seed)
+    except UserCodeError as err:
+        if isinstance(err.__cause__, Unsupported):
+            return UserOutcome(deviation=math.nan, shards_differ=False, threshold=math.nan,
+                               declined=str(err.__cause__) or "(no reason given)", **common)
+        return UserOutcome(deviation=math.nan, shards_differ=True, threshold=math.nan,
+                           error=str(err), **common)
+    except InvalidShards as err:  # names, shapes or dtypes that are not the destination's
+        return UserOutcome(deviation=math.nan, shards_differ=True, threshold=math.nan,
+                           error=f"your converter `{function.name}` returned shards that do not "
+                                 f"fit the convention: {err}", **common)
+    return UserOutcome(deviation=verdict.max_abs_error, shards_differ=verdict.first_mismatch
+                       is not None, threshold=verdict.threshold, verdict=verdict, **common)
 
 
 # -- a run
@@ -485,6 +526,7 @@ def fuzz_run(function: UserFunction, *, domain: FuzzDomain = DOMAIN, src: int | 
     corpus with the function's ``user`` block. A shipped geometry's failure is raised after
     the first round when that round's draws found none."""
     function.check_callable()
+    domain = function.domain(domain)
     strategy = user_cases(function.role, domain=domain, src=src, dst=dst,
                           conventions=function.conventions, phase=phase,
                           stages=function.stages)
@@ -539,6 +581,7 @@ def user_property(function: UserFunction, *, domain: FuzzDomain = DOMAIN,
     warning, and a run where every case was declined fails. ``test.stats`` is the last
     run's ``UserStats``."""
     function.check_callable()
+    domain = function.domain(domain)
     strategy = user_cases(function.role, domain=domain, src=src, dst=dst,
                           conventions=function.conventions, phase=phase,
                           stages=function.stages)
