@@ -31,7 +31,8 @@ accepts, where every cut is on a block edge; another amax per shard per tensor a
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +56,7 @@ from weight_sync_bench.conventions.fp8 import (
     scheme_of,
     shard_quantized,
 )
+from weight_sync_bench.conventions.fp8_mutations import FP8_MUTATIONS, Fp8Mutation, mutated
 from weight_sync_bench.errors import FloorNotMeasured, InvalidShards, WrongShardShape
 from weight_sync_bench.model.config import dtype_name, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
@@ -295,3 +297,54 @@ def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, targ
                    **({"near_ties": guard.near_ties(), "route_bound": guard.bound}
                       if guard is not None else {}))
 
+
+
+@dataclass(frozen=True)
+class Fp8KillRow:
+    """One FP8 mutation at one destination: ``outcome`` ``"not applicable"`` or
+    ``"identity"`` (``reason`` says why), ``"refused"`` (a dtype the check refuses by name:
+    ``reason``), or ``"killed"`` / ``"survived"`` (the verdict)."""
+
+    mutation: str
+    outcome: str
+    reason: str | None = None
+    verdict: Verdict | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.verdict.ratio if self.verdict is not None else None
+
+
+def fp8_kill_matrix(config: ModelConfig, source: Endpoint, target: Endpoint,
+                    params: Mapping[str, torch.Tensor],
+                    mutations: Iterable[Fp8Mutation] = FP8_MUTATIONS.values(), *,
+                    seed: int = 0) -> list[Fp8KillRow]:
+    """Each FP8 mutation of the correct destination (``conventions.fp8_mutations``) checked
+    as ``check_convert`` checks a converter's output, on ``params``, with one threshold for
+    every row (``fp8_threshold``, as the clean check's). A mutation whose bytes equal the
+    declared ones here is an identity, and says so."""
+    scheme = scheme_of(target)
+    declared = fp8_shards(config, target, params)
+    full = dequantize_canonical(config, *quantize_canonical(config, params, scheme), params,
+                                scheme)
+    threshold, _ = fp8_threshold(config, target, full, None, seeded=True)
+    rows = []
+    for mutation in mutations:
+        why = mutation.not_applicable(config, target)
+        if why is not None:
+            rows.append(Fp8KillRow(mutation.name, "not applicable", why))
+            continue
+        out = mutated(mutation, config, target, params)
+        if all(set(o) == set(d) and all(o[n].dtype == d[n].dtype and _same(o[n], d[n])
+                                        for n in d) for o, d in zip(out, declared)):
+            rows.append(Fp8KillRow(mutation.name, "identity", "the declared bytes here"))
+            continue
+        try:
+            verdict = check_fp8_convert(lambda shards, degree, out=out: out, config, source,
+                                        target, params, threshold=threshold, seed=seed)
+        except WrongShardShape as exc:
+            rows.append(Fp8KillRow(mutation.name, "refused", str(exc)))
+            continue
+        rows.append(Fp8KillRow(mutation.name, "survived" if verdict.passed else "killed",
+                               verdict=verdict))
+    return rows
