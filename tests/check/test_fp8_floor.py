@@ -60,3 +60,19 @@ def test_a_seeded_check_at_a_committed_geometry_reads_the_fp8_floor_and_its_twin
     # a geometry the floor did not measure
     other = check_convert(good, TOY_FP8, "megatron:2", at, dtype="bf16")
     assert other.passed and any("measured on them" in n for n in other.notes)
+
+
+def test_the_readme_states_the_committed_fp8_floors_figures():
+    import re
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    said = re.search(r"worst (\S+) for both schemes, threshold (\S+), as bf16's", text)
+    assert said is not None, "the README no longer states the FP8 floor"
+    for scheme in ("block128", "tensor"):
+        artifact = load_artifact("1a", artifact_path("1a", dtype=f"fp8_{scheme}"))
+        assert f"{artifact['worst_abs']:.3g}".replace("e-06", "e-6") == said.group(1)
+        assert f"{threshold_from(artifact):g}".replace("0.001", "1e-3") == said.group(2)
+    bf16 = load_artifact("1a", artifact_path("1a", dtype="bf16"))
+    assert threshold_from(bf16) == threshold_from(
+        load_artifact("1a", artifact_path("1a", dtype="fp8_tensor")))
