@@ -1,6 +1,7 @@
 """The command line's start-up, side by side in one run: a bare interpreter, ``wsb
---version`` (no torch: the distributions' metadata), ``import torch`` alone and ``wsb
---help`` (which builds every subcommand's parser, importing torch). Wall time of a fresh
+--version`` (no torch: the distributions' metadata), ``wsb --help`` and ``wsb check --help``
+(no torch: the kept texts, ``weight_sync_bench.help``), ``import torch`` alone, and ``wsb
+layout --help -q``, which the kept texts do not answer (the parsers, importing torch). Wall time of a fresh
 process each, medians over ``rounds`` interleaved rounds, and each against the bare
 interpreter. Prints; asserts nothing.
 
@@ -22,6 +23,8 @@ CASES = {
     "wsb --version": [WSB, "--version"],
     "python -c 'import torch'": [sys.executable, "-c", "import torch"],
     "wsb --help": [WSB, "--help"],
+    "wsb check --help": [WSB, "check", "--help"],
+    "wsb layout -q --help (the parsers)": [WSB, "layout", "-q", "--help"],
 }
 
 

@@ -22,10 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "weight_sync_bench"
 
 # Lowest first: a module of layer i may import layers 0..i, never i+1.. .
-# ``testing`` (the public pytest front end of the fuzz, a module) sits at the top, beside cli;
-# ``pytest_plugin`` (the pytest11 entry point) above it.
+# ``help`` (``wsb --help`` without torch, a module) reads the CLI's parsers to keep their
+# texts; ``testing`` (the public pytest front end of the fuzz, a module) sits at the top,
+# beside cli; ``pytest_plugin`` (the pytest11 entry point) above it.
 LAYERS = ("layout", "collectives", "model", "conventions", "tolerance", "check", "sync", "training",
-          "fuzz", "cli", "testing", "pytest_plugin")
+          "fuzz", "cli", "help", "testing", "pytest_plugin")
 ANYWHERE = ("errors", "paths", "memory", "files", "version")  # importable from every layer; they import no layer themselves
 # Entry points may import anything: the package's public surface and ``python -m`` targets.
 ENTRY_POINTS = ("__init__", "__main__")
