@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.documentation import documentation
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 TESTS = '''from weight_sync_bench import layout_for, reshard
@@ -31,7 +33,7 @@ test_good = reshard_property(good)
 
 def fresh_project(root: Path) -> Path:
     """A project with the README's resharder (its code block, as written) and a test module."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    blocks = re.findall(r"```python\n(.*?)```", documentation(), re.S)
     (root / "my_resharders.py").write_text(
         next(b for b in blocks if "def my_reshard(shards, dst, *, config)" in b))
     (root / "test_mine.py").write_text(TESTS)

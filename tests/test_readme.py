@@ -8,6 +8,8 @@ import math
 import re
 from pathlib import Path
 
+from tests.documentation import section
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 # A passing verdict's deviation is the floor: rounding noise of sums that run in another
@@ -47,10 +49,7 @@ def assert_prints(printed, shown, worst=None):
 
 
 def _section(title):
-    text = README.read_text()
-    start = text.index(f"## {title}")
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end != -1 else None]
+    return section(title)
 
 
 def test_the_worked_example_prints_the_report_shown():
@@ -114,10 +113,10 @@ def test_the_engine_state_example_and_the_sentinel_recipe_run_as_shown(tmp_path,
 
     import torch
 
+    from tests.sync.conftest import tiny
     from weight_sync_bench.cli import main
     from weight_sync_bench.conventions import endpoint, materialize
     from weight_sync_bench.model.config import init_params
-    from tests.sync.conftest import tiny
 
     title = "After a sync: what the engine holds, tensor by tensor"
     blocks, checked = _run_section(title)

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from tests.documentation import documentation
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TOLERANCE = ROOT / "tolerance"
@@ -310,7 +312,7 @@ CHECKS: dict[str, Callable[[str], list[str]]] = {
 
 @pytest.mark.parametrize("check", CHECKS, ids=str)
 def test_the_readme_states_the_committed_figures(check):
-    assert CHECKS[check](README.read_text()) == []
+    assert CHECKS[check](documentation()) == []
 
 
 # --- twins: the same checks see a wrong figure ---------------------------------------------
@@ -349,7 +351,7 @@ def test_same_figure_rounds_to_the_digits_the_readme_shows():
     ("campaign", "at 0.00018x with 4 query heads", "at 0.0018x with 4 query heads"),
 ])
 def test_a_readme_with_one_wrong_figure_is_caught(check, right, wrong):
-    text = _flat(README.read_text())
+    text = _flat(documentation())
     assert right in text, f"the twin's figure {right!r} is not in the README"
     assert CHECKS[check](text) == []
     found = CHECKS[check](text.replace(right, wrong, 1))
@@ -362,7 +364,7 @@ def test_a_sentence_that_is_gone_is_caught():
 
 
 def test_a_cited_campaign_that_is_not_committed_is_caught():
-    text = README.read_text()
+    text = documentation()
     assert campaign_mismatches(text) == []
     assert campaign_mismatches(text + "\nsee `campaigns/2026-13-01-missing.json`\n") == [
         "the README cites campaigns/2026-13-01-missing.json, which is not committed"]

@@ -64,9 +64,10 @@ def test_a_seeded_check_at_a_committed_geometry_reads_the_fp8_floor_and_its_twin
 
 def test_the_readme_states_the_committed_fp8_floors_figures():
     import re
-    from pathlib import Path
 
-    text = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    from tests.documentation import documentation
+
+    text = " ".join(documentation().split())
     said = re.search(r"worst (\S+) for both schemes, threshold (\S+), as bf16's", text)
     assert said is not None, "the README no longer states the FP8 floor"
     for scheme in ("block128", "tensor"):

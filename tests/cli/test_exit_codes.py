@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.documentation import documentation
 from weight_sync_bench.check.checker import check_split, sweep
 from weight_sync_bench.cli import main
 from weight_sync_bench.cli.floor import as_floor_argv
@@ -27,8 +28,8 @@ from weight_sync_bench.errors import (
     MissingArtifacts,
     RankCrash,
     RankStopped,
-    TooManyRanks,
     ToleranceMismatch,
+    TooManyRanks,
     UnsupportedLayout,
     UserCodeError,
     WsbError,
@@ -72,7 +73,7 @@ def test_help_and_readme_state_the_same_exit_codes_and_environment(capsys):
     for variable in ("WSB_CORPUS_DIR", "WSB_TOLERANCE_DIR", "WSB_FUZZ_DIR", "WSB_PROFILE",
                      "WSB_MAX_RANKS"):
         assert variable in text
-    readme = README.read_text()
+    readme = documentation()
     section = readme[readme.index("## Exit codes and machine-readable output"):]
     section = section[:section.find("\n## ", 4)]
     codes = re.findall(r"^\| `(\d+)` \|", section, re.M)

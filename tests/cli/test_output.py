@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.documentation import documentation
 from weight_sync_bench.check import checker as checker_module
 from weight_sync_bench.cli import main
 from weight_sync_bench.cli.main import FORWARD_LEGEND, LAYOUT_LEGEND
@@ -49,7 +50,7 @@ def test_check_json_is_one_object_per_check_with_stable_keys_then_a_summary(caps
 
 def _readme_schema() -> dict[str, list[str]]:
     """The README's JSON table: kind (a summary: ``summary COMMAND``) -> its keys."""
-    section = README.read_text().split("## Exit codes and machine-readable output")[1]
+    section = documentation().split("## Exit codes and machine-readable output")[1]
     table: dict[str, list[str]] = {}
     for kinds, origin, keys in re.findall(r"^\| (`[a-z_]+`(?: / `[a-z_]+`)?) \| (.*?) \| (.*) \|$",
                                           section, re.M):
@@ -207,7 +208,7 @@ def test_layout_and_check_explain_their_cells(capsys):
 
 
 def test_the_readme_gloo_example_has_the_main_guard():
-    text = README.read_text()
+    text = documentation()
     section = text[text.index("## Phase 1b"):]
     section = section[:section.index("\n## ", 4)]
     (code,) = re.findall(r"```python\n(.*?)```", section, re.S)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.documentation import documentation
 from weight_sync_bench.check.checker import check_reshard, check_split
 from weight_sync_bench.cli import main
 from weight_sync_bench.errors import InvalidShards, InvalidUserShards, UserCodeError
@@ -127,7 +128,7 @@ def test_help_readme_and_code_give_each_user_code_outcome_one_exit_code(user_mod
         main(["--help"])
     text = capsys.readouterr().out
     help_codes = _meanings(re.findall(r"^    (\d+) +(.*(?:\n {9}.*)*)", text, re.M))
-    section = README.read_text().split("## Exit codes and machine-readable output")[1]
+    section = documentation().split("## Exit codes and machine-readable output")[1]
     readme_codes = _meanings(re.findall(r"^\| `(\d+)` \| (.*) \|$", section, re.M))
     assert set(help_codes) >= {0, 1, 2, 3, 4} and set(readme_codes) >= {0, 1, 2, 3, 4}
     in_help = [code for code, meaning in help_codes.items() if phrase in meaning]
