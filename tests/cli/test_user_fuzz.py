@@ -72,6 +72,19 @@ def test_a_planted_bug_is_reported_shrunk_with_the_geometry_and_the_rows_exit_1(
     assert all(f"    {line}\n" in text for line in failure["diagnosis"])
 
 
+def test_the_progress_line_and_the_summary_count_one_counterexample_once(user_module,
+                                                                         capsys):
+    """Found in the first round, then replayed first (from the corpus) in every later one:
+    one counterexample, in the last progress line as in the summary (the progress line
+    once said 10 where the summary said 1)."""
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha",
+                      "--chunk", "10")
+    assert code == 1
+    progress = re.findall(r"(\d+) examples, (\d+) failures, ", out.err)
+    assert len(progress) >= 2 and progress[-1][1] == "1", progress
+    assert re.search(r" 1 failures, 0 harness faults", out.out), out.out
+
+
 def test_without_wsb_corpus_dir_the_entry_lands_in_the_users_project_not_the_checkout(
         user_module, capsys, monkeypatch):
     """A user's run from their own directory keeps what it finds there (``wsb-corpus/``,

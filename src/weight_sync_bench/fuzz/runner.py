@@ -414,6 +414,11 @@ def moe_targets() -> list[tuple[str, str | None]]:
     return [t for t in targets() if t[0] in MOE_PROPERTIES]
 
 
+def _same_counterexample(a: PropertyFailed, b: PropertyFailed) -> bool:
+    """Whether two failures are one counterexample: the same property on the same case."""
+    return a.prop == b.prop and a.outcome.case.key() == b.outcome.case.key()
+
+
 @dataclass(frozen=True)
 class Progress:
     examples: int
@@ -511,7 +516,11 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
                              threshold_rule=rule, corpus=first, corpus_path=corpus_path,
                              tally=tally)
             except PropertyFailed as failure:
-                failures.append(failure)
+                # a counterexample found again in a later round (the corpus entry it was
+                # saved as is replayed first) is one counterexample: listed and counted once,
+                # by the progress line and the summary alike
+                if not any(_same_counterexample(failure, f) for f in failures):
+                    failures.append(failure)
             except RankFailure:
                 pass  # recorded in tally.faults; the pool restarts on its next task
             except KeyboardInterrupt as exc:  # SIGINT, or the CLI's SIGTERM: report what ran
@@ -526,8 +535,7 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
             if interrupted is None:
                 try:
                     yield Progress(sum(t.examples for t in merged.values()),
-                                   sum(t.failures for t in merged.values()), elapsed,
-                                   merged[(prop, mutation)].label)
+                                   len(failures), elapsed, merged[(prop, mutation)].label)
                 except KeyboardInterrupt as exc:  # thrown in by the consumer: report what ran
                     interrupted, stopped = exc, f"interrupted ({type(exc).__name__})"
             if stopped is not None or (minutes is not None and elapsed >= minutes * 60):
