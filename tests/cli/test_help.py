@@ -7,6 +7,7 @@ parsers."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -52,3 +53,27 @@ def test_help_is_answered_without_importing_torch():
     assert run.returncode == 0, run.stderr
     assert run.stdout == texts()["floor phase"]  # at the kept width, whatever the terminal's
     assert "fp8_block128" in run.stdout
+
+
+def test_the_layout_legend_explains_every_placement_a_table_prints():
+    """Every placement short name ``wsb layout`` prints, over a dense and an MoE geometry
+    and a Megatron endpoint whose experts spread past its TP group, is in the legend."""
+    from weight_sync_bench.cli.main import LAYOUT_LEGEND, PLACEMENT_LEGEND
+    from weight_sync_bench.conventions import endpoint, render
+    from weight_sync_bench.model.config import TOY, TOY_KV4, TOY_MOE
+    from weight_sync_bench.model.plan import layout_for
+
+    tables = [layout_for(c).render([1, 2, 4, 8]) for c in (TOY, TOY_KV4, TOY_MOE)]
+    at = endpoint("megatron:tp=2,ep=4")
+    tables.append(render(TOY_MOE, at.convention, [at]))
+    tables.append(render(TOY_KV4, endpoint("vllm:8").convention, [8]))
+    printed = set()
+    for table in tables:
+        printed |= set(re.findall(r"\b([A-Z]{1,2})\(", table))
+        printed |= {"R"} if re.search(r"\sR(\s|$)", table, re.M) else set()
+        printed |= {"@tp"} if "@tp" in table else set()
+    assert {"R", "S", "HP", "HR", "FP", "EX", "@tp"} <= printed, printed
+    for name in printed:
+        assert (f" {name}(" in PLACEMENT_LEGEND or f"{name} replicated" in PLACEMENT_LEGEND
+                or name in PLACEMENT_LEGEND and name == "@tp"), name
+    assert PLACEMENT_LEGEND in LAYOUT_LEGEND

@@ -267,7 +267,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "repeatable. Without it, a file that resolves outside DIR, an "
                              "index entry naming ../ or an absolute path, and a FIFO or device "
                              "are refused before they are opened (exit 2)")
-    verify.add_argument("directory", metavar="DIR", type=Path)
+    verify.add_argument("directory", metavar="DIR", type=Path,
+                        help="the checkpoint directory (its config.json or params.json states "
+                             "the geometry unless --config or --hf-config says otherwise)")
     add_limit_options(verify, what="a geometry")
     add_output_options(verify)
     add_deadline_option(verify)

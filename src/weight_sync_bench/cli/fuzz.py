@@ -358,17 +358,20 @@ def cmd_replay(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``fuzz``, ``mutants`` and ``replay`` to ``wsb`` (``wsb floor``: ``cli.floor``)."""
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--phase", choices=PHASES, default="1a")
+        p.add_argument("--phase", choices=PHASES, default="1a",
+                       help="1a: every rank in this process (the default); 1b: one process "
+                            "per rank over gloo")
         p.add_argument("--profile", default=None,
                        help="wsb-test, wsb-nightly, wsb-replay, wsb-generate (default: "
                             "$WSB_PROFILE, else wsb-test)")
         p.add_argument("--seed", type=seed, default=None,
                        help="master seed, 0..2^63-1 (default: random)")
         p.add_argument("--chunk", type=count, default=25, help="examples per round")
-        p.add_argument("--mutation", action="append", default=None,
+        p.add_argument("--mutation", action="append", default=None, metavar="NAME",
                        choices=list(MUTATIONS) + list(CONVERSION_MUTATIONS),
-                       help="only this mutation (repeatable): a layout mutation, or a "
-                            "conversion mutation between conventions")
+                       help="only this mutation (repeatable): a layout mutation ("
+                            + ", ".join(MUTATIONS) + "), or a conversion mutation between "
+                            "conventions (" + ", ".join(CONVERSION_MUTATIONS) + ")")
         p.add_argument("--summary", type=Path, default=None, metavar="PATH",
                        help="write the campaign summary (JSON: examples, failures, worst "
                             "invariant ratio, smallest kill ratios, seed, commit) here "

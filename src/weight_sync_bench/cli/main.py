@@ -110,9 +110,21 @@ if TYPE_CHECKING:
 FORWARD_LEGEND = ("forward: declared = the shards equal the declared split byte for byte, so "
                   "the declared split's sharded forward was reused; own = they differ, and ran "
                   "a forward (and a diagnosis) of their own")
+# every placement's short name, as layout.placements writes it (tests/cli/test_help.py checks
+# that each one the placements can print is explained here)
+PLACEMENT_LEGEND = ("placements: R replicated (every rank holds the whole tensor); S(d) "
+                    "rank r holds the r-th of t equal chunks along dim d; HP(h,kv,d) the "
+                    "fused q|k|v rows split per head (rank r: its q heads, then the k and v "
+                    "heads they read; h query heads, kv KV heads, head_dim d); HR(h,kv,d) "
+                    "the same with KV heads replicated where t > kv (vLLM); FP(a,b) fused "
+                    "first|second rows (gate|up) split pairwise, rank r the r-th chunk of "
+                    "each; EX(n,ep=..,etp=..) n experts stacked, whole on EP ranks, each "
+                    "split over its expert-TP ranks; P@tpN placement P over a TP group of N "
+                    "ranks, repeated on every data-parallel replica")
 CONVENTION_LEGEND = ("cells: [local shape] the placement the framework's forward reads the "
                      "source parameter with; -: the convention cannot store the config at that "
-                     "degree (`wsb layout --convention NAME --degree T` names the rule)")
+                     "degree (`wsb layout --convention NAME --degree T` names the rule)\n"
+                     + PLACEMENT_LEGEND)
 RANKS_LEGEND = ("ranks: pp the pipeline stage and layers the global layers of each of its chunks "
                 "(stored under local indices from 0; model{v}. per chunk where vpp > 1), where "
                 "the endpoint has stages; tp / dp the attention TP rank and data-parallel "
@@ -120,8 +132,8 @@ RANKS_LEGEND = ("ranks: pp the pipeline stage and layers the global layers of ea
                 "the experts' expert-parallel, expert-TP and expert-data-parallel ranks; experts "
                 "the global ids held, in local order; rows: the expert-TP chunk of each "
                 "expert's gate and up rows (its down columns alike)")
-LAYOUT_LEGEND = ("-: the placement cannot split this parameter evenly at that degree "
-                 "(UnsupportedLayout; `wsb check --src T` says which rule)")
+LAYOUT_LEGEND = (PLACEMENT_LEGEND + "\n-: the placement cannot split this parameter evenly at "
+                 "that degree (UnsupportedLayout; `wsb check --src T` says which rule)")
 
 
 def exit_code(exc: BaseException) -> int:
