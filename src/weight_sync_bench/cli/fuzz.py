@@ -379,7 +379,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         add_output_options(p)
         add_deadline_option(p)
 
-    fuzz = subparsers.add_parser("fuzz", help="fuzz every property; failures land in corpus/")
+    fuzz = subparsers.add_parser("fuzz", help="fuzz the harness's properties, or your own "
+                                 "splitter, resharder or converter; counterexamples are shrunk "
+                                 "and saved to a corpus")
     budget = fuzz.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=positive, default=None,
                         help="time budget, a finite number > 0 (default 1)")

@@ -513,16 +513,24 @@ def cmd_layout(args: argparse.Namespace) -> int:
     return 0
 
 
+DESCRIPTION = ("weight-sync-bench: proves code that moves transformer weights between parallel\n"
+               "layouts and frameworks right, by running the sharded model against the dense\n"
+               "one. Data movement is compared bit for bit, computation within a threshold\n"
+               "derived from a measured floor.\n\n"
+               "A subcommand's options: wsb SUBCOMMAND --help. The guides: the README and docs/.")
+
+
 def build_parser(prog: str = "wsb") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__.split("\n\n")[0],
+        prog=prog, description=DESCRIPTION,
         epilog=f"{EXIT_CODES}\n\n{ENVIRONMENT}\n\n'wsb' is the venv's console script: "
                ".venv/bin/wsb after `make`, or `python -m weight_sync_bench`.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(dest="command", required=True)
 
-    check = sub.add_parser("check", help="check the invariant (or your own split/reshard function)",
+    check = sub.add_parser("check", help="check the declared layout, or your own splitter, "
+                           "resharder or converter",
                            epilog=FORWARD_LEGEND)
     add_model_options(check, default="all", allow_all=True)
     check.add_argument("--src", type=int, default=None, help="source degree (default: every supported)")
