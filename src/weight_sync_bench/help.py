@@ -73,11 +73,33 @@ def texts() -> dict[str, str]:
             os.environ["COLUMNS"] = before
 
 
+# The documentation's command reference, in a checkout (src/weight_sync_bench/../../docs)
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md"
+
+
+def reference(kept: dict[str, str]) -> str:
+    """The documentation's command reference: every command's help, as ``--help`` prints it."""
+    lines = ["# Command reference", "",
+             "Every command's `--help`, as it prints it (written from the parsers by `python -m "
+             "weight_sync_bench.help --write`; `tests/cli/test_help.py` keeps it equal to "
+             "them). The exit codes and the JSON records: [exit codes and JSON]"
+             "(exit-codes.md).", ""]
+    for path in sorted(kept, key=lambda p: (p != "", p)):
+        lines += [f"## wsb {path}".rstrip(), "", "```text", kept[path].rstrip("\n"), "```", ""]
+    return "\n".join(lines)
+
+
 def write(path: Path = HELP_FILE) -> None:
-    """Write ``texts()`` to ``path``, atomically."""
+    """Write ``texts()`` to ``path``, atomically, and in a checkout the command reference
+    of the documentation (``REFERENCE``)."""
     from weight_sync_bench.tolerance.artifacts import write_artifact
 
-    write_artifact(texts(), path)
+    kept = texts()
+    write_artifact(kept, path)
+    if REFERENCE.parent.is_dir():
+        tmp = REFERENCE.with_name(f".{REFERENCE.name}.tmp")
+        tmp.write_text(reference(kept), encoding="utf-8")
+        os.replace(tmp, REFERENCE)
 
 
 if __name__ == "__main__":

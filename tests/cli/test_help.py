@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from weight_sync_bench.__main__ import main
-from weight_sync_bench.help import HELP_FILE, answer, request, texts
+from weight_sync_bench.help import HELP_FILE, REFERENCE, answer, reference, request, texts
 
 
 def test_the_kept_help_is_every_parsers_own():
@@ -25,6 +25,13 @@ def test_the_kept_help_is_every_parsers_own():
     assert not stale, (f"cli/help.json is stale for {stale[:5]}: run `python -m "
                        "weight_sync_bench.help --write`")
     assert {"", "check", "fuzz", "floor phase", "verify", "sync"} <= set(kept)
+
+
+def test_the_documentations_command_reference_is_the_kept_help():
+    kept = json.loads(HELP_FILE.read_text(encoding="utf-8"))
+    assert REFERENCE.read_text(encoding="utf-8") == reference(kept), (
+        "docs/reference/cli.md is stale: run `python -m weight_sync_bench.help --write`")
+    assert "## wsb floor phase" in REFERENCE.read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize(("argv", "path"), [
