@@ -101,7 +101,31 @@ def test_a_streamed_check_is_estimated_per_unit(tmp_path):
     assert config.d_model == 4096 and footprint(config, "parameter").bytes < 8 * GIB
     with pytest.raises(GeometryTooLarge, match=r"; --stream parameter holds one parameter "
                                                r"at a time, refused before allocating"):
-        _models(build_parser().parse_args(common))
+        _models(build_parser().parse_args([*common, "--memory-budget", "64"]))
+
+
+def test_past_the_memory_budget_the_harness_streams_and_your_function_is_asked_to():
+    """Held whole, Llama-3-8B's width at one layer needs ~19 GiB: past the memory budget
+    (half of this machine's memory by default, ``--memory-budget``) the harness's own check
+    streams per layer, said in a note; a check of your function, written for whole models,
+    is refused naming --stream and the estimate. Within the budget, nothing changes (the
+    twin)."""
+    from weight_sync_bench.cli.main import memory_budget
+
+    common = ["check", "--hf-config", "llama3_8b", "--layers", "1"]
+    args = build_parser().parse_args([*common, "--memory-budget", "4"])
+    _models(args)
+    assert args.stream == "layer"
+    assert args.auto_stream.startswith("streamed per layer: llama3_8b held whole would need "
+                                       "about 19 GiB, over the memory budget of 4 GiB")
+    with pytest.raises(GeometryTooLarge, match=r"over the memory budget of 4 GiB .*: pass "
+                                               r"--stream layer"):
+        _models(build_parser().parse_args([*common, "--memory-budget", "4", "--resharder",
+                                           "mine:reshard"]))
+    within = build_parser().parse_args([*common, "--memory-budget", "64"])
+    _models(within)
+    assert within.stream is None and not getattr(within, "auto_stream", None)
+    assert memory_budget(build_parser().parse_args(common)) == int(Limits().max_bytes * 0.5)
 
 
 def test_the_harness_own_geometries_fit_far_inside_the_default_limits():

@@ -79,6 +79,7 @@ from weight_sync_bench.cli.output import (
     count,
     interrupt_code,
     pending_interrupt,
+    positive,
     seed,
     signals_raise,
 )
@@ -91,6 +92,7 @@ from weight_sync_bench.conventions import convention_by_name, endpoint, render
 from weight_sync_bench.conventions.table import render_ranks
 from weight_sync_bench.errors import (
     FloorNotMeasured,
+    GeometryTooLarge,
     InvalidShards,
     MissingArtifacts,
     PeerAborted,
@@ -100,6 +102,7 @@ from weight_sync_bench.errors import (
     WsbError,
 )
 from weight_sync_bench.model.config import CONFIGS, DTYPES, ModelConfig, config_by_name
+from weight_sync_bench.model.footprint import GIB, Limits, footprint
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.rules import floor_for
 from weight_sync_bench.version import version
@@ -187,9 +190,47 @@ def _models(args: argparse.Namespace) -> list[ModelConfig]:
     configs = [hf] if hf is not None else (
         list(CONFIGS.values()) if name == "all" else [config_by_name(name)])
     for config in configs:
+        _within_budget(args, config)
         guard(args, config, unit=args.stream or "model",
               hint="" if args.stream else "; --stream parameter holds one parameter at a time")
     return configs
+
+
+# The share of this machine's memory a check may hold whole before it streams (the harness's
+# own checks) or asks for --stream (your function's): --memory-budget sets it in GiB.
+MEMORY_SHARE = 0.5
+
+
+def memory_budget(args: argparse.Namespace) -> int:
+    """The bytes a check may hold whole: ``--memory-budget`` GiB, else ``MEMORY_SHARE`` of
+    this machine's memory (``model.footprint.Limits``' default)."""
+    if getattr(args, "memory_budget", None) is not None:
+        return int(args.memory_budget * GIB)
+    return int(Limits().max_bytes * MEMORY_SHARE)
+
+
+def _within_budget(args: argparse.Namespace, config: ModelConfig) -> None:
+    """Where ``config`` held whole would exceed the memory budget and no ``--stream`` was
+    given: the harness's own check streams per layer (``args.stream``; ``args.auto_stream``
+    the note that says why), a check of your function is refused (``GeometryTooLarge``,
+    exit 2) naming ``--stream`` and the estimate: it was written for whole models."""
+    if args.stream is not None:
+        return
+    whole, budget = footprint(config, "model"), memory_budget(args)
+    if whole.bytes <= budget:
+        return
+    why = (f"{config.name} held whole would need about {whole.bytes / GIB:.3g} GiB, over the "
+           f"memory budget of {budget / GIB:.3g} GiB (--memory-budget; default half of this "
+           "machine's memory)")
+    fn = args.resharder or args.splitter or args.converter
+    if fn is not None:
+        raise GeometryTooLarge(f"{why}: pass --stream layer (your function is then called once "
+                               "per layer, with a dict of that layer's tensors) or --stream "
+                               "parameter, or raise --memory-budget", estimate=whole.bytes)
+    args.stream = "layer"
+    layer = footprint(config, "layer")
+    args.auto_stream = (f"streamed per layer: {why}; per layer about {layer.bytes / GIB:.3g} "
+                        "GiB")
 
 
 def _pairs(args: argparse.Namespace, degrees: list[int]) -> list[tuple[int, int]]:
@@ -439,6 +480,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         jobs, skipped = _plan(args, line)
     finally:
         line.close()
+    if getattr(args, "auto_stream", None):
+        out.note(args.auto_stream)
     if not jobs:
         raise WsbError("no config supports the requested degrees:\n  " + "\n  ".join(skipped))
     verdicts: list[Verdict] = []
@@ -576,6 +619,10 @@ def build_parser(prog: str = "wsb") -> argparse.ArgumentParser:
                             "(WSB_FLOOR_CACHE, else $XDG_CACHE_HOME/weight-sync-bench; the "
                             "next check reads it), rather than refuse")
     add_limit_options(check)
+    check.add_argument("--memory-budget", type=positive, default=None, metavar="GIB",
+                       help="the most a check holds whole: past it the harness's own check "
+                            "streams per layer, and a check of your function asks for "
+                            "--stream (default: half of this machine's memory)")
     add_output_options(check)
     add_deadline_option(check)
     check.set_defaults(func=launched(cmd_check), option_names=option_names(check))
