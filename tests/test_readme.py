@@ -256,3 +256,23 @@ def test_a_passing_deviation_is_held_to_the_floor_and_every_other_figure_exactly
                   SHOWN + "  note: extra\n"):
         with pytest.raises(AssertionError):
             assert_prints(wrong, SHOWN)
+
+
+def test_the_converter_example_passes_its_first_fuzz(tmp_path, monkeypatch, capsys):
+    """The guide's hand-written converter, fuzzed as the guide says (`wsb fuzz --converter`):
+    it declines what it does not handle (a shipped geometry's qkv biases), so its first fuzz
+    passes, the declined case counted."""
+    from weight_sync_bench.cli import main
+
+    (code,) = [b for lang, b in re.findall(r"```(\w*)\n(.*?)```",
+                                           _section("Check a converter between frameworks"),
+                                           re.S) if lang == "python"][:1]
+    (tmp_path / "my_converters.py").write_text(code.split("\nverdict")[0].split("\nfor ")[0])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path / "corpus"))
+    rc = main(["fuzz", "--converter", "my_converters:megatron_to_vllm", "--from", "megatron",
+               "--to", "vllm", "--examples", "15", "--seed", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "declined" in out and "qwen2_5_7b megatron:4 -> vllm:2 declined" in out
