@@ -35,8 +35,8 @@ from typing import Any
 from hypothesis import settings as Settings
 from hypothesis import strategies as st
 
-from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.fuzz import strategies as _strategies
+from weight_sync_bench.fuzz.case import parse_end
 from weight_sync_bench.fuzz.strategies.user import narrow
 from weight_sync_bench.fuzz.user import UserFunction, user_property
 from weight_sync_bench.model.config import ModelConfig
@@ -78,8 +78,9 @@ def convert_property(fn: Callable[..., Any], src: str, dst: str, *,
                      settings: Settings | None = None, real: bool = True, corpus: bool = True,
                      **domain: Any) -> Callable[[], None]:
     """A test that ``fn(shards, degree)`` converts ``src``'s shards (``"megatron"``, or
-    ``"megatron:4"`` for a fixed degree) to ``dst``'s (``"vllm"``, ``"vllm:2"``) byte for
-    byte on every fuzzed geometry and the degrees both conventions support there."""
+    ``"megatron:4"`` for a fixed degree, or a whole endpoint) to ``dst``'s (``"vllm"``,
+    ``"vllm:2"``, ``"vllm:fp8=block128"``) byte for byte on every fuzzed geometry and the
+    degrees both conventions support there."""
     ends = [_end(e) for e in (src, dst)]
     return _property(fn, "converter", src=ends[0][1], dst=ends[1][1],
                      conventions=(ends[0][0], ends[1][0]), settings=settings, real=real,
@@ -87,10 +88,10 @@ def convert_property(fn: Callable[..., Any], src: str, dst: str, *,
 
 
 def _end(text: str) -> tuple[str, int | None]:
-    """``"megatron:4"`` -> ``("megatron", 4)``; ``"megatron"`` -> ``("megatron", None)``
-    (drawn)."""
-    ep = endpoint(text)
-    return ep.name, (ep.degree if ":" in text else None)
+    """A converter's end as ``wsb fuzz --from/--to`` takes it (``fuzz.case.parse_end``):
+    ``"megatron:4"`` fixed, ``"megatron"`` or ``"vllm:fp8=block128"`` drawn, a whole
+    endpoint (``"megatron:tp=2,pp=2"``) fixed at its world."""
+    return parse_end(text)
 
 
 def geometries(**domain: Any) -> st.SearchStrategy[ModelConfig]:

@@ -146,3 +146,18 @@ def test_where_every_sharded_forward_sums_exactly_the_committed_fp8_floor_judges
     assert v.passed and any("summed exactly" in n and "phase1a_fp8_tensor.json" in n
                             for n in v.notes), v.notes
     assert not run(uf.convert_to_fp8_unclamped).passed
+
+
+def test_convert_property_takes_an_fp8_destination_as_wsb_fuzz_does():
+    """``testing.convert_property`` reads its ends as ``wsb fuzz`` does
+    (``fuzz.case.parse_end``): the options ride on each drawn degree."""
+    from weight_sync_bench.fuzz.case import parse_end
+    from weight_sync_bench.testing import convert_property
+
+    assert parse_end("vllm:fp8=tensor") == ("vllm:fp8=tensor", None)
+    assert parse_end("megatron:4") == ("megatron", 4) and parse_end("vllm") == ("vllm", None)
+    assert parse_end("megatron:tp=2,pp=2") == ("megatron:tp=2,pp=2", 4)
+    test = convert_property(uf.convert_to_fp8, "megatron", "vllm:fp8=tensor", settings=FEW,
+                            corpus=False)
+    test()
+    assert test.stats.checked >= 12

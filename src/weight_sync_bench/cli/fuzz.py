@@ -203,19 +203,10 @@ def _domain_field(text: str) -> tuple[str, int | tuple[int, int]]:
 
 
 def _end(text: str) -> tuple[str, int | None]:
-    """``--from megatron:4`` -> ``("megatron", 4)``; ``--from megatron`` -> drawn; with
-    options only, ``--to vllm:fp8=block128`` -> drawn, each end with them; a whole
-    endpoint, ``--from megatron:tp=2,pp=2``, is fixed: ``("megatron:tp=2,pp=2", 4)`` (its
-    world)."""
-    from weight_sync_bench.conventions import endpoint
-    from weight_sync_bench.fuzz.case import options_only
+    """``--from`` / ``--to`` as a case's end (``fuzz.case.parse_end``)."""
+    from weight_sync_bench.fuzz.case import parse_end
 
-    ep = endpoint(text)
-    if options_only(text):
-        return text, None
-    if "=" in text:
-        return str(ep), ep.world
-    return ep.name, (ep.degree if ":" in text else None)
+    return parse_end(text)
 
 
 def _cmd_fuzz_user(args: argparse.Namespace, out: Output) -> int:

@@ -253,6 +253,22 @@ def options_only(convention: str) -> bool:
     return all(eq and key in convention_by_name(name).options for key, eq, _ in items)
 
 
+def parse_end(text: str) -> tuple[str, int | None]:
+    """A converter's end as ``wsb fuzz --from/--to`` and ``testing.convert_property`` take it:
+    ``"megatron:4"`` -> ``("megatron", 4)``; ``"megatron"`` -> ``("megatron", None)``
+    (drawn); options only, ``"vllm:fp8=block128"`` -> itself, drawn (each end with them); a
+    whole endpoint, ``"megatron:tp=2,pp=2"``, is fixed: ``("megatron:tp=2,pp=2", 4)`` (its
+    world)."""
+    from weight_sync_bench.conventions import endpoint
+
+    ep = endpoint(text)
+    if options_only(text):
+        return text, None
+    if "=" in text:
+        return str(ep), ep.world
+    return ep.name, (ep.degree if ":" in text else None)
+
+
 def end_of(convention: str, degree: int) -> Endpoint:
     """A conversion case's end: a convention at a TP degree (``"vllm"``, 2; with options,
     ``"vllm:fp8=block128"``, 2: ``vllm:tp=2,fp8=block128``), or a whole endpoint
