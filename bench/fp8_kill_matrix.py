@@ -14,22 +14,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from weight_sync_bench.check.fp8 import fp8_kill_matrix
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.conventions.fp8_mutations import FP8_MUTATIONS
-from weight_sync_bench.model.config import TOY_KV4, ModelConfig, init_params
+from weight_sync_bench.model.config import TOY_KV4, init_params
 
-# tests/check/test_fp8_convert.py's geometries
-TOY_FP8 = ModelConfig(name="toy_fp8", vocab=1000, d_model=256, n_layers=2, n_heads=4,
-                      n_kv_heads=2, head_dim=128, ffn=512)
-QWEN3_8B_REDUCED = ModelConfig(name="qwen3_8b_reduced", vocab=2048, d_model=512, n_layers=2,
-                               n_heads=8, n_kv_heads=2, head_dim=128, ffn=1536, qk_norm=True)
-MOE_FP8 = TOY_FP8.replace(name="toy_fp8_moe", n_experts=4, top_k=2, expert_ffn=256,
-                          qk_norm=True)
+# tests/check/test_fp8_convert.py's geometries, imported from it: one definition
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.check.test_fp8_convert import MOE_FP8, QWEN3_8B_REDUCED, TOY_FP8  # noqa: E402
+
 CELLS = [(TOY_FP8, "vllm:tp=2,fp8=block128"), (QWEN3_8B_REDUCED, "vllm:tp=2,fp8=block128"),
          (MOE_FP8, "vllm:tp=2,ep=2,fp8=block128"), (TOY_KV4, "hf:fp8=block128"),
          (TOY_FP8, "vllm:tp=2,fp8=tensor"), (QWEN3_8B_REDUCED, "vllm:tp=2,fp8=tensor"),

@@ -48,7 +48,6 @@ from weight_sync_bench.conventions.fp8 import (
     scheme_of,
     shard_quantized,
 )
-from weight_sync_bench.errors import UnknownMutation
 
 if TYPE_CHECKING:
     from weight_sync_bench.conventions.convention import Endpoint
@@ -208,15 +207,6 @@ FP8_MUTATIONS = {m.name: m for m in (
     Fp8Mutation("router_quantized", "vLLM builds mlp.gate with quant_config=None",
                 _router_quantized, _no_router, "dtype torch.float8_e4m3fn, declared"),
 )}
-
-
-def fp8_mutation(name: str) -> Fp8Mutation:
-    """The FP8 mutation called ``name``: ``UnknownMutation`` listing them where none is."""
-    try:
-        return FP8_MUTATIONS[name]
-    except KeyError:
-        raise UnknownMutation(f"unknown FP8 mutation {name!r}; known: "
-                              f"{', '.join(FP8_MUTATIONS)}") from None
 
 
 def mutated(mutation: Fp8Mutation, config: ModelConfig, target: Endpoint,
