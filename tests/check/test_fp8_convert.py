@@ -204,3 +204,25 @@ def test_quantizing_per_shard_per_tensor_passes_at_one_rank():
     at = endpoint("vllm:tp=1,fp8=tensor")
     out = mutated(FP8_MUTATIONS["scale_per_shard"], TOY_FP8, at, init_params(TOY_FP8, 0))
     assert check_convert(lambda shards, degree: out, TOY_FP8, "megatron:2", at).passed
+
+
+def test_a_negative_zero_where_a_zero_is_declared_fails_on_its_bytes():
+    """Data movement bit for bit: an all-zero block quantizes to e4m3 +0 (byte 0x00); a
+    converter writing -0 (0x80) there dequantizes to the same values, and fails on its bytes
+    anyway (a value comparison would pass it). The twin: the declared zeros pass."""
+    weights = init_params(TOY_FP8, 4)
+    weights["layers.0.down.weight"][:128, :128] = 0
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def negative_zero(shards, degree, **kw):
+        out = good(shards, degree, **kw)
+        block = out[0][name].view(torch.uint8)[:128, :128]
+        assert bool((block == 0).all())  # the declared zeros
+        block.fill_(0x80)
+        return out
+
+    at = "vllm:tp=2,fp8=block128"
+    assert check_convert(good, TOY_FP8, "megatron:2", at, weights=weights).passed
+    v = check_convert(negative_zero, TOY_FP8, "megatron:2", at, weights=weights)
+    assert not v.passed and v.first_mismatch == name
+    assert v.max_abs_error <= v.threshold  # the forward cannot see it: only the bytes can
