@@ -42,3 +42,5 @@ def test_the_site_builds_strict(tmp_path):
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert run.returncode == 0, run.stdout + run.stderr
     assert (tmp_path / "site" / "guides" / "fp8" / "index.html").is_file()
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    assert "check_convert" in api and "convert_property" in api  # rendered from docstrings
