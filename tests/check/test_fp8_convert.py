@@ -77,6 +77,7 @@ def test_a_correct_quantizer_passes_and_every_fp8_bug_fails_named(config, dst):
     at = endpoint(dst)
     rows = fp8_kill_matrix(config, endpoint("megatron:2"), at,
                            init_params(config, 0, dtype=torch.bfloat16))
+    assert [row.mutation for row in rows] == list(FP8_MUTATIONS)  # every one, in order
     expected_out = {"scale_transposed": at.world == 1 and at.name == "vllm"
                     or scheme_of(at) == "tensor", "scale_ue8m0": scheme_of(at) == "tensor",
                     "scale_other_rank": at.world == 1 or scheme_of(at) == "tensor"
@@ -85,11 +86,11 @@ def test_a_correct_quantizer_passes_and_every_fp8_bug_fails_named(config, dst):
     for row in rows:
         mutation = FP8_MUTATIONS[row.mutation]
         if row.outcome == "not applicable":
-            assert expected_out.get(row.mutation), (row.mutation, row.reason)
+            assert expected_out.get(row.mutation) and row.reason, (row.mutation, row.reason)
             continue
         assert not expected_out.get(row.mutation), row.mutation
         if row.mutation == "scale_per_shard" and scheme_of(at) == "block128":
-            assert row.outcome == "identity", row  # every accepted cut is on a block edge
+            assert row.outcome == "identity" and row.reason, row  # cuts on block edges only
             continue
         if row.outcome == "refused":
             assert row.mutation == "router_quantized" and mutation.named in row.reason
@@ -97,6 +98,10 @@ def test_a_correct_quantizer_passes_and_every_fp8_bug_fails_named(config, dst):
         assert row.outcome == "killed", row
         v = row.verdict
         assert not v.passed and v.first_mismatch is not None, row.mutation
+        assert v.threshold == clean.threshold  # every row judged as the clean check is
+        # the diagnosis names the rank and the tensor that differs first
+        assert v.diagnosis[0].startswith("rank ") and v.first_mismatch in v.diagnosis[0] \
+            or v.diagnosis[0].startswith("not finite: rank "), v.diagnosis
         assert any(mutation.named in line for line in v.diagnosis), (row.mutation, v.diagnosis)
         assert v.ratio > 1 or math.isinf(v.ratio) or row.mutation == "scale_ue8m0", row
 

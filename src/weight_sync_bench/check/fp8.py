@@ -156,8 +156,9 @@ def _diagnose(rank: int, name: str, checked: Params, declared: Sequence[Params],
     where = f"rank {rank} {name}"
     own = per_shard[rank].get(name)
     key = scale_name(name, scheme)
-    if own is not None and _same(got, own) and _same(checked[key], per_shard[rank][key]) \
-            or is_scale(name) and name in per_shard[rank] and _same(got, per_shard[rank][name]):
+    # (a weight is listed before its scale, and a shard quantized on its own differs in its
+    # weights wherever its scale differs: the weight is what differs first)
+    if own is not None and _same(got, own) and _same(checked[key], per_shard[rank][key]):
         return (f"{where} holds this rank's own shard quantized after the TP cut (the amax "
                 "of its own rows); the frameworks quantize each HF tensor whole, before the "
                 "cut (slime quantize_params_fp8 after the all-gather), and vLLM's loader cuts "
