@@ -231,3 +231,36 @@ def test_a_negative_zero_where_a_zero_is_declared_fails_on_its_bytes():
     v = check_convert(negative_zero, TOY_FP8, "megatron:2", at, weights=weights)
     assert not v.passed and v.first_mismatch == name
     assert v.max_abs_error <= v.threshold  # the forward cannot see it: only the bytes can
+
+
+def _scale_set(how):
+    """A converter whose rank 0 o_proj scale is changed by ``how`` (the grid, in place)."""
+    def converter(shards, degree, **kw):
+        out = good(shards, degree, **kw)
+        name = _scale_of(out, "o_proj.weight")
+        out[0][name] = how(out[0][name].clone())
+        return out
+    return converter
+
+
+def _scale_of(out, suffix):
+    return next(n for n in out[0] if n.endswith(suffix + SCALE_SUFFIX))
+
+
+@pytest.mark.parametrize(("how", "said"), [
+    (lambda s: torch.ones_like(s), "holds ones (FusedMoE's initial scale): never written"),
+    (lambda s: torch.zeros_like(s), "holds zeros: a scale of 0 dequantizes every weight to 0"),
+    (lambda s: s.view(-1).index_fill_(0, torch.tensor([1]), float("nan")).view(s.shape),
+     "holds NaN in 1 of 4 blocks"),
+    (lambda s: s.view(-1).index_fill_(0, torch.tensor([0]), 1.5).view(s.shape),
+     ": 1 of 4 block scales differ")],
+    ids=["ones", "zeros", "nan", "one_block"])
+def test_each_kind_of_wrong_scale_is_named_as_what_it_holds(how, said):
+    """The scale diagnoses one by one, at rank 0's o_proj (a 2 x 2 grid at TP 2): vLLM
+    FusedMoE's initial ones, zeros, NaN in one block (a count), and one block changed (a
+    count)."""
+    v = check_convert(_scale_set(how), TOY_FP8, "megatron:2", "vllm:tp=2,fp8=block128",
+                      dtype="bf16")
+    name = "model.layers.0.self_attn.o_proj.weight" + SCALE_SUFFIX
+    assert not v.passed and v.first_mismatch == name
+    assert v.diagnosis[0].startswith(f"rank 0 {name}") and said in v.diagnosis[0], v.diagnosis
