@@ -27,6 +27,7 @@ from weight_sync_bench.fuzz.strategies import geometries, seeds
 from weight_sync_bench.fuzz.strategies.conventions import case_end, staged_endpoints
 
 from weight_sync_bench.conventions import CONVENTIONS, Endpoint, convention_by_name, endpoint
+from weight_sync_bench.conventions.fp8 import require_stored
 from weight_sync_bench.conventions.stages import Pipeline
 from weight_sync_bench.errors import InvalidConfig, UnsupportedLayout
 from weight_sync_bench.fuzz.case import Case, ConversionCase, end_of, options_only
@@ -144,14 +145,10 @@ def convention_degrees(name: str, config: ModelConfig, max_degree: int = MAX_DEG
 
 
 def holds(at: Endpoint, config: ModelConfig) -> bool:
-    """Whether endpoint ``at`` stores ``config`` (an FP8 one: with its scales, vLLM's block
-    rules included, ``conventions.fp8.fp8_shapes``)."""
+    """Whether endpoint ``at`` stores ``config`` (``conventions.fp8.require_stored``: an FP8
+    one with its scales, vLLM's block rules included)."""
     try:
-        at.unquantized().pieces(config)
-        if at.quantized:
-            from weight_sync_bench.conventions.fp8 import fp8_shapes
-
-            fp8_shapes(config, at)
+        require_stored(config, at)
     except UnsupportedLayout:
         return False
     return True

@@ -30,10 +30,11 @@ accepts, where every cut is on a block edge; another amax per shard per tensor a
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -56,7 +57,7 @@ from weight_sync_bench.conventions.fp8 import (
     scheme_of,
     shard_quantized,
 )
-from weight_sync_bench.conventions.fp8_mutations import FP8_MUTATIONS, Fp8Mutation, mutated
+from weight_sync_bench.conventions.fp8_mutations import FP8_MUTATIONS, Fp8Mutation
 from weight_sync_bench.errors import FloorNotMeasured, InvalidShards, WrongShardShape
 from weight_sync_bench.model.config import dtype_name, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
@@ -239,6 +240,99 @@ def fp8_threshold(config: ModelConfig, target: Endpoint, full: Mapping[str, torc
                        "weights; " + note.replace("your weights", "the dequantized weights", 1),)
 
 
+class Fp8Check:
+    """One FP8 check's side of the comparison, for ``params`` (the canonical source weights;
+    ``seeded``: the seed's in the check's dtype, else the user's): the declared destination
+    (each HF part quantized once, ``fp8_shards`` cutting those values) at once, so a
+    refused degree is refused before any converter runs; the dequantized reference, its
+    forward and the threshold on first use (``forward``), so a converter that raises
+    costs no forward. ``verdict`` judges any number of outputs against them (the kill
+    matrix judges every mutation of one destination with one ``Fp8Check``)."""
+
+    def __init__(self, config: ModelConfig, source: Endpoint, target: Endpoint,
+                 params: Mapping[str, torch.Tensor], *, threshold: float | None = None,
+                 seed: int = 0, weights_note: str | None = None, seeded: bool = True) -> None:
+        if source.quantized:
+            raise InvalidShards(f"{source}: an FP8 source is not modelled (the harness "
+                                "quantizes into FP8 endpoints, not out of them)")
+        self.config, self.source, self.target, self.params = config, source, target, params
+        self.scheme = scheme_of(target)
+        self.quantized = quantize_canonical(config, params, self.scheme)
+        self.declared = fp8_shards(config, target, params, quantized=self.quantized)
+        self._given, self._seed, self._seeded = threshold, seed, seeded
+        self._weights_note = weights_note
+
+    @functools.cached_property
+    def forward(self) -> tuple[torch.Tensor, torch.Tensor, Any, float, tuple[str, ...]]:
+        """``(tokens, reference logits, its routings, threshold, notes)``: the dense forward
+        on the dequantized weights, the threshold for it (``fp8_threshold``) and the
+        quantization error against the unquantized model, a note."""
+        config, params = self.config, self.params
+        full = dequantize_canonical(config, *self.quantized, params, self.scheme)
+        tokens = make_tokens(config, TOKEN_SEED_OFFSET + self._seed)
+        model = ReferenceModel(config, full)
+        with torch.no_grad():
+            reference = model(tokens)
+            unquantized = ReferenceModel(config, {n: x.float() for n, x in params.items()})(
+                tokens)
+        threshold, origin = fp8_threshold(config, self.target, full, self._given,
+                                          seeded=self._seeded)
+        quant_error = float((reference - unquantized).abs().max())
+        notes = (*origin,
+                 f"fp8 quantization error (the dequantized model against the unquantized one, "
+                 f"for information, never a threshold): max |logit difference| "
+                 f"{quant_error:.4g}", *([self._weights_note] if self._weights_note else []))
+        return tokens, reference, model.routings, threshold, notes
+
+    @property
+    def threshold(self) -> float:
+        return self.forward[3]
+
+    @functools.cached_property
+    def per_shard(self) -> list[Params]:
+        """Each rank's shards quantized after the cut (``shard_quantized``), for a diagnosis."""
+        return shard_quantized(self.config, self.target, self.params)
+
+    def inputs(self) -> list[Params]:
+        """What a converter gets: the source's declared shards of ``params``."""
+        return materialize(self.source.pieces(self.config), self.params)
+
+    def verdict(self, out: object) -> Verdict:
+        """``out`` (a converter's return) against the declared destination, bytes first,
+        then the destination's forward on its dequantized tensors."""
+        config, target, declared = self.config, self.target, self.declared
+        checked = _validate(out, declared, target)
+        tokens, reference, routings, threshold, notes = self.forward
+        guard = RoutingGuard(routings, threshold) if config.n_experts else None
+        names = list(dict.fromkeys(n for rank in declared for n in rank))
+        differ = [n for n in names if any(n in d and not _same(c[n], d[n])
+                                          for c, d in zip(checked, declared))]
+        bad = _nonfinite(checked)
+        logits = convention_logits(target.unquantized(), config,
+                                   dequantized(config, target, checked), tokens, guard=guard)
+        error = float((logits - reference).abs().max())
+        if math.isnan(error):
+            error = math.inf
+        lines: list[str] = []
+        if differ:
+            first = differ[0]
+            rank = next(r for r, (c, d) in enumerate(zip(checked, declared))
+                        if first in d and not _same(c[first], d[first]))
+            lines.append(_diagnose(rank, first, checked[rank], declared, self.per_shard,
+                                   self.scheme))
+        lines += [f"not finite: {b}" for b in bad[:4]]
+        dtypes = {x.dtype for x in self.params.values()}
+        return Verdict(config=config.name, src=self.source.degree, dst=target.degree,
+                       max_abs_error=error if not bad else math.inf, threshold=threshold,
+                       first_mismatch=differ[0] if differ else (bad[0].split(":")[0] if bad
+                                                                else None),
+                       mismatches=tuple(differ), diagnosis=tuple(lines), own_forward=True,
+                       conventions=(str(self.source), str(target)), notes=notes,
+                       dtype=dtype_name(max(dtypes, key=str)) if len(dtypes) == 1 else "mixed",
+                       **({"near_ties": guard.near_ties(), "route_bound": guard.bound}
+                          if guard is not None else {}))
+
+
 def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, target: Endpoint,
                       params: Mapping[str, torch.Tensor], *, threshold: float | None = None,
                       seed: int = 0, weights_note: str | None = None,
@@ -246,58 +340,12 @@ def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, targ
     """``check_convert`` into a quantized ``target`` (see the module docstring): ``params``
     the canonical source weights (``seeded``: the seed's in the check's dtype, else the
     user's)."""
-    if source.quantized:
-        raise InvalidShards(f"{source}: an FP8 source is not modelled (the harness quantizes "
-                            "into FP8 endpoints, not out of them)")
-    plain, scheme = target.unquantized(), scheme_of(target)
-    inputs = materialize(source.pieces(config), params)
-    declared = fp8_shards(config, target, params)
-    out = call(fn, (inputs, target.world), role="converter", config=config,
+    check = Fp8Check(config, source, target, params, threshold=threshold, seed=seed,
+                     weights_note=weights_note, seeded=seeded)
+    out = call(fn, (check.inputs(), target.world), role="converter", config=config,
                during=f"while converting {config.name} {source} -> {target}",
                ends=(source, target))
-    checked = _validate(out, declared, target)
-    values, scales = quantize_canonical(config, params, scheme)
-    full = dequantize_canonical(config, values, scales, params, scheme)
-    tokens = make_tokens(config, TOKEN_SEED_OFFSET + seed)
-    model = ReferenceModel(config, full)
-    with torch.no_grad():
-        reference = model(tokens)
-        unquantized = ReferenceModel(config, {n: x.float() for n, x in params.items()})(tokens)
-    threshold, origin = fp8_threshold(config, target, full, threshold, seeded=seeded)
-    guard = RoutingGuard(model.routings, threshold) if config.n_experts else None
-    names = list(dict.fromkeys(n for rank in declared for n in rank))
-    differ = [n for n in names if any(n in d and not _same(c[n], d[n])
-                                      for c, d in zip(checked, declared))]
-    bad = _nonfinite(checked)
-    logits = convention_logits(plain, config, dequantized(config, target, checked), tokens,
-                               guard=guard)
-    error = float((logits - reference).abs().max())
-    if math.isnan(error):
-        error = math.inf
-    lines: list[str] = []
-    if differ:
-        first = differ[0]
-        rank = next(r for r, (c, d) in enumerate(zip(checked, declared))
-                    if first in d and not _same(c[first], d[first]))
-        lines.append(_diagnose(rank, first, checked[rank], declared,
-                               shard_quantized(config, target, params), scheme))
-    lines += [f"not finite: {b}" for b in bad[:4]]
-    quant_error = float((reference - unquantized).abs().max())
-    notes = (*origin,
-             f"fp8 quantization error (the dequantized model against the unquantized one, "
-             f"for information, never a threshold): max |logit difference| {quant_error:.4g}",
-             *([weights_note] if weights_note else []))
-    dtypes = {x.dtype for x in params.values()}
-    return Verdict(config=config.name, src=source.degree, dst=target.degree,
-                   max_abs_error=error if not bad else math.inf, threshold=threshold,
-                   first_mismatch=differ[0] if differ else (bad[0].split(":")[0] if bad
-                                                            else None),
-                   mismatches=tuple(differ), diagnosis=tuple(lines), own_forward=True,
-                   conventions=(str(source), str(target)), notes=notes,
-                   dtype=dtype_name(max(dtypes, key=str)) if len(dtypes) == 1 else "mixed",
-                   **({"near_ties": guard.near_ties(), "route_bound": guard.bound}
-                      if guard is not None else {}))
-
+    return check.verdict(out)
 
 
 @dataclass(frozen=True)
@@ -320,29 +368,26 @@ def fp8_kill_matrix(config: ModelConfig, source: Endpoint, target: Endpoint,
                     params: Mapping[str, torch.Tensor],
                     mutations: Iterable[Fp8Mutation] = FP8_MUTATIONS.values(), *,
                     seed: int = 0) -> list[Fp8KillRow]:
-    """Each FP8 mutation of the correct destination (``conventions.fp8_mutations``) checked
-    as ``check_convert`` checks a converter's output, on ``params``, with one threshold for
-    every row (``fp8_threshold``, as the clean check's). A mutation whose bytes equal the
-    declared ones here is an identity, and says so."""
-    scheme = scheme_of(target)
-    declared = fp8_shards(config, target, params)
-    full = dequantize_canonical(config, *quantize_canonical(config, params, scheme), params,
-                                scheme)
-    threshold, _ = fp8_threshold(config, target, full, None, seeded=True)
+    """Each FP8 mutation of the correct destination (``conventions.fp8_mutations``) judged
+    as ``check_convert`` judges a converter's output, on ``params``: one ``Fp8Check`` (one
+    reference forward, one threshold, the clean check's) for every row. A mutation whose
+    bytes equal the declared ones here is an identity, and says so."""
+    check = Fp8Check(config, source, target, params, seed=seed)
+    declared = check.declared
     rows = []
     for mutation in mutations:
         why = mutation.not_applicable(config, target)
         if why is not None:
             rows.append(Fp8KillRow(mutation.name, "not applicable", why))
             continue
-        out = mutated(mutation, config, target, params)
+        out = mutation.apply([{n: x.clone() for n, x in rank.items()} for rank in declared],
+                             config, target, params)
         if all(set(o) == set(d) and all(o[n].dtype == d[n].dtype and _same(o[n], d[n])
                                         for n in d) for o, d in zip(out, declared)):
             rows.append(Fp8KillRow(mutation.name, "identity", "the declared bytes here"))
             continue
         try:
-            verdict = check_fp8_convert(lambda shards, degree, out=out: out, config, source,
-                                        target, params, threshold=threshold, seed=seed)
+            verdict = check.verdict(out)
         except WrongShardShape as exc:
             rows.append(Fp8KillRow(mutation.name, "refused", str(exc)))
             continue

@@ -89,6 +89,7 @@ from weight_sync_bench.cli.sync import register as register_sync
 from weight_sync_bench.cli.train import register as register_train
 from weight_sync_bench.collectives.gloo.torchrun import TORCHRUN_BACKENDS
 from weight_sync_bench.conventions import convention_by_name, endpoint, render
+from weight_sync_bench.conventions.fp8 import require_stored
 from weight_sync_bench.conventions.table import render_ranks
 from weight_sync_bench.errors import (
     FloorNotMeasured,
@@ -382,11 +383,7 @@ def _convert_plan(args: argparse.Namespace, fn: Callable[..., Any], every: bool,
     for config in _models(args):
         try:
             src.pieces(config)
-            dst.unquantized().pieces(config)
-            if dst.quantized:  # vLLM's block rules, before the converter runs
-                from weight_sync_bench.conventions.fp8 import fp8_shapes
-
-                fp8_shapes(config, dst)
+            require_stored(config, dst)  # an FP8 one's block rules too, before the converter
         except UnsupportedLayout as exc:
             if not every:
                 raise

@@ -297,14 +297,15 @@ def stored_scale(config: ModelConfig, where: Endpoint, name: str, piece: Piece,
     return torch.cat(out, dim)
 
 
-def fp8_shards(config: ModelConfig, where: Endpoint, params: Mapping[str, torch.Tensor]
+def fp8_shards(config: ModelConfig, where: Endpoint, params: Mapping[str, torch.Tensor], *,
+               quantized: tuple[Params, dict[str, list[torch.Tensor]]] | None = None
                ) -> list[Params]:
-    """What each rank of ``where`` stores when its linear weights are block FP8: the FP8
-    weights cut from the quantized canonical parameters by the convention's own index maps,
-    each beside its ``weight_scale_inv``; the other tensors as ``where`` stores them, in
-    ``params``' dtype."""
+    """What each rank of ``where`` stores when its linear weights are FP8: the FP8 weights
+    cut from the quantized canonical parameters by the convention's own index maps, each
+    beside its scale; the other tensors as ``where`` stores them, in ``params``' dtype.
+    ``quantized``: ``quantize_canonical(config, params, scheme)`` where the caller has it."""
     scheme = scheme_of(where)
-    values, scales = quantize_canonical(config, params, scheme)
+    values, scales = quantized or quantize_canonical(config, params, scheme)
     out = []
     for rank in where.unquantized().pieces(config):
         shards: Params = {}
@@ -422,3 +423,12 @@ def fp8_shapes(config: ModelConfig, where: Endpoint) -> list[dict[str, tuple[tup
             held[scale_name(name, scheme)] = (tuple(scale.shape), torch.float32)
         out.append(held)
     return out
+
+
+def require_stored(config: ModelConfig, where: Endpoint) -> None:
+    """Refuse an endpoint that cannot store ``config`` (``UnsupportedConvention``, naming the
+    rule): its convention's own rules and, where it is FP8, vLLM's block rules for its
+    scales too (``fp8_shapes``), before anything is converted."""
+    where.unquantized().pieces(config)
+    if where.quantized:
+        fp8_shapes(config, where)

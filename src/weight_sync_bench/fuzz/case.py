@@ -197,12 +197,10 @@ class ConversionCase:
             raise InvalidConfig(f"{self}: conversions are fuzzed in process (phase 1a), got "
                                 f"phase {self.phase!r}")
         conversion = self.conversion()
-        for end in (conversion.src, conversion.dst):
-            end.unquantized().pieces(self.config)  # its rules: UnsupportedConvention names one
-            if end.quantized:  # vLLM's FP8 block rules too
-                from weight_sync_bench.conventions.fp8 import fp8_shapes
+        from weight_sync_bench.conventions.fp8 import require_stored
 
-                fp8_shapes(self.config, end)
+        for end in (conversion.src, conversion.dst):
+            require_stored(self.config, end)  # its rules: UnsupportedConvention names one
         if self.mutation is not None:
             why = conversion_mutation(self.mutation).not_applicable(conversion)
             if why is not None:
