@@ -81,17 +81,10 @@ def convert_property(fn: Callable[..., Any], src: str, dst: str, *,
     ``"megatron:4"`` for a fixed degree, or a whole endpoint) to ``dst``'s (``"vllm"``,
     ``"vllm:2"``, ``"vllm:fp8=block128"``) byte for byte on every fuzzed geometry and the
     degrees both conventions support there."""
-    ends = [_end(e) for e in (src, dst)]
+    ends = [parse_end(e) for e in (src, dst)]  # as wsb fuzz --from / --to reads them
     return _property(fn, "converter", src=ends[0][1], dst=ends[1][1],
                      conventions=(ends[0][0], ends[1][0]), settings=settings, real=real,
                      corpus=corpus, **domain)
-
-
-def _end(text: str) -> tuple[str, int | None]:
-    """A converter's end as ``wsb fuzz --from/--to`` takes it (``fuzz.case.parse_end``):
-    ``"megatron:4"`` fixed, ``"megatron"`` or ``"vllm:fp8=block128"`` drawn, a whole
-    endpoint (``"megatron:tp=2,pp=2"``) fixed at its world."""
-    return parse_end(text)
 
 
 def geometries(**domain: Any) -> st.SearchStrategy[ModelConfig]:

@@ -202,13 +202,6 @@ def _domain_field(text: str) -> tuple[str, int | tuple[int, int]]:
     return name, _range(value)
 
 
-def _end(text: str) -> tuple[str, int | None]:
-    """``--from`` / ``--to`` as a case's end (``fuzz.case.parse_end``)."""
-    from weight_sync_bench.fuzz.case import parse_end
-
-    return parse_end(text)
-
-
 def _cmd_fuzz_user(args: argparse.Namespace, out: Output) -> int:
     """``wsb fuzz --splitter | --resharder | --converter mod:fn``: the user's function over
     the (narrowed) fuzz domain, on the same runner, profiles and budgets as ``wsb fuzz``."""
@@ -229,7 +222,9 @@ def _cmd_fuzz_user(args: argparse.Namespace, out: Output) -> int:
                            "not --src")
         if args.phase != "1a":
             raise WsbError("conversions are fuzzed in process: --phase 1a")
-        (src_name, src), (dst_name, dst) = _end(args.from_), _end(args.to)
+        from weight_sync_bench.fuzz.case import parse_end  # as testing.convert_property reads them
+
+        (src_name, src), (dst_name, dst) = parse_end(args.from_), parse_end(args.to)
         conventions = (src_name, dst_name)
     elif args.from_ is not None or args.to is not None:
         raise WsbError(f"--from / --to name a converter's conventions; a {role} speaks the "
