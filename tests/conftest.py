@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from weight_sync_bench.fuzz.runner import profile_name  # registers the wsb-* profiles
+from weight_sync_bench.fuzz.profiles import profile_name  # registers the wsb-* profiles
 from weight_sync_bench.paths import corpus_dir
 
 torch.set_num_threads(1)

@@ -72,3 +72,16 @@ def test_the_plugin_loads_a_harness_profile_and_refuses_an_unknown_one(tmp_path)
     assert done.returncode == 4  # pytest's usage error
     assert "--wsb-profile nope: not a profile of the harness (wsb-test, " in done.stderr
     assert pytest_in(tmp_path).returncode == 1  # the twin: Hypothesis's default profile
+
+
+def test_loading_a_profile_imports_no_torch():
+    """The plugin loads in every pytest run of an environment holding the package, the user's
+    own suites included: ``--wsb-profile`` registers the profiles without torch (seconds a
+    run otherwise)."""
+    code = ("import sys\nfrom weight_sync_bench.fuzz.profiles import PROFILES, profile_name\n"
+            "assert profile_name() == 'wsb-test' and 'wsb-nightly' in PROFILES\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True,
+                          env={k: v for k, v in os.environ.items() if k != "WSB_PROFILE"})
+    assert done.stdout.strip() == "[]", done.stdout

@@ -3,7 +3,7 @@ any environment where the harness is installed, so that ``weight_sync_bench.test
 properties run in a user's own project as the README shows them:
 
 - the harness's Hypothesis profiles are registered (``wsb-test``, ``wsb-nightly``,
-  ``wsb-replay``, ``wsb-generate``: ``fuzz.runner.PROFILES``), and ``--wsb-profile NAME``
+  ``wsb-replay``, ``wsb-generate``: ``fuzz.profiles.PROFILES``), and ``--wsb-profile NAME``
   loads one; without it the user's own profile applies (``testing``'s properties lift only
   its deadline, which one example of a whole model would exceed);
 - fixtures: ``wsb_corpus_dir``, where a failing property writes its counterexample (the
@@ -38,7 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # nothing imported: the harness (and torch) load when a test uses them
     from hypothesis import settings
 
-    from weight_sync_bench.fuzz.runner import PROFILES  # registers them
+    from weight_sync_bench.fuzz.profiles import PROFILES  # registers them (no torch)
 
     if name not in PROFILES:
         raise pytest.UsageError(f"{PROFILE_OPTION} {name}: not a profile of the harness "

@@ -28,7 +28,7 @@ from weight_sync_bench.check.floor import convention_logits
 from weight_sync_bench.check.kill_matrix import KILL_MARGIN, kill_matrix
 from weight_sync_bench.conventions import endpoint, moe_endpoints
 from weight_sync_bench.conventions.mutations import MOE_MUTATIONS, Conversion
-from weight_sync_bench.fuzz.runner import profile_name
+from weight_sync_bench.fuzz.profiles import profile_name
 from weight_sync_bench.model.config import TOY, TOY_MOE, TOY_MOE_DS, shipped_hf_config
 from weight_sync_bench.model.sharded import RoutingGuard
 

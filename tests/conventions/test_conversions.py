@@ -20,7 +20,7 @@ from weight_sync_bench.conventions import (
     materialize,
     shards_for,
 )
-from weight_sync_bench.fuzz.runner import profile_name
+from weight_sync_bench.fuzz.profiles import profile_name
 from weight_sync_bench.model.config import HF_CONFIGS, shipped_hf_config
 
 MAX_DEGREE = 16  # reaches vLLM's KV replication for the 8-KV-head geometries

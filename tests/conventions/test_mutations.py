@@ -30,7 +30,7 @@ from weight_sync_bench.conventions.mutations import (
     mutation_by_name,
 )
 from weight_sync_bench.errors import UnknownMutation
-from weight_sync_bench.fuzz.runner import profile_name
+from weight_sync_bench.fuzz.profiles import profile_name
 from weight_sync_bench.model.config import HF_CONFIGS, shipped_hf_config
 
 MAX_DEGREE = 16

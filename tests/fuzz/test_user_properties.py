@@ -23,11 +23,8 @@ from weight_sync_bench.check.checker import checker_for
 from weight_sync_bench.errors import InvalidConfig, UserCodeError, WsbError
 from weight_sync_bench.fuzz.corpus import load_corpus, load_entry
 from weight_sync_bench.fuzz.domain import DOMAIN, IntRange
-from weight_sync_bench.fuzz.runner import (
-    PropertyFailed,
-    corpus_examples,
-    profile_name,
-)
+from weight_sync_bench.fuzz.profiles import profile_name
+from weight_sync_bench.fuzz.runner import PropertyFailed, corpus_examples
 from weight_sync_bench.fuzz.replay import replay_entry
 from weight_sync_bench.fuzz.user import (
     UserFunction,

@@ -1,14 +1,5 @@
-"""The fuzz front end: Hypothesis profiles, the properties as runnable tests, and the runner.
-
-Profiles have names of their own (Hypothesis loads its built-in ``ci`` profile whenever
-``CI`` is set, and CI here sets ``CI=true``), each with ``database``, ``derandomize`` and
-``deadline`` set explicitly; ``$WSB_PROFILE`` or ``wsb fuzz --profile`` selects one:
-
-- ``wsb-test``: the default ``make test`` run; few examples, derandomized (the same
-  examples every run, so the gate is deterministic), no database (the corpus is the memory);
-- ``wsb-nightly``: the long scheduled run; random, with a local example database;
-- ``wsb-replay``: only the explicit examples, i.e. the corpus, no generation;
-- ``wsb-generate``: generation only (no shrinking, no database), for floor sampling.
+"""The fuzz front end: the properties as runnable tests under the harness's Hypothesis
+profiles (``fuzz.profiles``), and the runner.
 
 A property failure is shrunk by Hypothesis and the shrunk case written to the corpus, with
 the worst deviation seen before shrinking. The runner is a generator of progress events;
@@ -27,7 +18,6 @@ a ``Progress``) ends ``fuzz`` with a partial report (``FuzzReport.interrupted``)
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -36,9 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import hypothesis
-from hypothesis import HealthCheck, Phase, event, example, given, settings, target
+from hypothesis import Phase, event, example, given, settings, target
 from hypothesis import strategies as st
-from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
 from weight_sync_bench.check.checker import Forward, ThresholdRule
@@ -69,49 +58,11 @@ from weight_sync_bench.fuzz.case import (
 from weight_sync_bench.fuzz.corpus import load_corpus, make_entry, save_entry, writable_corpus
 from weight_sync_bench.fuzz.threshold import fuzz_threshold_rule
 from weight_sync_bench.fuzz.domain import MOE_DOMAIN
+from weight_sync_bench.fuzz.profiles import PROFILES, profile_name
 from weight_sync_bench.fuzz.strategies import cases, geometries, moe_geometries, seeds
 from weight_sync_bench.model.config import ModelConfig
-from weight_sync_bench.paths import corpus_dir, fuzz_dir
+from weight_sync_bench.paths import corpus_dir
 
-PROFILE_ENV = "WSB_PROFILE"
-DEFAULT_PROFILE = "wsb-test"
-_EVERY_PHASE = (Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink)
-
-
-
-def _nightly_database() -> DirectoryBasedExampleDatabase | None:
-    """The nightly profile's example database under ``paths.fuzz_dir()``; none where no
-    checkout and no ``WSB_FUZZ_DIR`` says where (an installed package has nowhere to keep it)."""
-    try:
-        return DirectoryBasedExampleDatabase(str(fuzz_dir() / "wsb-nightly"))
-    except MissingArtifacts:
-        return None
-
-
-PROFILES: dict[str, settings] = {
-    "wsb-test": settings(max_examples=100, derandomize=True, database=None, deadline=None,
-                         phases=_EVERY_PHASE, report_multiple_bugs=False, print_blob=False),
-    "wsb-nightly": settings(max_examples=2000, derandomize=False, deadline=None,
-                            database=_nightly_database(),
-                            phases=_EVERY_PHASE, report_multiple_bugs=False,
-                            suppress_health_check=[HealthCheck.too_slow]),
-    "wsb-replay": settings(max_examples=1, derandomize=True, database=None, deadline=None,
-                           phases=(Phase.explicit,), report_multiple_bugs=False),
-    "wsb-generate": settings(max_examples=100, derandomize=False, database=None,
-                             deadline=None, phases=(Phase.generate,),
-                             suppress_health_check=[HealthCheck.too_slow]),
-}
-for _name, _settings in PROFILES.items():
-    settings.register_profile(_name, _settings)
-
-
-def profile_name(name: str | None = None) -> str:
-    """``name``, else ``$WSB_PROFILE``, else ``wsb-test``; an unknown name is an error."""
-    chosen = name or os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
-    if chosen not in PROFILES:
-        source = "--profile" if name else f"${PROFILE_ENV}"
-        raise WsbError(f"unknown profile {chosen!r} (from {source}); known: {', '.join(PROFILES)}")
-    return chosen
 
 
 @dataclass(frozen=True)
