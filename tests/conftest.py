@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import settings
+from hypothesis.configuration import set_hypothesis_home_dir
 
 from weight_sync_bench.fuzz.profiles import profile_name  # registers the wsb-* profiles
 from weight_sync_bench.paths import corpus_dir
@@ -34,6 +35,9 @@ def pytest_configure(config):
     # and each must get a live scratch directory and its own copy of the corpus.
     scratch = Path(tempfile.mkdtemp(prefix="wsb-test-"))
     _SET["scratch"] = str(scratch)
+    # Hypothesis keeps what it learns (the constants of the code under test, examples)
+    # under ./.hypothesis by default: the checkout, when the suite runs from there
+    set_hypothesis_home_dir(scratch / "hypothesis")
     if "WSB_CORPUS_DIR" not in os.environ:
         copy = scratch / "corpus"
         shutil.copytree(corpus_dir(), copy)
@@ -50,6 +54,7 @@ def pytest_unconfigure(config):
         if value is not None and os.environ.get(name) == value:
             del os.environ[name]
     scratch = _SET.pop("scratch", None)
+    set_hypothesis_home_dir(None)
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
 
