@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests.breadth import breadth
 from weight_sync_bench import (
     TOY,
     TOY_KV4,
@@ -248,8 +249,9 @@ def test_an_endpoint_that_cannot_exist_is_rejected_before_the_converter_runs(src
 
 
 @pytest.mark.parametrize("src, dst, wrong", [
-    # Meta's ParallelEmbedding: a local lookup of d/t columns, all-gathered over gloo
-    ("hf", "meta:2", "tok_embeddings.weight"),
+    # Meta's ParallelEmbedding: a local lookup of d/t columns, all-gathered over gloo (5 s; the
+    # long run: its forward runs in process by default, the gloo path on vLLM's layout below)
+    pytest.param("hf", "meta:2", "tok_embeddings.weight", marks=pytest.mark.slow),
     # vLLM at t=4 > TOY's 2 KV heads: each KV head replicated on 2 ranks (HeadReplicated)
     ("megatron:2", "vllm:4", QKV),
 ])
@@ -353,9 +355,12 @@ def whole_verdict():
     return whole
 
 
-@pytest.mark.parametrize("per", ["layer", "parameter"])
-@pytest.mark.parametrize("src, dst, config", [("megatron:4", "vllm:8", TOY_KV4),
-                                              ("meta:2", "hf", TOY), ("hf", "megatron:2", TOY)])
+# Each streaming grain on one pair by default, every pair at both in the long run.
+@pytest.mark.parametrize("per, src, dst, config", breadth(
+    [pytest.param(per, src, dst, config, id=f"{src}-{dst}-{per}")
+     for src, dst, config in [("megatron:4", "vllm:8", TOY_KV4), ("meta:2", "hf", TOY),
+                              ("hf", "megatron:2", TOY)] for per in ("layer", "parameter")],
+    keep={"megatron:4-vllm:8-parameter", "hf-megatron:2-layer"}, name=lambda p: p.id))
 def test_a_streamed_conversion_gives_the_whole_model_verdict(per, src, dst, config,
                                                              whole_verdict):
     from weight_sync_bench.check.convert import stage_convert

@@ -31,7 +31,9 @@ def test_without_a_kind_wsb_floor_is_the_random_floor_as_it_always_read():
 
 
 @pytest.mark.parametrize("module, argv, message", [
-    ("weight_sync_bench.tolerance", ["--phase", "1b"], "would replace the committed"),
+    # each module once by default (a 3-4 s interpreter each); --phase 1b in the long run
+    pytest.param("weight_sync_bench.tolerance", ["--phase", "1b"], "would replace the committed",
+                 marks=pytest.mark.slow),
     ("weight_sync_bench.tolerance", ["training"], "would replace the committed"),
     ("weight_sync_bench.fuzz.floor", ["replicated-kv"], "would replace the committed"),
 ])

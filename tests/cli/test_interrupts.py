@@ -97,9 +97,11 @@ def _processes_with(marker: str) -> list[int]:
 
 
 @pytest.mark.parametrize(("signum", "group", "code"), [
-    (signal.SIGINT, True, 130),  # Ctrl-C in a terminal: every process of the group
-    (signal.SIGTERM, False, 143),  # a job runner stopping wsb
-], ids=["SIGINT-to-group", "SIGTERM"])
+    # Ctrl-C in a terminal: every process of the group (6 s; the long run: by default the
+    # same ranks end on SIGTERM, and SIGINT's path is test_ctrl_c_during_check_prints_what_ran_and_exits_130)
+    pytest.param(signal.SIGINT, True, 130, id="SIGINT-to-group", marks=pytest.mark.slow),
+    pytest.param(signal.SIGTERM, False, 143, id="SIGTERM"),  # a job runner stopping wsb
+])
 def test_a_signal_during_a_gloo_check_ends_the_ranks_and_leaves_no_temporary_files(
         tmp_path, signum, group, code):
     # short: multiprocessing's forkserver socket lives under it (AF_UNIX paths are <= 107 bytes)

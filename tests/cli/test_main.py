@@ -3,6 +3,7 @@ import textwrap
 
 import pytest
 
+from tests.breadth import breadth
 from weight_sync_bench.cli.main import main
 from weight_sync_bench.model.config import TOY_KV4
 from weight_sync_bench.tolerance.rules import threshold_for
@@ -64,7 +65,10 @@ def test_wsb_check_runs_a_users_resharder_by_module_path(tmp_path, monkeypatch, 
             "up rows 0-351") in out
 
 
-@pytest.mark.parametrize("flags", [[], ["-q"], ["--json"]])
+# -q and --json share the exit path the plain run takes (cli.main's one tally); they run in
+# the long run, the plain sweep by default.
+@pytest.mark.parametrize("flags", breadth([[], ["-q"], ["--json"]], keep={"plain"},
+                                          name=lambda f: " ".join(f) or "plain"))
 def test_a_sweep_whose_last_check_alone_fails_exits_1_counting_it(tmp_path, monkeypatch,
                                                                   capsys, flags):
     """The exit code and the tally come from every check of the sweep, not the first: the

@@ -57,6 +57,9 @@ def test_a_bad_option_on_one_rank_only_is_refused_there_naming_the_rank_and_the_
     assert "wsb (rank 0 of 2)" not in done.stderr and "Traceback" not in done.stdout
 
 
+# 8 s: the long run; by default a differing option is refused under torchrun (above) and
+# the comparison of options is checked in process (below)
+@pytest.mark.slow
 def test_a_seed_that_differs_across_ranks_is_refused_on_every_rank_before_any_work():
     """Without the check, each rank would load its source shards from its own seed: a sync
     of values no rank 0 reference describes."""

@@ -18,6 +18,7 @@ from hypothesis.errors import NoSuchExample
 sys.path.insert(0, str(Path(__file__).parent))
 import user_functions as uf
 
+from tests.breadth import breadth
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig, check_reshard, check_split
 from weight_sync_bench.check.checker import checker_for
 from weight_sync_bench.errors import InvalidConfig, UserCodeError, WsbError
@@ -59,7 +60,10 @@ test_a_correct_splitter_on_a_narrowed_domain = split_property(uf.split_correct, 
                                                               kv_heads=(1, 2))
 
 
-@pytest.mark.parametrize("config", [TOY, TOY_KV4], ids=lambda c: c.name)
+# TOY by default, TOY_KV4 (replicated KV heads) in the long run: its planted bugs are fuzzed
+# by default over geometries that replicate KV heads (test_each_planted_bug_is_found_...)
+@pytest.mark.parametrize("config", breadth([TOY, TOY_KV4], keep={"toy"}, name=lambda c: c.name),
+                         ids=lambda c: c.name)
 def test_the_planted_functions_pass_the_fixed_checks_on_toy_and_toy_kv4_at_every_degree(config):
     checker = checker_for(config)  # one reference forward for every function and degree
     degrees = checker.layout.supported_degrees()

@@ -70,6 +70,9 @@ def test_nccl_without_cuda_and_torchrun_outside_torchrun_are_refused_naming_why(
     # fails); under torchrun nothing in the output tells the two storages apart but the line
     # asserted below.
     pytest.param("existing", marks=pytest.mark.slow)])
+# 11 s: the long run; by default torchrun launches a check (tests/cli/test_torchrun_check.py)
+# and the sync runs through the rank pool (the tests above)
+@pytest.mark.slow
 def test_the_sync_runs_under_torchrun_with_gloo_and_env_rendezvous(into):
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     assert torchrun is not None

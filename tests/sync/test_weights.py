@@ -47,6 +47,9 @@ def test_the_values_moved_are_the_checkpoints(tmp_path):
                            want[0]["decoder.layers.0.mlp.linear_fc2.weight"])
 
 
+# 10 s: the long run; by default test_wsb_sync_weights syncs real weights, passes them
+# and fails a mutation
+@pytest.mark.slow
 @pytest.mark.parametrize("into", ["fresh", "existing"])
 def test_a_sync_of_real_weights_passes_and_a_mutated_plan_fails(tmp_path, pool, into):
     directory, _ = hf_dir(tmp_path, TOY_KV4)

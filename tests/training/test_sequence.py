@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.breadth import breadth
 from weight_sync_bench.errors import UnevenSequence
 from weight_sync_bench.layout.reshard import split
 from weight_sync_bench.model.config import TOY, TOY_KV4, init_params
@@ -61,19 +62,24 @@ def _assert_passes(report):
     pytest.param(TOY, Mesh(1, 2, sp=True), True, id="toy-tp2-sp-packed"),
     # About 5 s (four full copies of TOY's 19M parameters): in the default run cp=4 is
     # test_every_sequence_mesh_of_every_variant_trains_like_the_reference (it asserts a
-    # cp=4 mesh for every variant, packed and unpacked) and a named config under CP is
-    # toy_kv4-tp2-sp-cp2-packed here.
+    # cp=4 mesh for each variant it trains, packed and unpacked).
     pytest.param(TOY, Mesh(1, 1, cp=4), False, id="toy-cp4", marks=pytest.mark.slow),
-    pytest.param(TOY_KV4, Mesh(1, 2, sp=True, cp=2), True, id="toy_kv4-tp2-sp-cp2-packed"),
+    # 5 s: the long run; by default CP x TP x SP trains on SMALL variants (below)
+    pytest.param(TOY_KV4, Mesh(1, 2, sp=True, cp=2), True, id="toy_kv4-tp2-sp-cp2-packed",
+                 marks=pytest.mark.slow),
 ])
 def test_named_configs_train_like_the_reference_under_sp_and_cp(config, mesh, packed):
     case = TrainingCase(config, mesh, seed=7, steps=2, spec=default_spec(config, packed=packed))
     _assert_passes(case.check(thresholds_for(config, mesh)))
 
 
-@pytest.mark.parametrize("config", SMALL_VARIANTS, ids=lambda c: c.name)
-@pytest.mark.parametrize("spec", [default_spec(SMALL, packed=False), PACKED_WITH_EMPTY_ROW],
-                         ids=["unpacked", "packed_with_empty_row"])
+# Two of the six cells by default (one packed, one not; the smallest variant and the one with
+# GQA and biases), all six in the long run.
+@pytest.mark.parametrize(("config", "spec"), breadth(
+    [pytest.param(c, s, id=f"{sid}-{c.name}") for s, sid in (
+        (default_spec(SMALL, packed=False), "unpacked"), (PACKED_WITH_EMPTY_ROW, "packed_with_empty_row"))
+     for c in SMALL_VARIANTS],
+    keep={"unpacked-small", "packed_with_empty_row-small_gqa_bias"}, name=lambda p: p.id))
 def test_every_sequence_mesh_of_every_variant_trains_like_the_reference(config, spec):
     reference, meshes = None, sequence_meshes(config, spec.rows, spec.seq_len, dps=(2,))
     assert {(m.sp, m.cp) for m in meshes} >= {(True, 1), (False, 2), (True, 2), (False, 4)}

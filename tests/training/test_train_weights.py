@@ -6,6 +6,7 @@ is detected under them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from weight_sync_bench.cli.main import main
@@ -25,6 +26,9 @@ def weights():
     return {n: (x * 3).to(torch.bfloat16).float() for n, x in init_params(TOY, 9).items()}
 
 
+# 19 s: the long run; by default thresholds are measured on a user's weights and judge a
+# correct run in test_train_check_on_an_hf_directory_and_what_it_refuses
+@pytest.mark.slow
 def test_thresholds_measured_on_the_weights_judge_the_correct_run_and_the_mutations(
         monkeypatch):
     from weight_sync_bench.training import floor
