@@ -4,6 +4,8 @@ quotes is found wherever it lives (``section``)."""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,3 +32,40 @@ def section(title: str) -> str:
             end = text.find("\n## ", start + 1)
             return text[start:end if end != -1 else None]
     raise KeyError(f"no page has a section '## {title}'")
+
+
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block: its page, first line, language tag ("" for an output), text, the
+    ``## `` section it lies in (``""`` before the first), and whether it follows the page's
+    previous block with nothing but blank lines between (the output of that block)."""
+
+    page: Path
+    line: int
+    lang: str
+    body: str
+    section: str
+    adjacent: bool = False
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks() -> list[Block]:
+    """Every fenced block of every page, in order."""
+    found = []
+    for page in pages():
+        text = page.read_text(encoding="utf-8")
+        end = None
+        for match in FENCE.finditer(text):
+            before = text[:match.start()]
+            titles = re.findall(r"^## (.*)$", before, re.M)
+            found.append(Block(page, before.count("\n") + 1, match[1], match[2],
+                               titles[-1] if titles else "",
+                               end is not None and not text[end:match.start()].strip()))
+            end = match.end()
+    return found

@@ -1,8 +1,8 @@
 """The documentation: a README of quickstarts that fits on a screen or two, and the pages
 under ``docs/``, built as a site by ``mkdocs build --strict`` (a broken link, or a page the
-navigation leaves out, fails it); every link of the README to a page reaches one. The
-worked examples of the pages run in ``test_readme.py`` (found wherever they live:
-``tests.documentation``)."""
+navigation leaves out, fails it); every link of the README to a page reaches one. Every code
+block of the pages runs: the worked examples in ``test_readme.py`` (found wherever they live:
+``tests.documentation``), every other block in ``test_docs_run.py``."""
 
 from __future__ import annotations
 

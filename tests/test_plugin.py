@@ -1,8 +1,9 @@
-"""The README's pytest example in a fresh project outside the checkout: nothing of the
-harness's own ``tests/conftest.py`` applies there (no profile loaded, no corpus copy), only
-what installing the package gives (the ``pytest11`` plugin). The README's buggy resharder
-fails with its counterexample (not ``DeadlineExceeded``: one example checks a whole model),
-its correct twin passes, and the counterexample is written in the project, not the harness."""
+"""The README's pytest quickstart, as written, in a fresh project outside the checkout:
+nothing of the harness's own ``tests/conftest.py`` applies there (no profile loaded, no
+corpus copy), only what installing the package gives (the ``pytest11`` plugin). The fuzzing
+guide's buggy resharder fails with its counterexample (not ``DeadlineExceeded``: one example
+checks a whole model), the converter guide's converter and a correct resharder pass, and the
+counterexample is written in the project, not the harness."""
 
 from __future__ import annotations
 
@@ -16,27 +17,38 @@ from tests.documentation import documentation
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
-TESTS = '''from weight_sync_bench import layout_for, reshard
-from weight_sync_bench.testing import reshard_property
+# The README's quickstart block, run as written, beside the functions it names (the fuzzing
+# guide's buggy resharder, the converter guide's converter) and a correct resharder.
+IMPORTS = """from weight_sync_bench import layout_for, reshard
 
+from my_converters import megatron_to_vllm
 from my_resharders import my_reshard
 
+"""
+GOOD = """
 
 def good(shards, dst, *, config):
     return reshard(shards, layout_for(config), dst)
 
 
-test_my_reshard = reshard_property(my_reshard)  # as the README writes it
 test_good = reshard_property(good)
-'''
+"""
+
+
+def _python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", documentation(), re.S)
 
 
 def fresh_project(root: Path) -> Path:
-    """A project with the README's resharder (its code block, as written) and a test module."""
-    blocks = re.findall(r"```python\n(.*?)```", documentation(), re.S)
+    """A project with the README's quickstart block as its test module, and the guides'
+    functions it names (their code blocks, as written)."""
+    blocks = _python_blocks()
     (root / "my_resharders.py").write_text(
         next(b for b in blocks if "def my_reshard(shards, dst, *, config)" in b))
-    (root / "test_mine.py").write_text(TESTS)
+    converter = next(b for b in blocks if "def megatron_to_vllm(shards, degree, config=" in b)
+    (root / "my_converters.py").write_text(converter.split("\nverdict")[0])
+    quickstart = next(b for b in blocks if "test_my_converter = convert_property(" in b)
+    (root / "test_mine.py").write_text(IMPORTS + quickstart + GOOD)
     return root
 
 
@@ -56,7 +68,8 @@ def test_the_readme_pytest_example_runs_as_documented_in_a_fresh_project(tmp_pat
     done = pytest_in(project)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out  # one test failed: the README's buggy resharder
-    assert "FAILED test_mine.py::test_my_reshard" in out and "1 passed" in out, out
+    # ... and two passed: the README's converter property and the correct resharder's
+    assert "FAILED test_mine.py::test_my_reshard" in out and "2 passed" in out, out
     assert "DeadlineExceeded" not in out
     assert "geometry: vocab=" in out and "degrees: t=" in out  # the counterexample's report
     entries = list((project / "wsb-corpus").glob("*.json"))
