@@ -16,7 +16,9 @@ from weight_sync_bench.conventions import (
     materialize,
     shards_for,
 )
-from weight_sync_bench.conventions.maps import Piece, Run, padded, rows, runs, translate
+from weight_sync_bench.conventions.maps import Piece, Run, padded, placed, rows, runs, translate
+from weight_sync_bench.layout.placements import Shard
+from weight_sync_bench.layout.table import ShardSpec
 from weight_sync_bench.model.config import init_params
 
 
@@ -102,3 +104,26 @@ def test_a_run_breaks_where_the_source_index_jumps_even_on_one_rank():
     src = [{"a": Piece("w", 0, torch.tensor([0, 1, 2, 3]))}]
     assert runs(src, Piece("w", 0, torch.tensor([0, 1, 3, 2])), 4) == [
         Run(0, 2, 0, "a", 0), Run(2, 1, 0, "a", 3), Run(3, 1, 0, "a", 2)]
+
+
+def test_a_piece_knows_its_contiguous_span_and_its_padding():
+    """What a piece derives once from its indices: the span it covers where they run
+    contiguously upward (a slice instead of a gather), and where they are padding (-1)."""
+    assert Piece("w", 0, rows(3, 7)).span == (3, 7)
+    assert Piece("w", 0, rows(5, 6)).span == (5, 6)
+    assert Piece("w", 0, rows(0, 3)).padding is None
+    for gapped in ([0, 2, 3], [1, 0], [0, 2, 1, 3]):  # the last: its ends as a span's are
+        assert Piece("w", 0, torch.tensor(gapped)).span is None, gapped
+    padded_piece = Piece("w", 0, torch.tensor([4, 5, -1, -1]))
+    assert padded_piece.span is None and padded_piece.padding.tolist() == [2, 3]
+    assert padded_piece.padding.dtype == torch.int64
+
+
+def test_placed_pads_exactly_the_rows_past_the_real_ones():
+    """A table stored with more rows than the canonical one (a padded vocabulary): the rows
+    past ``real`` are padding, one row of it included, and none where there are none."""
+    spec = ShardSpec("tok_embeddings.weight", (10, 4), Shard(0))
+    assert placed(spec, 2, 1, real=9).idx.tolist() == [5, 6, 7, 8, -1]
+    assert placed(spec, 2, 1, real=10).idx.tolist() == [5, 6, 7, 8, 9]
+    assert placed(spec, 2, 0, real=5).idx.tolist() == [0, 1, 2, 3, 4]
+    assert placed(spec, 2, 1, real=5).idx.tolist() == [-1] * 5

@@ -60,12 +60,17 @@ class Piece:
         idx = self.idx
         assert idx.dim() == 1 and idx.dtype == torch.int64, (self.source, idx.shape, idx.dtype)
         assert self.stack >= 1 and idx.numel() % self.stack == 0, (self.source, self.stack)
-        pad = (idx < 0).nonzero().flatten()
-        object.__setattr__(self, "padding", pad if pad.numel() else None)
+        # read through numpy (the same memory): a piece is built for every tensor of every
+        # rank of every endpoint, and torch's per-operation overhead dominated its cost
+        values = idx.numpy()
+        below = values < 0
+        pad = torch.from_numpy(below.nonzero()[0]) if below.any() else None
+        object.__setattr__(self, "padding", pad)
         span = None
-        if pad.numel() == 0 and idx.numel() and bool(
-                torch.equal(idx, torch.arange(int(idx[0]), int(idx[0]) + idx.numel()))):
-            span = (int(idx[0]), int(idx[0]) + idx.numel())
+        n = values.size
+        if pad is None and n and int(values[-1]) - int(values[0]) == n - 1 and (
+                n == 1 or bool((values[1:] - values[:-1] == 1).all())):
+            span = (int(values[0]), int(values[0]) + n)
         object.__setattr__(self, "span", span)
 
     @property
@@ -163,8 +168,8 @@ def placed(spec: ShardSpec, degree: int, rank: int, *, real: int | None = None) 
     past ``real`` along the placement's dim are padding (-1): a table the convention pads
     beyond the canonical rows."""
     dim, ranges = spec.ranges(degree, rank)
-    idx = torch.cat([rows(a, b) for a, b in ranges])
-    if real is not None:
+    idx = rows(*ranges[0]) if len(ranges) == 1 else torch.cat([rows(a, b) for a, b in ranges])
+    if real is not None and any(b > real for _, b in ranges):
         idx[idx >= real] = -1
     return Piece(spec.name, dim, idx)
 
