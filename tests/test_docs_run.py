@@ -365,10 +365,13 @@ def _runnable(line: Line) -> bool:
 @pytest.mark.parametrize("line", [
     pytest.param(line, id=line.id, marks=() if QUICK.search(line.text) else pytest.mark.slow)
     for line in _command_lines() if _runnable(line)])
-def test_every_command_runs(line, tmp_path, monkeypatch, capfd, tolerance):
-    """Run as a user would, from a scratch directory (the committed tolerance a copy there,
-    the corpus the suite's copy): its exit code is the one its comment states, else 0; a
-    console block's lines are printed, in order, a ``...`` line standing for any."""
+def test_every_command_runs(line, tmp_path, monkeypatch, capfd, request):
+    """Run as a user would, from a scratch directory (the corpus the suite's copy; where the
+    line writes a floor, the committed tolerance a copy there, else read in place): its exit
+    code is the one its comment states, else 0; a console block's lines are printed, in
+    order, a ``...`` line standing for any."""
+    if "--write" in line.text:
+        request.getfixturevalue("tolerance")
     monkeypatch.chdir(tmp_path)
     module = _own_module(line)
     if module is not None:
@@ -399,7 +402,7 @@ def _run(line: Line, here: Path, capfd) -> tuple[int, str]:
     elif words[0] == "torchrun":
         words[0] = str(Path(sys.executable).parent / "torchrun")
     done = subprocess.run(words, cwd=here, capture_output=True, text=True, timeout=3600)
-    return done.returncode, done.stdout
+    return done.returncode, done.stdout + ("\n" + done.stderr[-4000:] if done.returncode else "")
 
 
 def _assert_shown(printed: str, shown: str) -> None:
