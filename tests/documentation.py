@@ -4,6 +4,7 @@ quotes is found wherever it lives (``section``)."""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +56,10 @@ class Block:
         return f"{self.page.relative_to(ROOT)}:{self.line}"
 
 
-def blocks() -> list[Block]:
-    """Every fenced block of every page, in order."""
+@functools.cache
+def blocks() -> tuple[Block, ...]:
+    """Every fenced block of every page, in order (read once a run: the pages do not change
+    under it)."""
     found = []
     for page in pages():
         text = page.read_text(encoding="utf-8")
@@ -68,4 +71,17 @@ def blocks() -> list[Block]:
                                titles[-1] if titles else "",
                                end is not None and not text[end:match.start()].strip()))
             end = match.end()
-    return found
+    return tuple(found)
+
+
+# The converter guide's worked converter, as the module its commands name
+# (``--converter my_converters:megatron_to_vllm``): the guide's first python block, up to
+# the statements that run it.
+CONVERTER_SECTION = "Check a converter between frameworks"
+
+
+def converter_module() -> str:
+    """``my_converters.py`` as the converter guide writes it."""
+    (code,) = [b.body for b in blocks()
+               if b.section == CONVERTER_SECTION and b.lang == "python"][:1]
+    return code.split("\nverdict")[0].split("\nfor ")[0]

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.documentation import ROOT, Block, blocks
+from tests.documentation import ROOT, Block, blocks, converter_module
 from tests.test_readme import assert_prints
 
 CODE = ("python", "sh", "console")
@@ -256,9 +256,7 @@ def _lines(block: Block) -> list[Line]:
         steps = [[raw.strip(), ""] for raw in joined.splitlines() if raw.strip()]
     found = []
     for text, shown in steps:
-        command, _, comment = text.partition("  #")
-        comment = comment or (text.partition(" # ")[2] if "  #" not in text else comment)
-        command = command.split(" # ")[0].strip()
+        command, _, comment = (part.strip() for part in text.partition(" #"))
         stated = re.search(r"exit (\d)", comment)
         chain = []
         for part in command.split("&&"):
@@ -314,16 +312,17 @@ def _subparser(wsb: list[str]):
     return parser, depth
 
 
-# A module of your own a command names, and the section whose first python block is it
-OWN_MODULES = {"my_converters": ("docs/guides/converters.md",
-                                 "Check a converter between frameworks")}
+# The options that name a function of your own (MODULE:FUNCTION), and the modules of your
+# own a page defines (the converter guide's)
+FUNCTION_OPTIONS = ("--converter", "--resharder", "--splitter")
+OWN_MODULES = {"my_converters": converter_module}
 
 
 def _own_module(line: Line) -> str | None:
     """The module of your own a line names (``--converter my_converters:megatron_to_vllm``)."""
-    for word in line.argv:
-        if re.fullmatch(r"[a-z_]+:[a-z_]+", word) and not word.startswith(("megatron", "vllm")):
-            return word.split(":")[0]
+    for option, value in zip(line.argv, line.argv[1:]):
+        if option in FUNCTION_OPTIONS:
+            return value.split(":")[0]
     return None
 
 
@@ -375,9 +374,7 @@ def test_every_command_runs(line, tmp_path, monkeypatch, capfd, request):
     monkeypatch.chdir(tmp_path)
     module = _own_module(line)
     if module is not None:
-        page, section = OWN_MODULES[module]
-        (code,) = [b.body for b in _sections()[(page, section)] if b.lang == "python"][:1]
-        (tmp_path / f"{module}.py").write_text(code.split("\nverdict")[0].split("\nfor ")[0])
+        (tmp_path / f"{module}.py").write_text(OWN_MODULES[module]())
         monkeypatch.syspath_prepend(str(tmp_path))
         monkeypatch.delitem(sys.modules, module, raising=False)
     for part in (line, *line.then):

@@ -8,12 +8,11 @@ counterexample is written in the project, not the harness."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.documentation import documentation
+from tests.documentation import blocks, converter_module
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -35,19 +34,14 @@ test_good = reshard_property(good)
 """
 
 
-def _python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", documentation(), re.S)
-
-
 def fresh_project(root: Path) -> Path:
     """A project with the README's quickstart block as its test module, and the guides'
     functions it names (their code blocks, as written)."""
-    blocks = _python_blocks()
+    python = [b.body for b in blocks() if b.lang == "python"]
     (root / "my_resharders.py").write_text(
-        next(b for b in blocks if "def my_reshard(shards, dst, *, config)" in b))
-    converter = next(b for b in blocks if "def megatron_to_vllm(shards, degree, config=" in b)
-    (root / "my_converters.py").write_text(converter.split("\nverdict")[0])
-    quickstart = next(b for b in blocks if "test_my_converter = convert_property(" in b)
+        next(b for b in python if "def my_reshard(shards, dst, *, config)" in b))
+    (root / "my_converters.py").write_text(converter_module())
+    quickstart = next(b for b in python if "test_my_converter = convert_property(" in b)
     (root / "test_mine.py").write_text(IMPORTS + quickstart + GOOD)
     return root
 

@@ -8,7 +8,7 @@ import math
 import re
 from pathlib import Path
 
-from tests.documentation import section
+from tests.documentation import converter_module, section
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -264,10 +264,7 @@ def test_the_converter_example_passes_its_first_fuzz(tmp_path, monkeypatch, caps
     passes, the declined case counted."""
     from weight_sync_bench.cli import main
 
-    (code,) = [b for lang, b in re.findall(r"```(\w*)\n(.*?)```",
-                                           _section("Check a converter between frameworks"),
-                                           re.S) if lang == "python"][:1]
-    (tmp_path / "my_converters.py").write_text(code.split("\nverdict")[0].split("\nfor ")[0])
+    (tmp_path / "my_converters.py").write_text(converter_module())
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path / "corpus"))
