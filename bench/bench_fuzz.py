@@ -3,12 +3,13 @@
     python bench/bench_fuzz.py [--examples N] [--toy-examples N] [--no-suite] [--cprofile N]
 
 "property" runs the invariant property through Hypothesis (generation, the threshold rule,
-reshard, byte comparison, diagnosis-free verdict): examples per second. "bare" then replays
-the very cases the property ran, doing only what any check of them must: build the weights
-and tokens from the seed, one reference forward, the declared split at dst and one sharded
-forward. Overhead = property time / bare time, for TOY (the floor's token shape) and for
+reshard, byte comparison, diagnosis-free verdict): checked cases per second. An example
+checks every degree pair of its drawn geometry (``case.run_pairs``), each pair a case.
+"bare" then replays the very cases the property ran, doing only what any check of them
+must: per geometry and seed, build the weights and tokens from the seed and run one
+reference forward; per destination degree, the declared split and one sharded forward. Overhead = property time / bare time, for TOY (the floor's token shape) and for
 geometries drawn from the fuzz domain, side by side in one run, with the property's two
-halves apart: Hypothesis alone and ``run_case`` alone (``measure``). Last, the wall time of the
+halves apart: Hypothesis alone and ``run_pairs`` alone (``measure``). Last, the wall time of the
 default test run (``pytest -n auto``, what ``make test`` runs) under the default profile.
 
 Then where the time goes: the property once more and the bare replay once more, with the
@@ -37,7 +38,7 @@ import weight_sync_bench.check.checker as checker_module
 import weight_sync_bench.fuzz.case as case_module
 import weight_sync_bench.fuzz.runner as runner_module
 from weight_sync_bench.check.forwards import inprocess_forward
-from weight_sync_bench.fuzz.case import Case, run_case
+from weight_sync_bench.fuzz.case import Case, run_pairs
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
 from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.fuzz.runner import Tally, run_property
@@ -71,24 +72,34 @@ def toy_cases() -> st.SearchStrategy[Case]:
                      dst=st.sampled_from(degrees), seed=st.integers(0, 2**16 - 1))
 
 
-def bare(case: Case) -> None:
-    params = fuzz_params(case.config, case.seed)
-    tokens = fuzz_tokens(case.config, case.seed)
-    ReferenceModel(case.config, params)(tokens)
-    inprocess_forward(case.config, split(params, layout_for(case.config), case.dst), tokens)
+def bare(cases: list[Case]) -> None:
+    """What any check of ``cases`` must do: per (geometry, seed), the weights, the tokens and
+    the reference forward once; per destination degree of it, the declared split and the
+    sharded forward once (a forward does not depend on where the shards came from)."""
+    dsts: dict[tuple, list[int]] = {}
+    for case in cases:
+        at = dsts.setdefault((case.config, case.seed), [])
+        if case.dst not in at:
+            at.append(case.dst)
+    for (config, seed), degrees in dsts.items():
+        params = fuzz_params(config, seed)
+        tokens = fuzz_tokens(config, seed)
+        ReferenceModel(config, params)(tokens)
+        for dst in degrees:
+            inprocess_forward(config, split(params, layout_for(config), dst), tokens)
 
 
 def measure(label: str, strategy: st.SearchStrategy[Case], examples: int) -> list[str]:
     """The property, its bare replay, and the property's two halves apart: Hypothesis alone
     (the same run with each case's outcome replayed from a dict: derandomized, it draws the
-    same examples) and ``run_case`` alone over the same cases. Each timed in wall time and in
+    same examples) and ``run_pairs`` alone over the same examples. Each timed in wall time and in
     this process's CPU time: on a loaded machine the wall ratios carry the other processes'
     share of the cores (one thread here, so CPU time is this run's own work)."""
     tally, outcomes = Recording(), {}
     rule = fuzz_threshold_rule("1a")
 
     def recorded(case: Case, **kwargs: object) -> object:
-        outcomes[case] = run_case(case, **kwargs)
+        outcomes[case] = run_pairs(case, **kwargs)
         return outcomes[case]
 
     def timed(work: Callable[[], object]) -> tuple[float, float]:
@@ -99,13 +110,13 @@ def measure(label: str, strategy: st.SearchStrategy[Case], examples: int) -> lis
     prop = timed(lambda: run_property(
         "invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
         strategy=strategy, tally=tally, case_runner=recorded, threshold_rule=rule))
-    base = timed(lambda: [bare(case) for case in tally.cases])
+    base = timed(lambda: bare(tally.cases))
     engine = timed(lambda: run_property(
         "invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
         strategy=strategy, case_runner=lambda case, **_: outcomes[case], threshold_rule=rule))
-    alone = timed(lambda: [run_case(case, threshold_rule=rule) for case in tally.cases])
+    alone = timed(lambda: [run_pairs(case, threshold_rule=rule) for case in outcomes])
     n = len(tally.cases)
-    return [label, str(n), f"{n / prop[0]:.1f}", f"{n / base[0]:.1f}",
+    return [label, f"{len(outcomes)} ({n} pairs)", f"{n / prop[0]:.1f}", f"{n / base[0]:.1f}",
             *(f"{part[0] / base[0]:.2f}x / {part[1] / base[1]:.2f}x"
               for part in (prop, engine, alone)),
             f"{(engine[1] + alone[1]) / base[1]:.2f}x", f"{tally.max_ratio:.3g}"]
@@ -115,6 +126,7 @@ def wrapped(phases: Phases) -> Phases:
     """The phases of the property and of the bare replay (the same functions, where both
     run them), each in its own bucket."""
     c, k, r = case_module, checker_module, runner_module
+    phases.wrap(c, "run_case", "run_pairs' and run_case's own lines")
     phases.wrap(c, "make_checker", "checker set-up")
     phases.wrap(checker_module.Checker, "__post_init__", "checker set-up")
     for module in (c, sys.modules[__name__]):
@@ -150,7 +162,7 @@ def breakdown(label: str, strategy: st.SearchStrategy[Case], examples: int
     """The property and its bare replay, each once more with the phases wrapped."""
     rule = fuzz_threshold_rule("1a")
     with wrapped(Phases(time.thread_time)).active() as prop:
-        runner = prop.wrap_fn(run_case, "run_case's own lines")
+        runner = prop.wrap_fn(run_pairs, "run_pairs' and run_case's own lines")
         timed_rule = prop.wrap_fn(rule, "threshold rule")
         tally = Recording()
         start = time.thread_time()
@@ -160,8 +172,7 @@ def breakdown(label: str, strategy: st.SearchStrategy[Case], examples: int
         prop_total = time.thread_time() - start
     with wrapped(Phases(time.thread_time)).active() as base:
         start = time.thread_time()
-        for case in tally.cases:
-            bare(case)
+        bare(tally.cases)
         base_total = time.thread_time() - start
     return [(f"{label}: property", base_total, prop_total, dict(prop.spent)),
             (f"{label}: bare", base_total, base_total, dict(base.spent))]
@@ -179,11 +190,11 @@ def main() -> None:
     run_property("invariant", None, profile="wsb-test", max_examples=5, corpus=False)  # warm-up
     rows = [measure("TOY (19.2M params)", toy_cases(), args.toy_examples),
             measure("fuzz domain", cases(), args.examples)]
-    print(table([["geometries", "examples", "property ex/s", "bare ex/s",
+    print(table([["geometries", "examples", "property pairs/s", "bare pairs/s",
                   "overhead wall / CPU", "Hypothesis alone wall / CPU",
-                  "run_case alone wall / CPU", "the two halves, CPU", "max ratio"], *rows]))
+                  "run_pairs alone wall / CPU", "the two halves, CPU", "max ratio"], *rows]))
     print("(x the bare replay of the same cases, in wall time / in this process's CPU time; "
-          "'the two halves': Hypothesis alone + run_case alone, in CPU time, against the "
+          "'the two halves': Hypothesis alone + run_pairs alone, in CPU time, against the "
           "overhead's CPU figure: what the interaction of the two leaves)")
     columns = (breakdown("TOY", toy_cases(), args.toy_examples)
                + breakdown("fuzz domain", cases(), args.examples))

@@ -352,7 +352,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                             "$WSB_PROFILE, else wsb-test)")
         p.add_argument("--seed", type=seed, default=None,
                        help="master seed, 0..2^63-1 (default: random)")
-        p.add_argument("--chunk", type=count, default=25, help="examples per round")
+        p.add_argument("--chunk", type=count, default=25, help="Hypothesis examples per property per round")
         p.add_argument("--mutation", action="append", default=None, metavar="NAME",
                        choices=list(MUTATIONS) + list(CONVERSION_MUTATIONS),
                        help="only this mutation (repeatable): a layout mutation ("
@@ -372,7 +372,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     budget.add_argument("--minutes", type=positive, default=None,
                         help="time budget, a finite number > 0 (default 1)")
     budget.add_argument("--examples", type=count, default=None,
-                        help="examples per property")
+                        help="examples per property, at least (an invariant example checks "
+                             "every degree pair of its geometry: each pair counts as one)")
     budget.add_argument("--find-smallest", action="append", choices=list(MUTATIONS),
                         metavar="MUTATION", help="shrink the invariant's failure under this "
                         "mutation to its smallest geometry and write it to corpus/")

@@ -174,6 +174,24 @@ def run_case(case: Case, checker: Checker | None = None, *,
                    shards_differ=verdict.first_mismatch is not None)
 
 
+def run_pairs(case: Case | ConversionCase, *, forward: Forward = inprocess_forward,
+              threshold_rule: ThresholdRule | None = None) -> list[Outcome]:
+    """The invariant at every ordered degree pair of ``case``'s geometry and seed, ``case``'s
+    own pair first: what does not depend on the pair (parameters, tokens, the reference
+    forward, the layout table) is made once, each degree's declared split and forward once
+    (``Checker``), and each pair costs its reshard and byte comparison. Each outcome names
+    its pair, so a failure (and its corpus entry) is the pair that failed. A case with a
+    mutation, or a conversion, is its one pair (``run_case``)."""
+    if isinstance(case, ConversionCase) or case.mutation is not None:
+        return [run_case(case, forward=forward, threshold_rule=threshold_rule)]
+    checker = make_checker(case.config, case.seed, phase=case.phase, forward=forward,
+                           threshold_rule=threshold_rule)
+    degrees = checker.layout.supported_degrees()
+    pairs = [(case.src, case.dst), *((s, d) for s in degrees for d in degrees
+                                     if (s, d) != (case.src, case.dst))]
+    return [run_case(dataclasses.replace(case, src=s, dst=d), checker) for s, d in pairs]
+
+
 @dataclass(frozen=True)
 class ConversionCase:
     """A fuzzed conversion: the geometry, the source and destination conventions at their

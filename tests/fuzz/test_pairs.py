@@ -1,0 +1,122 @@
+"""One invariant example checks every degree pair of its geometry (``case.run_pairs``, issue
+33): what does not depend on the pair is made once, every pair is judged on its own, and a
+failure, its corpus entry and its shrunk report name the pair that failed."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import strategies as st
+
+import weight_sync_bench.check.checker as checker_module
+from weight_sync_bench.fuzz.case import Case, run_case, run_pairs
+from weight_sync_bench.fuzz.domain import DOMAIN
+from weight_sync_bench.fuzz.runner import PropertyFailed, run_property
+from weight_sync_bench.model.plan import layout_for
+
+# degrees 1, 2 and 4 (four KV heads): nine ordered pairs
+CONFIG = DOMAIN.config(n_kv_heads=4, group=1, ffn_per_kv_head=2, vocab_per_kv_head=8,
+                       head_dim=2, d_model=8, n_layers=1, batch=1, seq_len=4)
+DEGREES = [1, 2, 4]
+
+
+def test_every_ordered_pair_is_checked_once_the_drawn_pair_first():
+    assert layout_for(CONFIG).supported_degrees() == DEGREES
+    outcomes = run_pairs(Case(CONFIG, src=4, dst=2, seed=3))
+    pairs = [(o.case.src, o.case.dst) for o in outcomes]
+    assert pairs[0] == (4, 2) and sorted(pairs) == [(s, d) for s in DEGREES for d in DEGREES]
+    assert all(o.case.seed == 3 and o.case.config == CONFIG for o in outcomes)
+    assert all(o.holds("invariant") and not o.shards_differ for o in outcomes)
+
+
+def test_each_pair_is_judged_as_run_case_judges_it_alone():
+    """The shared checker changes nothing a pair decides: deviation, threshold and bytes."""
+    outcomes = run_pairs(Case(CONFIG, src=1, dst=4, seed=5))
+    for outcome in outcomes:
+        alone = run_case(outcome.case)
+        assert (outcome.deviation, outcome.threshold, outcome.shards_differ) == (
+            alone.deviation, alone.threshold, alone.shards_differ)
+
+
+def test_a_mutation_or_a_conversion_is_its_own_pair_only():
+    case = Case(CONFIG, src=1, dst=2, seed=0, mutation="kv_swapped")
+    (outcome,) = run_pairs(case)
+    assert outcome.case == case and outcome.holds("kill")
+
+
+def _corrupt_one_pair(monkeypatch, src: int, dst: int) -> None:
+    """The reshard under test writes one wrong bit at (src, dst) only, on its last rank."""
+    real_tensor, real_reshard = checker_module.reshard_tensor, checker_module.reshard
+
+    def flip(out):
+        last = out[-1].clone()
+        last.view(-1).view(torch.int32)[0] ^= 1 << 22
+        return [*out[:-1], last]
+
+    def reshard_tensor(shards, spec, to):
+        out = real_tensor(shards, spec, to)
+        if (len(shards), to) == (src, dst) and spec.name == "lm_head.weight":
+            return flip(out)
+        return out
+
+    def reshard(shards, layout, to):
+        out = real_reshard(shards, layout, to)
+        if (len(shards), to) == (src, dst):
+            out[-1] = {**out[-1], "lm_head.weight": flip([out[-1]["lm_head.weight"]])[0]}
+        return out
+
+    monkeypatch.setattr(checker_module, "reshard_tensor", reshard_tensor)
+    monkeypatch.setattr(checker_module, "reshard", reshard)
+
+
+@pytest.mark.parametrize("bug", [(2, 4), None])
+def test_a_failure_at_a_pair_the_example_did_not_draw_names_that_pair(bug, monkeypatch,
+                                                                      tmp_path):
+    """Every example draws the pair (1, 1); the reshard is wrong at 2 -> 4 only. The failure,
+    the corpus entry and the report name 2 -> 4 (the twin: no bug, nothing fails)."""
+    if bug is not None:
+        _corrupt_one_pair(monkeypatch, *bug)
+    drawn = st.builds(Case, config=st.just(CONFIG), src=st.just(1), dst=st.just(1),
+                      seed=st.integers(0, 3))
+    if bug is None:
+        tally = run_property("invariant", None, max_examples=3, corpus=False, strategy=drawn,
+                             corpus_path=tmp_path)
+        assert tally.failures == 0 and tally.examples % len(DEGREES) ** 2 == 0
+        assert not list(tmp_path.iterdir())
+        return
+    with pytest.raises(PropertyFailed) as caught:
+        run_property("invariant", None, max_examples=3, corpus=False, strategy=drawn,
+                     corpus_path=tmp_path)
+    failed = caught.value.outcome
+    assert (failed.case.src, failed.case.dst) == bug and failed.shards_differ
+    assert ", 2 -> 4, seed " in str(caught.value)
+    (entry,) = tmp_path.glob("*.json")
+    assert json.loads(entry.read_text())["case"]["degrees"] == {"src": 2, "dst": 4}
+
+
+def test_the_tally_counts_every_pair_of_every_example():
+    """Each example draws 1 -> 1; the worst pair is one it did not draw."""
+    drawn: list[Case] = []
+    strategy = st.builds(Case, config=st.just(CONFIG), src=st.just(1), dst=st.just(1),
+                         seed=st.integers(0, 3)).map(lambda case: drawn.append(case) or case)
+    tally = run_property("invariant", None, max_examples=4, corpus=False, strategy=strategy)
+    outcomes = [o for case in drawn for o in run_pairs(case)]
+    assert drawn and tally.examples == len(outcomes) == len(drawn) * len(DEGREES) ** 2
+    worst = max(outcomes, key=lambda o: o.ratio)
+    assert (worst.case.src, worst.case.dst) != (1, 1)
+    assert tally.failures == 0 and tally.max_ratio == worst.ratio and tally.max_at == worst.case
+
+
+def test_hypothesis_is_steered_by_the_worst_pair_of_each_example(monkeypatch):
+    """One ``target`` per example (Hypothesis refuses a label twice), the largest ratio of its
+    pairs: the target phase climbs toward the pair nearest its threshold."""
+    import weight_sync_bench.fuzz.runner as runner_module
+
+    targets: list[float] = []
+    monkeypatch.setattr(runner_module, "target",
+                        lambda value, label: targets.append(value) if label == "ratio" else None)
+    drawn: list[Case] = []
+    strategy = st.builds(Case, config=st.just(CONFIG), src=st.just(1), dst=st.just(1),
+                         seed=st.integers(0, 3)).map(lambda case: drawn.append(case) or case)
+    run_property("invariant", None, max_examples=4, corpus=False, strategy=strategy)
+    assert targets == [max(o.ratio for o in run_pairs(case)) for case in drawn]
