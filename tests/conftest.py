@@ -106,10 +106,15 @@ def edit_artifact(tolerance):
 
 @pytest.fixture(autouse=True)
 def _fresh_layouts():
-    """``layout_for`` is cached per config (``model.plan``). mutmut forks each mutant's run
-    from a process that ran the tests unmutated, so a cached table would carry placements
-    built by the unmutated code into the mutant's tests: each test builds its own."""
+    """``layout_for`` is cached per config (``model.plan``), and a table's validations,
+    ranges, supported degrees and reshard plans per frozen placement (``layout.table``,
+    ``layout.reshard``). mutmut forks each mutant's run from a process that ran the tests
+    unmutated, so a cached answer would carry what the unmutated code computed into the
+    mutant's tests: each test computes its own."""
+    from weight_sync_bench.layout import reshard, table
     from weight_sync_bench.model.plan import layout_for
 
     layout_for.cache_clear()
+    table.clear_caches()
+    reshard.clear_caches()
     yield

@@ -120,3 +120,49 @@ def test_hypothesis_is_steered_by_the_worst_pair_of_each_example(monkeypatch):
                          seed=st.integers(0, 3)).map(lambda case: drawn.append(case) or case)
     run_property("invariant", None, max_examples=4, corpus=False, strategy=strategy)
     assert targets == [max(o.ratio for o in run_pairs(case)) for case in drawn]
+
+
+def test_the_forward_the_rule_and_the_phase_reach_every_pair():
+    """What the runner passes is what every pair is judged with: the forward (a mutation's
+    one pair too), the threshold rule, and without a rule the case's phase's own."""
+    from weight_sync_bench.check.forwards import inprocess_forward
+
+    calls: list[int] = []
+
+    def counting(config, shards, tokens, **kwargs):
+        calls.append(len(shards))
+        return inprocess_forward(config, shards, tokens, **kwargs)
+
+    outcomes = run_pairs(Case(CONFIG, src=1, dst=1, seed=0), forward=counting,
+                         threshold_rule=lambda config, reference: 0.25)
+    assert sorted(calls) == DEGREES and all(o.threshold == 0.25 for o in outcomes)
+    calls.clear()
+    (killed,) = run_pairs(Case(CONFIG, src=1, dst=2, seed=0, mutation="kv_swapped"),
+                          forward=counting, threshold_rule=lambda config, reference: 0.5)
+    assert calls and killed.threshold == 0.5
+    phase_1b = Case(CONFIG, src=1, dst=2, seed=0, phase="1b")
+    alone = run_case(phase_1b)
+    assert alone.threshold != run_case(Case(CONFIG, src=1, dst=2, seed=0)).threshold
+    assert {o.threshold for o in run_pairs(phase_1b)} == {alone.threshold}
+
+
+def test_a_kill_is_steered_toward_its_smallest_ratio_and_its_identity_examples_only_counted(
+        monkeypatch):
+    """A kill property targets minus its live example's ratio under "-ratio" (Hypothesis
+    maximises: toward the weakest detection); an identity example is an event, never a
+    target. Every outcome's event names its pair and whether it is an identity."""
+    import weight_sync_bench.fuzz.runner as runner_module
+
+    targets: list[tuple[float, str]] = []
+    events: list[str] = []
+    monkeypatch.setattr(runner_module, "target",
+                        lambda value, label: targets.append((value, label)))
+    monkeypatch.setattr(runner_module, "event", events.append)
+    drawn: list[Case] = []
+    strategy = st.builds(Case, config=st.just(CONFIG), src=st.just(2), dst=st.sampled_from([1, 2]),
+                         seed=st.integers(0, 3), mutation=st.just("o_proj_reversed")
+                         ).map(lambda case: drawn.append(case) or case)
+    run_property("kill", "o_proj_reversed", max_examples=6, corpus=False, strategy=strategy)
+    assert {c.dst for c in drawn} == {1, 2}  # an identity destination and a live one
+    assert events == [f"t=2->{c.dst}" + (" identity" if c.dst == 1 else "") for c in drawn]
+    assert targets == [(-run_case(c).ratio, "-ratio") for c in drawn if c.dst == 2]

@@ -238,24 +238,30 @@ def property_test(prop: str, mutation: str | None, tally: Tally, *, phase: str =
             ran = case_runner(case, forward=forward, threshold_rule=threshold_rule)
         except RankFailure as error:  # the harness failed, not the property: do not shrink
             raise HarnessAbort(error, case) from error
-        outcomes = ran if isinstance(ran, list) else [ran]
-        looks_up = CLAIMS.get(prop) == "invariant"  # large deviations; a kill, small ones
-        ratios = []
-        for outcome in outcomes:
-            tally.add(outcome)
-            identity = outcome.identity_reason
-            event(f"t={outcome.case.src}->{outcome.case.dst}" + (" identity" if identity else ""))
-            if identity is None and math.isfinite(outcome.ratio):
-                ratios.append(outcome.ratio if looks_up else -outcome.ratio)
-        if ratios:  # one target per example and label: the pair furthest along it
-            target(max(ratios), label="ratio" if looks_up else "-ratio")
-        for outcome in outcomes:
-            if not outcome.holds(prop):
-                raise PropertyFailed(prop, outcome)
+        _judge(prop, ran if isinstance(ran, list) else [ran], tally)
 
     for case in examples:
         test = example(case=case)(test)
     return test
+
+
+def _judge(prop: str, outcomes: list[Outcome], tally: Tally) -> None:
+    """One example's outcomes: each tallied, Hypothesis steered by the one furthest along the
+    property's direction, and the example failed on the first the property does not hold on
+    (the body of ``property_test``'s test, outside it so mutation testing reaches it)."""
+    looks_up = CLAIMS.get(prop) == "invariant"  # large deviations; a kill, small ones
+    ratios = []
+    for outcome in outcomes:
+        tally.add(outcome)
+        identity = outcome.identity_reason
+        event(f"t={outcome.case.src}->{outcome.case.dst}" + (" identity" if identity else ""))
+        if identity is None and math.isfinite(outcome.ratio):
+            ratios.append(outcome.ratio if looks_up else -outcome.ratio)
+    if ratios:  # one target per example and label: the pair furthest along it
+        target(max(ratios), label="ratio" if looks_up else "-ratio")
+    for outcome in outcomes:
+        if not outcome.holds(prop):
+            raise PropertyFailed(prop, outcome)
 
 
 def run_property(prop: str, mutation: str | None = None, *, profile: str | None = None,

@@ -121,11 +121,9 @@ def reshard_pieces(shards: list[torch.Tensor], spec: ShardSpec, dst: int, rank: 
     return [(at, shards[r].narrow(dim, offset, size)) for at, r, offset, size in plan]
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _plan(spec: ShardSpec, src: int, dst: int
-          ) -> tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...]:
-    """Where each destination rank's shard at ``dst`` comes from at ``src``, once per (spec,
-    src, dst): per rank, its dim and ``(offset in the destination shard, source rank, offset
+def _reshard_plan(spec: ShardSpec, src: int, dst: int
+                  ) -> tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...]:
+    """Where each destination rank's shard at ``dst`` comes from at ``src``: per rank, its dim and ``(offset in the destination shard, source rank, offset
     in that rank's shard, size)`` of each piece, in order. A replicated range (HeadReplicated's
     KV head) is read from its lowest rank, as gather does."""
     segments = []  # (global start, global stop, source rank, offset in that rank's shard)
@@ -150,6 +148,10 @@ def _plan(spec: ShardSpec, src: int, dst: int
                     at += size
         plans.append((dim, tuple(pieces)))
     return tuple(plans)
+
+
+# once per (spec, src, dst); the uncached function is what mutation testing mutates
+_plan = functools.lru_cache(maxsize=1 << 14)(_reshard_plan)
 
 
 def reshard(shards: list[Params], layout: LayoutTable, dst: int) -> list[Params]:
@@ -216,10 +218,18 @@ def _check_local_shapes(shards: list[torch.Tensor], spec: ShardSpec) -> None:
                                 f"expected {list(expected)} at t={len(shards)}")
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _local_shapes(spec: ShardSpec, degree: int) -> tuple[tuple[int, ...], ...]:
-    """Every rank's local shape of ``spec`` at ``degree``, once per (spec, degree)."""
+def _every_local_shape(spec: ShardSpec, degree: int) -> tuple[tuple[int, ...], ...]:
+    """Every rank's local shape of ``spec`` at ``degree``."""
     return tuple(tuple(spec.local_shape(degree, rank)) for rank in range(degree))
+
+
+_local_shapes = functools.lru_cache(maxsize=1 << 14)(_every_local_shape)
+
+
+def clear_caches() -> None:
+    """Forget the cached plans and local shapes (``table.clear_caches`` says why)."""
+    _plan.cache_clear()
+    _local_shapes.cache_clear()
 
 
 def _check_names(names: object, layout: LayoutTable, where: str) -> None:

@@ -20,19 +20,22 @@ if TYPE_CHECKING:
     from collections.abc import Iterator, Mapping
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _validated(placement: Placement, shape: Shape, degree: int, name: str) -> None:
-    """``placement.validate(shape, degree, name)``, once per argument tuple: a pure function
-    of frozen values, asked for every piece of every reshard (the fuzz asks it ~100 times a
-    pair). A rejection raises, so it is never cached: it is raised anew every time."""
+def _validate(placement: Placement, shape: Shape, degree: int, name: str) -> None:
     placement.validate(shape, degree, name)
 
 
-@functools.lru_cache(maxsize=1 << 16)
-def _ranges(placement: Placement, shape: Shape, degree: int, rank: int
-            ) -> tuple[int, tuple[tuple[int, int], ...]]:
+def _index_ranges(placement: Placement, shape: Shape, degree: int, rank: int
+                  ) -> tuple[int, tuple[tuple[int, int], ...]]:
     dim, ranges = index_ranges(placement, shape, degree, rank)
     return dim, tuple(ranges)
+
+
+# ``placement.validate`` and ``index_ranges`` once per argument tuple: pure functions of frozen
+# values, asked for every piece of every reshard (the fuzz asked ~100 times a pair). A
+# rejection raises, so it is never cached: it is raised anew every time. The uncached
+# functions are what mutation testing mutates (mutmut leaves decorated functions alone).
+_validated = functools.lru_cache(maxsize=1 << 16)(_validate)
+_ranges = functools.lru_cache(maxsize=1 << 16)(_index_ranges)
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,17 @@ def _shape_str(shape: Shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
-@functools.lru_cache(maxsize=1024)  # a table is frozen: what it supports never changes
-def _supported_degrees(table: LayoutTable, max_degree: int) -> tuple[int, ...]:
+def _probe_degrees(table: LayoutTable, max_degree: int) -> tuple[int, ...]:
     return tuple(t for t in range(1, max_degree + 1) if table.supports(t))
+
+
+# a table is frozen: what it supports never changes
+_supported_degrees = functools.lru_cache(maxsize=1024)(_probe_degrees)
+
+
+def clear_caches() -> None:
+    """Forget every lookup this module cached. Tests call it before each test: mutmut forks
+    each mutant's run from a process that ran the unmutated code, whose cached answers
+    would otherwise stand in for the mutant's."""
+    for cached in (_validated, _ranges, _supported_degrees):
+        cached.cache_clear()
