@@ -7,9 +7,11 @@ reshard, byte comparison, diagnosis-free verdict): checked cases per second. An 
 checks every degree pair of its drawn geometry (``case.run_pairs``), each pair a case.
 "bare" then replays the very cases the property ran, doing only what any check of them
 must: per geometry and seed, build the weights and tokens from the seed and run one
-reference forward; per destination degree, the declared split and one sharded forward. Overhead = property time / bare time, for TOY (the floor's token shape) and for
-geometries drawn from the fuzz domain, side by side in one run, with the property's two
-halves apart: Hypothesis alone and ``run_pairs`` alone (``measure``). Last, the wall time of the
+reference forward; per destination degree, the declared split and one sharded forward.
+Overhead = property time / bare time, for TOY (the floor's token shape), for geometries
+drawn from the fuzz domain, and for the same draws checking their drawn pair only (the
+design before 2026-12-03, so the two throughputs stand side by side in one run), with the
+property's two halves apart: Hypothesis alone and the runner alone (``measure``). Last, the wall time of the
 default test run (``pytest -n auto``, what ``make test`` runs) under the default profile.
 
 Then where the time goes: the property once more and the bare replay once more, with the
@@ -38,7 +40,7 @@ import weight_sync_bench.check.checker as checker_module
 import weight_sync_bench.fuzz.case as case_module
 import weight_sync_bench.fuzz.runner as runner_module
 from weight_sync_bench.check.forwards import inprocess_forward
-from weight_sync_bench.fuzz.case import Case, run_pairs
+from weight_sync_bench.fuzz.case import Case, Outcome, run_case, run_pairs
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
 from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.fuzz.runner import Tally, run_property
@@ -89,17 +91,23 @@ def bare(cases: list[Case]) -> None:
             inprocess_forward(config, split(params, layout_for(config), dst), tokens)
 
 
-def measure(label: str, strategy: st.SearchStrategy[Case], examples: int) -> list[str]:
+def one_pair(case: Case, **kwargs: object) -> list[Outcome]:
+    """The design before 2026-12-03, for comparison: an example checks its drawn pair only."""
+    return [run_case(case, **kwargs)]
+
+
+def measure(label: str, strategy: st.SearchStrategy[Case], examples: int,
+            runner: Callable[..., list[Outcome]] = run_pairs) -> list[str]:
     """The property, its bare replay, and the property's two halves apart: Hypothesis alone
     (the same run with each case's outcome replayed from a dict: derandomized, it draws the
-    same examples) and ``run_pairs`` alone over the same examples. Each timed in wall time and in
+    same examples) and ``runner`` (``run_pairs``) alone over the same examples. Each timed in wall time and in
     this process's CPU time: on a loaded machine the wall ratios carry the other processes'
     share of the cores (one thread here, so CPU time is this run's own work)."""
     tally, outcomes = Recording(), {}
     rule = fuzz_threshold_rule("1a")
 
     def recorded(case: Case, **kwargs: object) -> object:
-        outcomes[case] = run_pairs(case, **kwargs)
+        outcomes[case] = runner(case, **kwargs)
         return outcomes[case]
 
     def timed(work: Callable[[], object]) -> tuple[float, float]:
@@ -114,7 +122,7 @@ def measure(label: str, strategy: st.SearchStrategy[Case], examples: int) -> lis
     engine = timed(lambda: run_property(
         "invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
         strategy=strategy, case_runner=lambda case, **_: outcomes[case], threshold_rule=rule))
-    alone = timed(lambda: [run_pairs(case, threshold_rule=rule) for case in outcomes])
+    alone = timed(lambda: [runner(case, threshold_rule=rule) for case in outcomes])
     n = len(tally.cases)
     return [label, f"{len(outcomes)} ({n} pairs)", f"{n / prop[0]:.1f}", f"{n / base[0]:.1f}",
             *(f"{part[0] / base[0]:.2f}x / {part[1] / base[1]:.2f}x"
@@ -189,12 +197,13 @@ def main() -> None:
     torch.set_num_threads(1)
     run_property("invariant", None, profile="wsb-test", max_examples=5, corpus=False)  # warm-up
     rows = [measure("TOY (19.2M params)", toy_cases(), args.toy_examples),
-            measure("fuzz domain", cases(), args.examples)]
+            measure("fuzz domain", cases(), args.examples),
+            measure("fuzz domain, one pair an example", cases(), args.examples, one_pair)]
     print(table([["geometries", "examples", "property pairs/s", "bare pairs/s",
                   "overhead wall / CPU", "Hypothesis alone wall / CPU",
-                  "run_pairs alone wall / CPU", "the two halves, CPU", "max ratio"], *rows]))
+                  "runner alone wall / CPU", "the two halves, CPU", "max ratio"], *rows]))
     print("(x the bare replay of the same cases, in wall time / in this process's CPU time; "
-          "'the two halves': Hypothesis alone + run_pairs alone, in CPU time, against the "
+          "'the two halves': Hypothesis alone + the runner alone, in CPU time, against the "
           "overhead's CPU figure: what the interaction of the two leaves)")
     columns = (breakdown("TOY", toy_cases(), args.toy_examples)
                + breakdown("fuzz domain", cases(), args.examples))
