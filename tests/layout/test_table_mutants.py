@@ -44,3 +44,20 @@ def test_str_of_a_table_renders_every_supported_degree():
     header = text.splitlines()[0].split()
     assert header == ["parameter", "shape", "placement",
                       *[f"t={t}" for t in layout.supported_degrees()]]
+
+
+def test_a_shape_given_as_a_list_is_kept_as_a_tuple_and_its_lookups_work():
+    """The layout's lookups are cached by (placement, shape, ...): a list shape, which
+    cannot be a cache key, is made a tuple, and the answers are the tuple's."""
+    listed = ShardSpec("layers.0.down.weight", [8, 6], Shard(dim=1))
+    assert listed.shape == (8, 6) and listed == SPEC
+    assert listed.ranges(2, 1) == SPEC.ranges(2, 1) == (1, [(3, 6)])
+    assert LayoutTable((listed,)).supported_degrees(6) == [1, 2, 3, 6]
+
+
+def test_experts_blocks_given_as_a_list_are_kept_as_a_tuple():
+    from weight_sync_bench.layout.placements import Experts
+
+    listed = ShardSpec("experts.w13", (16, 3), Experts(2, [4, 4]))
+    assert listed.placement.blocks == (4, 4)
+    assert listed.ranges(2, 1) == ShardSpec("experts.w13", (16, 3), Experts(2, (4, 4))).ranges(2, 1)

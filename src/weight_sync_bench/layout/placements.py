@@ -207,6 +207,10 @@ class Experts:
     order: str = "contiguous"
     kind = "Experts"
 
+    def __post_init__(self) -> None:
+        # a tuple, whatever sequence it was given as: a placement is a cache key (layout.table)
+        object.__setattr__(self, "blocks", tuple(self.blocks))
+
     @property
     def width(self) -> int:
         """One expert's extent along ``dim``."""

@@ -46,6 +46,10 @@ class ShardSpec:
     shape: Shape
     placement: Placement
 
+    def __post_init__(self) -> None:
+        # a tuple, whatever sequence it was given as: the layout's lookups are cached by it
+        object.__setattr__(self, "shape", tuple(self.shape))
+
     def validate(self, degree: int) -> None:
         _validated(self.placement, self.shape, degree, self.name)
 
