@@ -66,6 +66,7 @@ from weight_sync_bench.paths import corpus_dir
 # What runs one drawn case: its outcome, or the outcomes of every pair it stands for
 CaseRunner = Callable[..., "Outcome | list[Outcome]"]
 
+
 @dataclass(frozen=True)
 class HarnessFault:
     """A rank fault seen while ``label`` ran ``case``: never a counterexample, never shrunk,

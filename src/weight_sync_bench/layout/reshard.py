@@ -103,7 +103,7 @@ def reshard_tensor(shards: list[torch.Tensor], spec: ShardSpec, dst: int) -> lis
         return [shards[0].clone() for _ in range(dst)]
     out = []
     for dim, plan in _plan(spec, len(shards), dst):
-        pieces = [shards[r].narrow(dim, offset, size) for _, r, offset, size in plan]
+        pieces = [piece for _, piece in _views(shards, dim, plan)]
         out.append(_joined(pieces, shards[0], dim).clone(memory_format=torch.contiguous_format)
                    if len(pieces) < 2 else torch.cat(pieces, dim=dim))
     return out
@@ -117,15 +117,21 @@ def reshard_pieces(shards: list[torch.Tensor], spec: ShardSpec, dst: int, rank: 
     them without copying. A replicated parameter is rank 0's copy, whole."""
     if isinstance(spec.placement, Replicate):
         return [(0, shards[0])]
-    dim, plan = _plan(spec, len(shards), dst)[rank]
+    return _views(shards, *_plan(spec, len(shards), dst)[rank])
+
+
+def _views(shards: list[torch.Tensor], dim: int, plan: tuple[tuple[int, int, int, int], ...]
+           ) -> list[tuple[int, torch.Tensor]]:
+    """One destination rank's pieces as ``(offset in its shard, view of a source shard)``."""
     return [(at, shards[r].narrow(dim, offset, size)) for at, r, offset, size in plan]
 
 
 def _reshard_plan(spec: ShardSpec, src: int, dst: int
                   ) -> tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...]:
-    """Where each destination rank's shard at ``dst`` comes from at ``src``: per rank, its dim and ``(offset in the destination shard, source rank, offset
-    in that rank's shard, size)`` of each piece, in order. A replicated range (HeadReplicated's
-    KV head) is read from its lowest rank, as gather does."""
+    """Where each destination rank's shard at ``dst`` comes from at ``src``: per rank, its dim
+    and ``(offset in the destination shard, source rank, offset in that rank's shard, size)``
+    of each piece, in order. A replicated range (HeadReplicated's KV head) is read from its
+    lowest rank, as gather does."""
     segments = []  # (global start, global stop, source rank, offset in that rank's shard)
     seen: set[tuple[int, int]] = set()
     for src_rank in range(src):
