@@ -139,3 +139,43 @@ def test_the_twin_a_floor_holding_this_vendor_beside_another_is_not_re_measured_
             f"{cpu_vendor()}, its OtherVendor figures cannot be told apart") in err
     assert "Pass --force to replace them" in err
     assert cached.read_text() == both
+
+
+def test_a_kernel_set_the_floor_lacks_is_measured_alone_and_merged_beside_both_vendors(
+        tiny, capsys, monkeypatch):
+    """A floor holding this vendor beside another, but not the kernel set this CPU runs (a
+    machine with AVX-512 where it was measured without): ``--kernel-sets current`` replaces
+    nothing, so it merges in, every figure before kept; the refusal names that remedy."""
+    running = runtime()["cpu_capability"]
+    if running == "DEFAULT":
+        pytest.skip("this CPU runs DEFAULT only: it has no kernel set beyond the one measured")
+    monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: ["default"])
+    path, config = tiny
+    argv = ["geometry", "--hf-config", str(path), "--repetitions", "1"]
+    assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "current"])) == 0
+    cached = cached_floor_path(config)
+    _as_if_measured_on(cached, "OtherVendor")
+    assert wsb_main(as_floor_argv(argv)) == 0  # this vendor under DEFAULT merged in
+    both = json.loads(cached.read_text())
+    here = cpu_vendor()
+    assert both["kernel_sets"] == [f"OtherVendor/{running}", f"{here}/DEFAULT"]
+    capsys.readouterr()
+    # the twin: what re-measures DEFAULT is refused, naming the kernel set it could add
+    monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available",
+                        lambda: ["default", running.lower()])
+    assert wsb_main(as_floor_argv([*argv, "--out", str(cached)])) == 2
+    err = capsys.readouterr().err
+    assert "cannot be told apart" in err
+    assert (f"--kernel-sets current measures only this CPU's running kernel set "
+            f"({here}/{running}, which it lacks) and merges it in") in err
+    assert json.loads(cached.read_text()) == both
+    assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "current", "--out",
+                                   str(cached)])) == 0
+    merged = json.loads(cached.read_text())
+    assert merged["kernel_sets"] == [*both["kernel_sets"], f"{here}/{running}"]
+    assert set(merged["machines"]) == {"OtherVendor", here}
+    for old, cell in zip(both["cells"], merged["cells"], strict=True):
+        for kernel_set, worst in old["by_kernel_set"].items():
+            assert cell["by_kernel_set"][kernel_set] == worst  # kept as measured
+        assert cell["worst_abs"] == max(cell["by_kernel_set"].values())
+    assert merged["repetitions"] == both["repetitions"]

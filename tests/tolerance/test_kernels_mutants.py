@@ -288,3 +288,32 @@ def test_a_measurement_written_over_another_vendors_keeps_it_and_over_its_own_re
                                                 r"cannot merge with this one \(measurements "
                                                 r"of different things"):
         kernels.over(amd, other)
+
+
+def test_a_kernel_set_the_floor_lacks_merges_in_beside_every_vendor_and_one_it_holds_does_not():
+    amd = merge([_on("AuthenticAMD", _phase("AVX2", [0.0, 2e-6]))])
+    intel = merge([_on("GenuineIntel", _phase("AVX2", [0.0, 1e-6]))])
+    both = kernels.over(amd, intel)
+    added = merge([_on("GenuineIntel", _phase("AVX512", [3e-6, 1e-7]))])
+    assert kernels.kept_vendors(both, "GenuineIntel", measuring=["GenuineIntel/AVX512"]) \
+        == ["AuthenticAMD", "GenuineIntel"]
+    out = kernels.over(both, added)
+    assert out["kernel_sets"] == ["AuthenticAMD/AVX2", "GenuineIntel/AVX2", "GenuineIntel/AVX512"]
+    assert [c["worst_abs"] for c in out["cells"]] == [3e-6, 2e-6]  # worst over all, kept
+    assert out["cells"][1]["by_kernel_set"] == {"AuthenticAMD/AVX2": 2e-6,
+                                                "GenuineIntel/AVX2": 1e-6,
+                                                "GenuineIntel/AVX512": 1e-7}
+    # the twin: a measurement holding a kernel set ``both`` has is refused, naming the rest
+    with pytest.raises(ArtifactProtected) as raised:
+        kernels.kept_vendors(both, "GenuineIntel", where="p.json",
+                             measuring=["GenuineIntel/AVX2", "GenuineIntel/AVX512"])
+    assert str(raised.value).endswith(
+        "--out PATH to write it elsewhere; --kernel-sets current measures only this CPU's "
+        "running kernel set (GenuineIntel/AVX512, which it lacks) and merges it in")
+    with pytest.raises(ArtifactProtected) as raised:
+        kernels.kept_vendors(both, "GenuineIntel", measuring=["GenuineIntel/AVX2"])
+    assert str(raised.value).endswith("--out PATH to write it elsewhere")
+    assert kernels.kept_vendors(amd, "AuthenticAMD", measuring=["AuthenticAMD/AVX512"]) \
+        == ["AuthenticAMD"]  # one vendor, a set it lacks: merged, not replaced
+    assert kernels.kept_vendors(both, "GenuineIntel", force=True,
+                                measuring=["GenuineIntel/AVX512"]) == []

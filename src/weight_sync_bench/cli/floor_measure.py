@@ -29,7 +29,9 @@ from weight_sync_bench.tolerance import kernels
 from weight_sync_bench.tolerance.artifacts import (
     artifact_path,
     cpu_vendor,
+    kernel_set_label,
     read_json,
+    running_kernel_set,
     write_artifact,
 )
 from weight_sync_bench.tolerance.rules import artifact_drift, cached_floor_path, floor_for
@@ -56,6 +58,14 @@ def each_kernel_set(argv: list[str], scratch: Path, line: ProgressLine) -> list[
         took.append(time.monotonic() - started)
     return measured
 
+def measuring(kernel_sets: str) -> list[str]:
+    """The kernel sets, with this CPU's vendor, a measurement of ``--kernel-sets`` holds:
+    every one this machine runs (``all``), or the one this process runs (``current``)."""
+    if kernel_sets == "current":
+        return [running_kernel_set()]
+    return [kernel_set_label(cpu_vendor(), k.upper()) for k in kernels.available()]
+
+
 def ticker(line: ProgressLine) -> Callable[[int, int, str], None] | None:
     return Ticker(line) if line.enabled else None
 
@@ -78,7 +88,8 @@ def measure_kind(args: argparse.Namespace, line: ProgressLine) -> int:
     if old is not None and isinstance(old.get("repetitions"), int):
         refuse_smaller(path, old=old["repetitions"], new=repetitions, what="repetitions",
                        force=args.force)
-    kernels.kept_vendors(old, cpu_vendor(), force=args.force, where=str(path))
+    kernels.kept_vendors(old, cpu_vendor(), force=args.force, where=str(path),
+                         measuring=measuring(args.kernel_sets))
     if args.kernel_sets == "all":
         argv = [args.kind, "--phase", args.phase, "--steps", str(args.steps),
                 "--repetitions", str(repetitions), "--dtype", args.dtype]
@@ -166,7 +177,8 @@ def measure_geometry(args: argparse.Namespace, line: ProgressLine) -> int:
         print(f"{config.name}: measured elsewhere ({floor.path}: {'; '.join(elsewhere)}); "
               "measuring it here", flush=True)
     old = read_json(path) if path.is_file() else None
-    kept = kernels.kept_vendors(old, cpu_vendor(), force=args.force, where=str(path))
+    kept = kernels.kept_vendors(old, cpu_vendor(), force=args.force, where=str(path),
+                                measuring=measuring(args.kernel_sets))
     # merged into another machine class's measurement: the same sample as it
     repetitions = args.repetitions or (old["repetitions"] if kept and old else
                                        phase_floor.GEOMETRY_REPETITIONS)

@@ -208,22 +208,32 @@ def vendors(kernel_sets: list[str]) -> list[str]:
 
 
 def kept_vendors(old: dict[str, Any] | None, vendor: str | None, *, force: bool = False,
-                 where: str = "the artifact replaced") -> list[str]:
+                 where: str = "the artifact replaced",
+                 measuring: list[str] | None = None) -> list[str]:
     """The machine classes of ``old`` (the artifact a measurement on ``vendor``'s CPU is
     about to replace) that the measurement keeps: every vendor ``old`` measured other than
     ``vendor``; none where ``old`` is None or names no vendor (it predates the field and
-    its model), or with ``force``. ``ArtifactProtected`` where ``old`` holds ``vendor`` too
-    beside others: their figures could not be told apart from the ones this measurement
-    replaces. Called before measuring, so a refusal costs nothing."""
+    its model), or with ``force``. Where ``measuring`` (the vendor-qualified kernel sets the
+    measurement will hold) shares no kernel set with ``old``, nothing is replaced: every
+    vendor of ``old`` is kept, ``vendor`` too, and the two merge (a kernel set this CPU has
+    that the floor lacks, measured alone and added). ``ArtifactProtected`` where ``old``
+    holds ``vendor`` too beside others and the measurement re-measures a kernel set of it:
+    their figures could not be told apart from the ones this measurement replaces. Called
+    before measuring, so a refusal costs nothing."""
     if old is None or force:
         return []
     had = vendors(kernel_sets_of(old))
+    if measuring and had and not set(measuring) & set(kernel_sets_of(old)):
+        return had
     others = [v for v in had if v != vendor]
     if others and vendor in had:
+        missing = [k for k in measuring or () if k not in kernel_sets_of(old)]
+        add = (f"; --kernel-sets current measures only this CPU's running kernel set "
+               f"({', '.join(missing)}, which it lacks) and merges it in") if missing else ""
         raise ArtifactProtected(
             f"{where} holds measurements on {', '.join(had)}: measured again on {vendor}, its "
             f"{', '.join(others)} figures cannot be told apart from the ones this measurement "
-            f"replaces. {_remedy(others)}")
+            f"replaces. {_remedy(others)}{add}")
     return others
 
 
@@ -235,7 +245,8 @@ def over(old: dict[str, Any] | None, new: dict[str, Any], *, force: bool = False
     CPU and then on another's covers both; else ``new`` alone. ``ArtifactProtected`` where
     they cannot merge (``old`` measured something else), unless ``force``."""
     here = vendors(kernel_sets_of(new))
-    others = kept_vendors(old, here[0] if here else None, force=force, where=where)
+    others = kept_vendors(old, here[0] if here else None, force=force, where=where,
+                          measuring=kernel_sets_of(new))
     if not others:
         return new
     try:
