@@ -95,6 +95,24 @@ def test_every_dtype_and_shape_is_fingerprinted_by_its_bytes():
     assert before.changed(args) == (0, "bf16", "modified in place")
 
 
+@pytest.mark.parametrize("write", ["-0.0 for +0.0", "another NaN payload"])
+def test_a_change_that_keeps_every_value_equal_is_still_a_modification(write):
+    """The guard compares bytes, not values: -0.0 == +0.0 and NaN payloads compare alike
+    (or not at all) as values, yet a converter writing them changed the trainer's weights."""
+    x = torch.zeros(64)
+    x[7] = float("nan")
+    args = ({"w": x},)
+    before = fingerprint(args)
+    assert before.changed(args) is None  # the twin
+    if write.startswith("-0.0"):
+        x[3] = -0.0
+        assert torch.equal(x[3:4], torch.zeros(1))  # equal as values
+    else:
+        x.view(torch.int32)[7] ^= 1  # still a NaN
+        assert x[7].isnan()
+    assert before.changed(args) == (None, "w", "modified in place")
+
+
 def sleeper(shards, dst):
     time.sleep(30)
     return reshard(shards, LAYOUT, dst)
