@@ -1,6 +1,6 @@
 """Cost of one training-equivalence check against the bare reference training it contains.
 
-    python bench/bench_training.py [--rounds N] [--steps K] [--cprofile N]
+    python bench/bench_training.py [--rounds N] [--steps K] [--cprofile N] [--fused]
 
 "bare" is what any such check must do at least once: the dense reference's forward,
 backward and AdamW step on the full batch (``train_reference``), from parameters already
@@ -15,7 +15,10 @@ exclusive wall time of each function, the reference's and the sharded run's told
 each phase as a ratio to that case's bare time, the cases side by side; then the check
 against the reference's own forward, backward, loss and AdamW step alone (no trace copies),
 and the floor no harness change can lower: both training runs by themselves. ``--cprofile N``
-adds cProfile's N hottest functions (by own time) of one check per case.
+adds cProfile's N hottest functions (by own time) of one check per case. ``--fused`` runs
+every case again, in the same run, with torch's fused AdamW on both sides instead of the
+single-tensor one every training floor was measured with (it rounds differently, so the
+harness cannot switch without re-measuring them): what that change would buy, side by side.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from weight_sync_bench.training import step as step_module
 from weight_sync_bench.training.batches import default_spec
 from weight_sync_bench.training.floor import SMALL_VARIANTS, thresholds_for
 from weight_sync_bench.training.mesh import Mesh
+from weight_sync_bench.training.optimizer import AdamW
 from weight_sync_bench.training.step import TrainingCase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,13 +99,21 @@ def wrapped(phases: Phases) -> Phases:
     return phases
 
 
+def fused_make(self: AdamW, params):  # type: ignore[no-untyped-def]
+    return torch.optim.AdamW(params, lr=self.lr, betas=self.betas, eps=self.eps,
+                             weight_decay=self.weight_decay, fused=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print cProfile's N hottest functions of one check per case")
+    parser.add_argument("--fused", action="store_true",
+                        help="also every case with torch's fused AdamW on both sides")
     args = parser.parse_args()
+    single = AdamW.make
     torch.set_num_threads(1)
     rows = [["case", "steps", "bare ref f+b+step", "sharded", "check", "check / bare",
              "CPU: bare", "check", "check / bare"]]
@@ -109,14 +121,19 @@ def main() -> None:
     floors = [["case", "ref f+b+step", "check / it", "training runs alone / it",
                "the rest / it"]]
     profiles: list[tuple[str, str]] = []
-    for config, mesh in ((TOY, Mesh(2, 2)), (TOY_KV4, Mesh(2, 4)), (SMALL_VARIANTS[1], Mesh(2, 2))):
+    cases = [(config, mesh, optimizer)
+             for optimizer in ("single-tensor", "fused")[:2 if args.fused else 1]
+             for config, mesh in ((TOY, Mesh(2, 2)), (TOY_KV4, Mesh(2, 4)),
+                                  (SMALL_VARIANTS[1], Mesh(2, 2)))]
+    for config, mesh, optimizer in cases:
+        AdamW.make = fused_make if optimizer == "fused" else single  # type: ignore[method-assign]
         case = TrainingCase(config, mesh, seed=0, steps=args.steps,
                             spec=default_spec(config, packed=True))
         thresholds = thresholds_for(config)
         def check(case: TrainingCase = case, thresholds: dict[str, float] = thresholds) -> None:
             case.check(thresholds)  # looked up at each call: the wrapped one when wrapped
 
-        label = f"{config.name} {mesh} packed"
+        label = f"{config.name} {mesh} packed" + (", fused AdamW" if optimizer == "fused" else "")
         times: dict[str, list[tuple[float, float]]] = {"bare": [], "sharded": [], "check": []}
         runs: list[Phases] = []
         case.reference(), case.sharded(), check()  # warm-up: first-touch pages, lazy init
