@@ -115,11 +115,9 @@ def test_a_geometry_floor_of_another_cpu_vendor_is_measured_here_and_keeps_it(ti
     assert json.loads(cached.read_text()) == merged
 
 
-def test_the_twin_a_floor_holding_this_vendor_beside_another_is_not_re_measured_silently(
-        tiny, capsys, monkeypatch):
-    """Measured again on a vendor it holds beside another, the other vendor's figures could
-    not be told apart from the ones replaced: refused before anything is measured, unless
-    --force (which replaces them all)."""
+def _on_two_vendors(tiny, monkeypatch):
+    """The tiny geometry's cached floor measured under the running kernel set as if on
+    another vendor's CPU, then under DEFAULT on this one (merged): ``(argv, path)``."""
     monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: ["default"])
     path, config = tiny
     argv = ["geometry", "--hf-config", str(path), "--repetitions", "1"]
@@ -127,6 +125,15 @@ def test_the_twin_a_floor_holding_this_vendor_beside_another_is_not_re_measured_
     cached = cached_floor_path(config)
     _as_if_measured_on(cached, "OtherVendor")
     assert wsb_main(as_floor_argv(argv)) == 0
+    return argv, cached
+
+
+def test_the_twin_a_floor_holding_this_vendor_beside_another_is_not_re_measured_silently(
+        tiny, capsys, monkeypatch):
+    """Measured again on a vendor it holds beside another, the other vendor's figures could
+    not be told apart from the ones replaced: refused before anything is measured, unless
+    --force (which replaces them all)."""
+    argv, cached = _on_two_vendors(tiny, monkeypatch)
     both = cached.read_text()
 
     def no_measuring(*args, **kwargs):
@@ -149,13 +156,7 @@ def test_a_kernel_set_the_floor_lacks_is_measured_alone_and_merged_beside_both_v
     running = runtime()["cpu_capability"]
     if running == "DEFAULT":
         pytest.skip("this CPU runs DEFAULT only: it has no kernel set beyond the one measured")
-    monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: ["default"])
-    path, config = tiny
-    argv = ["geometry", "--hf-config", str(path), "--repetitions", "1"]
-    assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "current"])) == 0
-    cached = cached_floor_path(config)
-    _as_if_measured_on(cached, "OtherVendor")
-    assert wsb_main(as_floor_argv(argv)) == 0  # this vendor under DEFAULT merged in
+    argv, cached = _on_two_vendors(tiny, monkeypatch)
     both = json.loads(cached.read_text())
     here = cpu_vendor()
     assert both["kernel_sets"] == [f"OtherVendor/{running}", f"{here}/DEFAULT"]
