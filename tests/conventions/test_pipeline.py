@@ -110,6 +110,31 @@ def test_two_stages_publishing_local_indices_is_a_coverage_failure(tolerance):
     assert caught.value.missing[0][0] == "model.layers.2.input_layernorm.weight"
 
 
+def last_stage_without(*names):
+    """HF -> Megatron TP1 PP2 whose last stage never writes ``names``."""
+    def convert_dropping(shards, degree):
+        out = convert(shards, "hf", "megatron:tp=1,pp=2", TOY)
+        for name in names:
+            del out[1][name]
+        return out
+    return convert_dropping
+
+
+@pytest.mark.parametrize("names, told", [
+    (("output_layer.weight",), "output_layer.weight (1 declared tensor)"),
+    (("output_layer.weight", "decoder.final_layernorm.weight"),
+     "decoder.final_layernorm.weight, output_layer.weight (2 declared tensors)"),
+])
+def test_a_stage_missing_only_tensors_outside_the_layers_names_them_and_no_layer(tolerance,
+                                                                               names, told):
+    """The coverage line tells a missing tensor by its layer where it has one; a stage that
+    lacks only the head (and the final norm) names them, with no empty "layer" beside."""
+    with pytest.raises(Uncovered) as caught:
+        check_convert(last_stage_without(*names), TOY, "hf", "megatron:tp=1,pp=2")
+    assert (f"coverage: never written on rank 1: {told}; rank 1 is pipeline stage 1 of 2: "
+            "global layers 2-3 as local 0-1") in str(caught.value)
+
+
 def contiguous_chunks(shards, degree):
     """HF -> Megatron TP1 PP2 VPP2 placing each rank's chunks as if contiguous (rank 0:
     layers 0-1, rank 1: 2-3) instead of interleaved (Megatron-LM #1584)."""
