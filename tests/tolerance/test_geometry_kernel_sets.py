@@ -37,10 +37,13 @@ def test_a_geometry_floor_is_measured_under_every_kernel_set_and_covers_each(tin
     # process each); the merge itself is tested on any number (test_kernels_mutants.py)
     here = runtime()["cpu_capability"]
     chosen = ["default"] if here == "DEFAULT" else ["default", here.lower()]
-    monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: chosen)
+    asked = []  # each ask is a fresh torch process per kernel set: asked once a measurement
+    monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available",
+                        lambda: asked.append(1) or chosen)
     path, config = tiny
     assert wsb_main(as_floor_argv(["geometry", "--hf-config", str(path),
                                    "--repetitions", "1"])) == 0
+    assert len(asked) == 1
     printed, progress = capsys.readouterr()
     artifact = json.loads(cached_floor_path(config).read_text())
     # each kernel set's process shows its progress line (an ETA), relayed behind the set
@@ -167,8 +170,8 @@ def test_a_kernel_set_the_floor_lacks_is_measured_alone_and_merged_beside_both_v
     assert wsb_main(as_floor_argv([*argv, "--out", str(cached)])) == 2
     err = capsys.readouterr().err
     assert "cannot be told apart" in err
-    assert (f"--kernel-sets current measures only this CPU's running kernel set "
-            f"({here}/{running}, which it lacks) and merges it in") in err
+    assert (f"it lacks {here}/{running}: --kernel-sets current measures only the kernel "
+            "set this CPU runs and merges it in") in err
     assert json.loads(cached.read_text()) == both
     assert wsb_main(as_floor_argv([*argv, "--kernel-sets", "current", "--out",
                                    str(cached)])) == 0

@@ -308,8 +308,8 @@ def test_a_kernel_set_the_floor_lacks_merges_in_beside_every_vendor_and_one_it_h
         kernels.kept_vendors(both, "GenuineIntel", where="p.json",
                              measuring=["GenuineIntel/AVX2", "GenuineIntel/AVX512"])
     assert str(raised.value).endswith(
-        "--out PATH to write it elsewhere; --kernel-sets current measures only this CPU's "
-        "running kernel set (GenuineIntel/AVX512, which it lacks) and merges it in")
+        "--out PATH to write it elsewhere; it lacks GenuineIntel/AVX512: --kernel-sets "
+        "current measures only the kernel set this CPU runs and merges it in")
     with pytest.raises(ArtifactProtected) as raised:
         kernels.kept_vendors(both, "GenuineIntel", measuring=["GenuineIntel/AVX2"])
     assert str(raised.value).endswith("--out PATH to write it elsewhere")

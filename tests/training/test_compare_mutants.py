@@ -167,7 +167,8 @@ def test_the_parameters_after_the_first_and_the_last_step_are_each_compared():
     out = parameter_deviations(START, ref, last)
     assert out["params_step1"][0] == 0.0
     assert out["params_final"][0] > 0 and out["params_final"][1] == "tok_embeddings.weight"
-    three = trace(params=[*trace().params, {n: x + 1 for n, x in trace().params[1].items()}])
+    two = ref.params
+    three = trace(params=[*two, {n: x + 1 for n, x in two[1].items()}])
     wrong = copy(three)
     wrong.params[1]["lm_head.weight"][0, 0] += 1.0  # the middle step: neither first nor last
     out = parameter_deviations(START, three, wrong)

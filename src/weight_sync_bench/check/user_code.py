@@ -223,8 +223,8 @@ def _digest(x: torch.Tensor) -> bytes:
     """A CRC-32 of the tensor's bytes. The guard is against slips, not adversaries: CRC-32
     catches every change confined to 32 consecutive bits (so any one element of a <= 4-byte
     dtype changed, whatever its value), any other change but with probability 2**-32, and
-    costs a fraction of a cryptographic digest's time: it runs twice per call over every
-    input tensor, and BLAKE2b here was ~40% of a small check's time."""
+    costs a fraction of a cryptographic digest's time, which matters: it runs twice per
+    call over every input tensor."""
     flat = x.detach().reshape(-1)
     if flat.numel() == 0:
         return b""

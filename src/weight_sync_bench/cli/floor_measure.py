@@ -38,11 +38,13 @@ from weight_sync_bench.tolerance.rules import artifact_drift, cached_floor_path,
 from weight_sync_bench.training import floor as training_floor
 
 
-def each_kernel_set(argv: list[str], scratch: Path, line: ProgressLine) -> list[dict[str, Any]]:
-    """``wsb floor *argv`` measured under every kernel set this machine runs, a process each
+def each_kernel_set(argv: list[str], scratch: Path, line: ProgressLine,
+                    sets: list[str] | None = None) -> list[dict[str, Any]]:
+    """``wsb floor *argv`` measured under every kernel set this machine runs (``sets``, where
+    the caller already asked ``kernels.available``: a fresh process each), a process each
     (``kernels.measure_under``), its progress line relayed behind the kernel set, with the
     time the sets before it took: their artifacts, in order."""
-    sets = kernels.available()
+    sets = sets if sets is not None else kernels.available()
     measured, took = [], []
     for k, kernel_set in enumerate(sets, start=1):
         started = time.monotonic()
@@ -58,12 +60,13 @@ def each_kernel_set(argv: list[str], scratch: Path, line: ProgressLine) -> list[
         took.append(time.monotonic() - started)
     return measured
 
-def measuring(kernel_sets: str) -> list[str]:
-    """The kernel sets, with this CPU's vendor, a measurement of ``--kernel-sets`` holds:
-    every one this machine runs (``all``), or the one this process runs (``current``)."""
-    if kernel_sets == "current":
+def measuring(sets: list[str] | None) -> list[str]:
+    """The kernel sets, with this CPU's vendor, a measurement will hold: ``sets`` (what
+    ``--kernel-sets all`` measures, ``kernels.available()``), or, None, the one this process
+    runs (``--kernel-sets current``)."""
+    if sets is None:
         return [running_kernel_set()]
-    return [kernel_set_label(cpu_vendor(), k.upper()) for k in kernels.available()]
+    return [kernel_set_label(cpu_vendor(), k.upper()) for k in sets]
 
 
 def ticker(line: ProgressLine) -> Callable[[int, int, str], None] | None:
@@ -88,13 +91,14 @@ def measure_kind(args: argparse.Namespace, line: ProgressLine) -> int:
     if old is not None and isinstance(old.get("repetitions"), int):
         refuse_smaller(path, old=old["repetitions"], new=repetitions, what="repetitions",
                        force=args.force)
+    sets = kernels.available() if args.kernel_sets == "all" else None
     kernels.kept_vendors(old, cpu_vendor(), force=args.force, where=str(path),
-                         measuring=measuring(args.kernel_sets))
-    if args.kernel_sets == "all":
+                         measuring=measuring(sets))
+    if sets is not None:
         argv = [args.kind, "--phase", args.phase, "--steps", str(args.steps),
                 "--repetitions", str(repetitions), "--dtype", args.dtype]
         with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
-            artifact = kernels.merge(each_kernel_set(argv, Path(scratch), line))
+            artifact = kernels.merge(each_kernel_set(argv, Path(scratch), line, sets))
     elif args.kind == "phase":
         runner, forward = None, None
         if args.phase == "1b":
@@ -177,15 +181,16 @@ def measure_geometry(args: argparse.Namespace, line: ProgressLine) -> int:
         print(f"{config.name}: measured elsewhere ({floor.path}: {'; '.join(elsewhere)}); "
               "measuring it here", flush=True)
     old = read_json(path) if path.is_file() else None
+    sets = kernels.available() if args.kernel_sets == "all" else None
     kept = kernels.kept_vendors(old, cpu_vendor(), force=args.force, where=str(path),
-                                measuring=measuring(args.kernel_sets))
+                                measuring=measuring(sets))
     # merged into another machine class's measurement: the same sample as it
     repetitions = args.repetitions or (old["repetitions"] if kept and old else
                                        phase_floor.GEOMETRY_REPETITIONS)
     print(f"measuring {config.name} (d_model {config.d_model}, {config.n_layers} layers, "
           f"{config.n_params:,} parameters, {args.dtype}) over {repetitions} seeds ...",
           flush=True)
-    if args.kernel_sets == "all":
+    if sets is not None:
         argv = ["geometry", "--phase", args.phase, "--dtype", args.dtype,
                 "--repetitions", str(repetitions), "--force"]
         for flag, value in (("--hf-config", args.hf_config), ("--config", args.config),
@@ -195,7 +200,7 @@ def measure_geometry(args: argparse.Namespace, line: ProgressLine) -> int:
             if value is not None:
                 argv += [flag, str(value)]
         with tempfile.TemporaryDirectory(prefix="wsb-kernels-") as scratch:
-            artifact = kernels.merge(each_kernel_set(argv, Path(scratch), line))
+            artifact = kernels.merge(each_kernel_set(argv, Path(scratch), line, sets))
     else:
         forward = None
         if args.phase == "1b":

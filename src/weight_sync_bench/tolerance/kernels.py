@@ -222,14 +222,15 @@ def kept_vendors(old: dict[str, Any] | None, vendor: str | None, *, force: bool 
     before measuring, so a refusal costs nothing."""
     if old is None or force:
         return []
-    had = vendors(kernel_sets_of(old))
-    if measuring and had and not set(measuring) & set(kernel_sets_of(old)):
+    held = kernel_sets_of(old)
+    had = vendors(held)
+    missing = [k for k in measuring or () if k not in held]
+    if had and measuring and len(missing) == len(measuring):  # nothing re-measured
         return had
     others = [v for v in had if v != vendor]
     if others and vendor in had:
-        missing = [k for k in measuring or () if k not in kernel_sets_of(old)]
-        add = (f"; --kernel-sets current measures only this CPU's running kernel set "
-               f"({', '.join(missing)}, which it lacks) and merges it in") if missing else ""
+        add = (f"; it lacks {', '.join(missing)}: --kernel-sets current measures only the "
+               "kernel set this CPU runs and merges it in") if missing else ""
         raise ArtifactProtected(
             f"{where} holds measurements on {', '.join(had)}: measured again on {vendor}, its "
             f"{', '.join(others)} figures cannot be told apart from the ones this measurement "
