@@ -117,4 +117,10 @@ def _fresh_layouts():
     layout_for.cache_clear()
     table.clear_caches()
     reshard.clear_caches()
+    if "MUTANT_UNDER_TEST" in os.environ:  # kept across tests otherwise: a copy is handed out
+        from weight_sync_bench.conventions.convention import clear_caches
+        from weight_sync_bench.model.config import clear_kept_params
+
+        clear_kept_params()
+        clear_caches()
     yield

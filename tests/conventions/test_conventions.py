@@ -259,3 +259,24 @@ def test_the_convention_table_shows_replicated_kv_heads_where_the_bytes_are_repl
                                "256]", "HP(8,2,32)", "[128,", "256]", "HR(8,2,32)", "[96,",
                                "256]", "HR(8,2,32)", "-"]
     assert text.splitlines()[-1] == "HR(8,2,32): Q heads split; rank r holds replicated KV head r*2/t"
+
+
+def test_a_refusal_is_remembered_with_its_message_and_an_answer_still_answers():
+    """``Convention.pieces`` remembers a refusal (``supported_degrees`` probes 64 degrees at
+    a time): asked again, the same type and message, each time a fresh exception; the degrees
+    it accepts still answer, with the same index maps."""
+    from weight_sync_bench.conventions.convention import clear_caches
+
+    vllm = CONVENTIONS["vllm"]
+    clear_caches()
+    raised = []
+    for _ in range(2):
+        with pytest.raises(UnsupportedConvention) as info:
+            vllm.pieces(TOY_KV4, 3)
+        raised.append(info.value)
+    assert type(raised[0]) is type(raised[1]) and raised[0] is not raised[1]
+    assert str(raised[0]) == str(raised[1]) and "t=3" in str(raised[0])
+    assert vllm.supported_degrees(TOY_KV4) == vllm.supported_degrees(TOY_KV4)
+    assert 3 not in vllm.supported_degrees(TOY_KV4)
+    answer = vllm.pieces(TOY_KV4, 2)  # the twin: a supported degree is answered, and kept
+    assert vllm.pieces(TOY_KV4, 2) is answer and len(answer) == 2

@@ -17,6 +17,7 @@ stored tensors into those forward inputs by a per-rank permutation computed from
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -143,8 +144,39 @@ class Convention:
         return self.name
 
 
-@functools.lru_cache(maxsize=512)
+# A refusal is cached apart from the answers: ``supported_degrees`` probes 64 degrees at a
+# time, most of them refused, and 512 answers of index maps (~0.6 MiB each at TOY's width)
+# would otherwise be evicted by the probes (an exception is not cached by ``lru_cache``).
+_REFUSALS_KEPT = 8192
+_refusals: OrderedDict[tuple[Convention, ModelConfig, Endpoint],
+                       tuple[type[UnsupportedLayout], tuple[object, ...]]] = OrderedDict()
+
+
 def _pieces(convention: Convention, config: ModelConfig, at: Endpoint) -> Pieces:
+    key = (convention, config, at)
+    refused = _refusals.get(key)
+    if refused is not None:
+        _refusals.move_to_end(key)
+        kind, args = refused
+        raise kind(*args)  # a fresh one: the message the rule gave, not its old traceback
+    try:
+        return _answer(convention, config, at)
+    except UnsupportedLayout as e:
+        _refusals[key] = (type(e), e.args)
+        if len(_refusals) > _REFUSALS_KEPT:
+            _refusals.popitem(last=False)
+        raise
+
+
+def clear_caches() -> None:
+    """Forget every convention's cached answers and refusals."""
+    _answer.cache_clear()
+    _refusals.clear()
+    _forward_layout.cache_clear()
+
+
+@functools.lru_cache(maxsize=512)
+def _answer(convention: Convention, config: ModelConfig, at: Endpoint) -> Pieces:
     for key, value in (("tp", at.degree), ("ep", at.ep)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise UnsupportedConvention(f"{convention.name}: {key} must be a positive int, "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -735,11 +736,38 @@ def iter_params(config: ModelConfig, seed: int, init: Init = DEFAULT_INIT,
         yield name, draw_param(name, shape, gen, init, dtype)
 
 
+# init_params keeps the draws of the last few models it drew and hands out copies: a copy
+# costs about half the draw (``torch.randn``), and a sweep, a floor and the checks of one
+# process ask for the same (config, seed) again and again. A model of over a third of
+# _KEPT_BYTES (TOY's 73 MiB is kept) is drawn anew each time: a real width is never held twice.
+_KEPT_BYTES = 384 << 20
+_kept: OrderedDict[tuple[ModelConfig, int, Init, torch.dtype], dict[str, torch.Tensor]] = (
+    OrderedDict())
+
+
 def init_params(config: ModelConfig, seed: int, init: Init = DEFAULT_INIT,
                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Full (unsharded) parameters, a deterministic function of (config, seed, init): drawn
-    in fp32, then cast to ``dtype`` (bf16 and fp16 round the same fp32 draws)."""
-    return dict(iter_params(config, seed, init, dtype))
+    in fp32, then cast to ``dtype`` (bf16 and fp16 round the same fp32 draws). The caller
+    owns what it gets (a copy where the draw was kept: ``clear_kept_params``)."""
+    key = (config, seed, init, dtype)
+    kept = _kept.get(key)
+    if kept is None:
+        drawn = dict(iter_params(config, seed, init, dtype))
+        size = sum(x.nbytes for x in drawn.values())
+        if size > _KEPT_BYTES // 3:
+            return drawn
+        _kept[key] = kept = drawn
+        while sum(x.nbytes for params in _kept.values() for x in params.values()) > _KEPT_BYTES:
+            _kept.popitem(last=False)
+    else:
+        _kept.move_to_end(key)
+    return {name: x.clone() for name, x in kept.items()}
+
+
+def clear_kept_params() -> None:
+    """Forget the draws ``init_params`` keeps (a mutation-testing run draws its own)."""
+    _kept.clear()
 
 
 def make_tokens(config: ModelConfig, seed: int) -> torch.Tensor:
