@@ -7,7 +7,7 @@ from weight_sync_bench.errors import InvalidConfig
 from weight_sync_bench.model.config import (
     HF_CONFIGS,
     TOY,
-    TOY,
+    TOY_KV4,
     ModelConfig,
     hf_config_path,
     init_params,
@@ -22,8 +22,8 @@ def test_toy_has_the_specified_parameter_count():
 
 
 def test_toy_kv4_differs_from_toy_only_in_kv_heads():
-    assert TOY.replace(name="toy", n_kv_heads=2) == TOY
-    assert TOY.qkv_rows == (8 + 2 * 4) * 32  # 512
+    assert TOY_KV4.replace(name="toy", n_kv_heads=2) == TOY
+    assert TOY_KV4.qkv_rows == (8 + 2 * 4) * 32  # 512
 
 
 def test_fused_row_counts_follow_the_seed_diagram():
@@ -32,7 +32,7 @@ def test_fused_row_counts_follow_the_seed_diagram():
 
 
 def test_params_are_a_deterministic_function_of_the_seed():
-    a, b, c = init_params(TOY, 3), init_params(TOY, 3), init_params(TOY, 4)
+    a, b, c = init_params(TOY_KV4, 3), init_params(TOY_KV4, 3), init_params(TOY_KV4, 4)
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not torch.equal(a["layers.0.qkv.weight"], c["layers.0.qkv.weight"])
     assert torch.equal(make_tokens(TOY, 7), make_tokens(TOY, 7))
@@ -140,7 +140,7 @@ def test_split_biases_appear_in_the_geometry_only_when_set():
 def test_init_params_hands_out_a_copy_of_the_draw_it_keeps():
     """``init_params`` keeps a draw of TOY's width: what a caller gets is its own (writing
     into it changes no later call), and equal bit for bit to a fresh draw (``iter_params``)."""
-    from weight_sync_bench.model.config import TOY, clear_kept_params, init_params, iter_params
+    from weight_sync_bench.model.config import clear_kept_params, iter_params
 
     clear_kept_params()
     first = init_params(TOY, 5)
