@@ -13,6 +13,7 @@ it, so the walk is shown to see what it claims to see.
 from __future__ import annotations
 
 import ast
+import functools
 import tomllib
 from pathlib import Path
 
@@ -41,6 +42,9 @@ PRINTERS = ("cli",)
 # unseen). Nothing may be added to them.
 KNOWN_CYCLES: set[tuple[str, ...]] = set()
 KNOWN_PRIVATE_IMPORTS: set[str] = set()
+
+# Every test here reads every module: each source is parsed once a process (not mutated)
+_parse = functools.lru_cache(maxsize=None)(ast.parse)
 
 
 def module_name(path: Path, package: Path) -> str:
@@ -83,7 +87,7 @@ def import_violations(package: Path, top: str = "weight_sync_bench") -> list[str
         if me.split(".")[-1] in ENTRY_POINTS and (me in ENTRY_POINTS or path.stem == "__main__"):
             continue
         mine = _layer(me)
-        for line, target in imported(ast.parse(path.read_text()), top):
+        for line, target in imported(_parse(path.read_text()), top):
             where = f"{path.relative_to(package)}:{line}: {me} imports {target}"
             if _is(target, (STRATEGIES,)) and not _is(me, STRATEGY_USERS):
                 out.append(where + " (only the fuzz front end uses the strategies)")
@@ -111,7 +115,7 @@ def module_imports(package: Path, top: str = "weight_sync_bench"
     private = []
     for me, path in paths.items():
         base = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path.read_text())):
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if a.name.startswith(top + "."):
@@ -194,7 +198,7 @@ def print_violations(package: Path) -> list[str]:
         me = module_name(path, package)
         if _is(me, PRINTERS) or path.stem == "__main__":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue
             f = node.func

@@ -26,7 +26,7 @@ from weight_sync_bench.check.conversion import ConversionChecker
 from weight_sync_bench.check.mutations import KILL_MARGIN
 from weight_sync_bench.check.routing import forward_unchanged
 from weight_sync_bench.check.verdict import Verdict
-from weight_sync_bench.conventions import Endpoint, convert
+from weight_sync_bench.conventions import Endpoint
 from weight_sync_bench.conventions.mutations import (
     Conversion,
     ConversionMutation,
@@ -86,7 +86,10 @@ def _row(checker: ConversionChecker, mutation: ConversionMutation,
          conversion: Conversion) -> KillRow:
     config, dst = checker.config, conversion.dst
     declared = checker.declared(dst)
-    converted = convert(checker.source(conversion.src), conversion.src, dst, config)
+    # The harness's converter is exact (tests/conventions/test_conversions.py): what it makes
+    # of the source is the declared destination, byte for byte; fresh copies of that are
+    # what the mutation gets, without gathering the source again for every row
+    converted = checker.source(dst)
     mutated = mutation.apply(converted, conversion)
     sources = {n: piece.source for rank in dst.pieces(config) for n, piece in rank.items()}
     changed = sorted({sources[n] for new, old in zip(mutated, declared) for n in new
