@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.breadth import breadth
 from tests.check.test_fp8_convert import TOY_FP8
 from weight_sync_bench.check.checkpoint import verify_checkpoint
 from weight_sync_bench.cli.main import main
@@ -23,9 +24,17 @@ from weight_sync_bench.errors import CheckpointError
 from weight_sync_bench.model.config import init_params
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("where", ["hf:fp8=block128", "vllm:tp=2,fp8=block128",
-                                   "hf:fp8=tensor", "vllm:tp=2,fp8=tensor"])
+# Each endpoint in one dtype by default, both dtypes on each endpoint in the long run: the
+# kept cells reach each endpoint (HF and vLLM, block and per-tensor) and each dtype twice; a
+# moved cell's equivalent is its endpoint's kept cell in the other dtype (the dtype changes
+# only the unquantized tensors, which both dtypes' kept cells round-trip).
+@pytest.mark.parametrize("where, dtype", breadth(
+    [pytest.param(where, dtype, id=f"{where}-{name}")
+     for where in ("hf:fp8=block128", "vllm:tp=2,fp8=block128", "hf:fp8=tensor",
+                   "vllm:tp=2,fp8=tensor")
+     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16"))],
+    keep={"hf:fp8=block128-fp32", "vllm:tp=2,fp8=block128-bf16", "hf:fp8=tensor-bf16",
+          "vllm:tp=2,fp8=tensor-fp32"}, name=lambda p: p.id))
 def test_an_fp8_checkpoint_round_trips_and_a_changed_scale_fails(tmp_path, where, dtype):
     """In the trainer's dtype (bf16 norms and embeddings beside float32 scales: the
     unquantized tensors' dtype is the weights'). A per-tensor checkpoint states no block

@@ -4,9 +4,11 @@ threshold, for every pair of conventions and degrees of every geometry; where it
 the identity, its bytes really are unchanged (and the check passes).
 
 The default run takes the matrix on TOY and the reduced llama3_8b, qwen2_5_7b and
-mistral_nemo, but for TOY's four costliest cells (``NIGHTLY_CELLS``: its 32000-row vocabulary
-makes each 2-5 s); TOY_KV4 and the reduced mistral_7b (llama3_8b's shapes under another
-rope_theta) join it in the long run (``WSB_PROFILE=wsb-nightly``, ``make nightly``): every
+mistral_nemo, but for the cells ``NIGHTLY_CELLS`` names (TOY's costliest: its 32000-row
+vocabulary makes each 0.2-5 s; the costlier cells of llama3_8b and mistral_nemo whose every
+outcome another default geometry's cell of the same mutation reaches); TOY_KV4 and the
+reduced mistral_7b (llama3_8b's shapes under another rope_theta) join it in the long run
+(``WSB_PROFILE=wsb-nightly``, ``make nightly``): every
 outcome the long run's cells reach (each not-applicable reason, each identity reason, a live
 kill) is one the default cells of the same mutation reach too, which
 ``test_the_default_geometries_reach_every_outcome_of_the_whole_matrix`` checks."""
@@ -44,9 +46,32 @@ SMALL = ModelConfig(name="small", vocab=64, d_model=32, n_layers=1, n_heads=8, n
 NIGHTLY_GEOMETRIES = ("toy_kv4", "mistral_7b")
 NIGHTLY = pytest.mark.skipif(profile_name() != "wsb-nightly",
                              reason="the long run: WSB_PROFILE=wsb-nightly (make nightly)")
+# The default geometries' cells the long run takes, each mutation keeping by default a
+# cell that meets its every outcome (a kill, each identity and not-applicable reason): TOY's
+# four costliest (its 32000-row vocabulary makes each 2-5 s) and its RoPE, qkv-order and
+# vocab-split ones (0.2-0.8 s each; their kills the reduced llama3_8b and qwen2_5_7b cells
+# keep, TOY's committed floor kv_replica_modulo keeps); of the 1/16-width llama3_8b and
+# mistral_nemo, the ~1 s cells whose equivalent another default geometry keeps
+# (megatron_fc1_rank_concat: qwen2_5_7b's; output_stale_copy and tp_rank_defaults_to_0:
+# qwen2_5_7b's; embedding_joined_on_vocab: llama3_8b's; megatron_qkv_read_as_plain: llama3_8b's
+# and qwen2_5_7b's; RoPE: llama3_8b's, mistral_nemo's head_dim off d / h keeping
+# rope_permute_missing). test_the_default_geometries_reach_every_outcome_of_the_whole_matrix
+# checks the default cells still reach every outcome.
 NIGHTLY_CELLS = {*((g, m.name) for g in NIGHTLY_GEOMETRIES for m in DENSE_MUTATIONS),
                  *(("toy", m) for m in ("embedding_joined_on_vocab", "output_stale_copy",
-                                        "megatron_fc1_rank_concat", "tp_rank_defaults_to_0"))}
+                                        "megatron_fc1_rank_concat", "tp_rank_defaults_to_0",
+                                        "rope_permute_missing", "rope_permute_twice",
+                                        "rope_k_permuted_with_n_heads",
+                                        "megatron_qkv_read_as_plain",
+                                        "plain_qkv_read_as_megatron", "embedding_split_on_vocab")),
+                 *(("llama3_8b", m) for m in ("megatron_fc1_rank_concat", "output_stale_copy",
+                                              "tp_rank_defaults_to_0")),
+                 *(("mistral_nemo", m) for m in ("megatron_fc1_rank_concat",
+                                                 "embedding_joined_on_vocab",
+                                                 "output_stale_copy", "tp_rank_defaults_to_0",
+                                                 "megatron_qkv_read_as_plain",
+                                                 "rope_permute_twice",
+                                                 "rope_k_permuted_with_n_heads"))}
 MATRIX = [pytest.param(c, m, id=f"{c.name}-{m.name}",
                        marks=NIGHTLY if (c.name, m.name) in NIGHTLY_CELLS else ())
           for c in GEOMETRIES for m in DENSE_MUTATIONS]
