@@ -5,7 +5,7 @@ weight_sync_bench.tolerance [kind]``, ``python -m weight_sync_bench.fuzz.floor
 replicated-kv``)."""
 
 import json
-import subprocess
+import runpy
 import sys
 
 import pytest
@@ -31,18 +31,24 @@ def test_without_a_kind_wsb_floor_is_the_random_floor_as_it_always_read():
 
 
 @pytest.mark.parametrize("module, argv, message", [
-    # each module once by default (a 3-4 s interpreter each); --phase 1b in the long run
+    # each module once by default; --phase 1b in the long run
     pytest.param("weight_sync_bench.tolerance", ["--phase", "1b"], "would replace the committed",
                  marks=pytest.mark.slow),
     ("weight_sync_bench.tolerance", ["training"], "would replace the committed"),
     ("weight_sync_bench.fuzz.floor", ["replicated-kv"], "would replace the committed"),
 ])
-def test_the_python_m_commands_are_wsb_floor(module, argv, message, tmp_path, tolerance):
-    """Refused before measuring (no --write, no --out): the same guard as wsb floor's."""
-    run = subprocess.run([sys.executable, "-m", module, *argv], capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 2 and message in run.stderr, run.stderr
-    assert run.stderr.startswith("wsb floor: ")
+def test_the_python_m_commands_are_wsb_floor(module, argv, message, tmp_path, tolerance,
+                                             monkeypatch, capsys):
+    """Refused before measuring (no --write, no --out): the same guard as wsb floor's.
+    ``python -m`` in this process: ``runpy._run_module_as_main``, what the interpreter's
+    ``-m`` calls, runs the package's ``__main__`` as ``runpy.run_module`` does here (a fresh
+    interpreter cost 3-4 s a module and proved nothing more)."""
+    monkeypatch.setattr(sys, "argv", [module, *argv])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and message in err, err
+    assert err.startswith("wsb floor: ")
 
 
 def test_a_measurement_shows_its_progress_with_an_eta(tmp_path, capsys):

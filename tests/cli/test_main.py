@@ -56,8 +56,11 @@ def test_wsb_check_runs_a_users_resharder_by_module_path(tmp_path, monkeypatch, 
                 out[rank]["layers.0.gate_up.weight"] = piece.clone()
             return out
     """)
-    assert main(["check", "--config", "toy_kv4", "--resharder", "my_resharders:good"]) == 0
-    assert "9 passed, 0 failed" in capsys.readouterr().out
+    # the twin at the pair the bug is checked at; the same resharder over the whole 9-pair
+    # sweep is test_a_sweep_whose_last_check_alone_fails_exits_1_counting_it's twin
+    assert main(["check", "--config", "toy_kv4", "--src", "1", "--dst", "2",
+                 "--resharder", "my_resharders:good"]) == 0
+    assert "1 passed, 0 failed" in capsys.readouterr().out
     assert main(["check", "--config", "toy_kv4", "--src", "1", "--dst", "2",
                  "--resharder", "my_resharders:chunked"]) == 1
     out = capsys.readouterr().out

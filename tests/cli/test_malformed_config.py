@@ -3,8 +3,8 @@ stderr naming the problem, never a traceback (exit 3 is the harness's own fault)
 
 A table of malformed files (``CASES``: what is wrong with the file as a file, as JSON, or
 in one of the fields ``ModelConfig.from_hf_config`` reads) is walked through every command
-that takes ``--hf-config`` (``COMMANDS``), in process. A FIFO runs in a subprocess with a
-timeout, so that a read that blocks fails the test rather than hangs it. The twin: the
+that takes ``--hf-config`` (``COMMANDS``), in process. A FIFO runs under a SIGALRM
+deadline, so that a read that blocks fails the test rather than hangs it. The twin: the
 well-formed file the cases are edits of gets past the same parse in every command.
 """
 
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
+import signal
 from pathlib import Path
 
 import pytest
@@ -157,31 +155,37 @@ def test_a_well_formed_hf_config_gets_past_the_same_parse_in_every_command(
         (64, 8, 2, 0), (64, 8, 2, 4)}
 
 
-def test_a_fifo_is_refused_without_opening_it(tmp_path):
+class _Blocked(BaseException):
+    """Raised by the SIGALRM handler: a read that blocks fails the test."""
+
+
+def test_a_fifo_is_refused_without_opening_it(tmp_path, capsys):
     """A FIFO nobody writes to would block a plain ``open`` for ever: it is opened
-    non-blocking and refused by the ``fstat`` of what was opened, in every command. In a subprocess with a timeout, so a regression fails here
-    rather than hangs the suite."""
+    non-blocking and refused by the ``fstat`` of what was opened, in every command. Under a
+    SIGALRM deadline, so a regression fails here rather than hangs the suite: a blocked
+    ``open`` or ``read`` returns EINTR and the handler's exception ends it. (It ran in a
+    subprocess with a timeout: an interpreter start, 3 s, for the same guard.)"""
     fifo = tmp_path / "case" / "config.json"
     fifo.parent.mkdir()
     os.mkfifo(fifo)
-    argvs = {command: [*argv(tmp_path), "--hf-config", str(fifo)]
-             for command, argv in COMMANDS.items()}
-    script = textwrap.dedent(f"""
-        import contextlib, io, json
-        from weight_sync_bench.cli.main import main
-        out = {{}}
-        for command, argv in {argvs!r}.items():
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err):
-                out[command] = (main(argv), err.getvalue())
-        print(json.dumps(out))
-    """)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env=env, check=False)
-    assert done.returncode == 0, done.stderr
-    for command, (code, err) in json.loads(done.stdout.splitlines()[-1]).items():
+
+    def blocked(signum, frame):
+        raise _Blocked("a command blocked on the FIFO for 30 s")
+
+    results = {}
+    previous = signal.signal(signal.SIGALRM, blocked)
+    try:
+        for command, argv in COMMANDS.items():
+            # per command, so a command that swallows the exception cannot leave the next
+            # one unguarded; only a hang detector: ~0.1 s a command when idle
+            signal.setitimer(signal.ITIMER_REAL, 30.0)
+            code = main([*argv(tmp_path), "--hf-config", str(fifo)])
+            results[command] = (code, capsys.readouterr().err)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert list(results) == list(COMMANDS)
+    for command, (code, err) in results.items():
         assert code == 2, (command, err)
         message = one_line_refusal(err, command)
         assert message == (f"{fifo}: a FIFO (named pipe), not a regular file (an HF "

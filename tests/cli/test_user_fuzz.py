@@ -39,14 +39,21 @@ def user_module(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _fuzz(capsys, *args):
-    code = main(["fuzz", "--examples", "60", "--seed", "1", *args])
+# 60 examples where the count is the point (a correct function passes them, a narrowed domain
+# never meets the bug, the rounds of the progress line); FEW where a run is about what it
+# reports (each planted bug here is found within its first 20 examples at seed 1, and each
+# pass twin runs the same 20 draws as the run that found its twin's bug), a third of the time
+FEW = 20
+
+
+def _fuzz(capsys, *args, examples=60):
+    code = main(["fuzz", "--examples", str(examples), "--seed", "1", *args])
     return code, capsys.readouterr()
 
 
 def test_a_planted_bug_is_reported_shrunk_with_the_geometry_and_the_rows_exit_1(user_module,
                                                                                 capsys):
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha")
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", examples=FEW)
     assert code == 1
     text = out.out
     assert "FAIL invariant fails on your resharder my_functions:reshard_wrong_for_mha" in text
@@ -60,7 +67,8 @@ def test_a_planted_bug_is_reported_shrunk_with_the_geometry_and_the_rows_exit_1(
         "my_functions:reshard_wrong_for_mha"
     # --json carries what the text says: the same counterexample (its corpus entry runs
     # first), its degrees and the diagnosis lines, each as the text wrote it
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", "--json")
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", "--json",
+                      examples=FEW)
     records = [json.loads(line) for line in out.out.splitlines()]
     (failure,) = [r for r in records if r["kind"] == "counterexample"]
     assert code == 1 and failure["property"] == "invariant" and failure["error"] is None
@@ -94,14 +102,14 @@ def test_without_wsb_corpus_dir_the_entry_lands_in_the_users_project_not_the_che
     monkeypatch.delenv("WSB_CORPUS_DIR")
     monkeypatch.delenv("WSB_FUZZ_DIR", raising=False)
     before = sorted((checkout() / "corpus").iterdir())
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha")
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", examples=FEW)
     assert code == 1
     (entry,) = (user_module / "wsb-corpus").glob("*.json")
     assert f"corpus entry: {entry}" in out.out
     assert list((user_module / ".hypothesis" / "summaries").glob("fuzz-*.json"))
     assert sorted((checkout() / "corpus").iterdir()) == before
     # the next fuzz of the same function reads its entries from the same place
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha")
+    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", examples=FEW)
     assert code == 1 and f"corpus entry: {entry} (already there)" in out.out
     assert f"corpus: {user_module / 'wsb-corpus'} (0 new entries)" in out.out
 
@@ -114,10 +122,11 @@ def test_the_correct_resharder_passes_exit_0(user_module, capsys):
 
 
 def test_a_splitter_and_a_converter_with_fixed_degrees(user_module, capsys):
-    code, out = _fuzz(capsys, "--splitter", "my_functions:split_head_dim_from_d_model")
+    code, out = _fuzz(capsys, "--splitter", "my_functions:split_head_dim_from_d_model",
+                      examples=FEW)
     assert code == 1 and "degrees: split of the full model -> t=" in out.out
     code, out = _fuzz(capsys, "--converter", "my_functions:convert_megatron_to_vllm",
-                      "--from", "megatron:2", "--to", "vllm")
+                      "--from", "megatron:2", "--to", "vllm", examples=FEW)
     assert code == 0, out.out
     assert "megatron:2 -> vllm:" in out.out
 
@@ -168,7 +177,8 @@ def test_a_function_with_the_wrong_signature_is_the_users_code_exit_4(user_modul
 
 
 def test_replay_reruns_a_user_entry_and_says_when_its_source_changed(user_module, capsys):
-    assert _fuzz(capsys, "--resharder", "my_functions:reshard_vocab_tiles_of_64")[0] == 1
+    assert _fuzz(capsys, "--resharder", "my_functions:reshard_vocab_tiles_of_64",
+                 examples=FEW)[0] == 1
     code = main(["replay"])
     out = capsys.readouterr()
     assert code == 1 and "still failing" in out.out
@@ -183,7 +193,7 @@ def test_replay_reruns_a_user_entry_and_says_when_its_source_changed(user_module
 def test_phase_1b_fuzzes_a_users_resharder_over_gloo_and_finds_the_planted_bug(user_module,
                                                                                capsys):
     code, out = _fuzz(capsys, "--phase", "1b", "--no-real-geometries",
-                      "--resharder", "my_functions:reshard_wrong_for_mha")
+                      "--resharder", "my_functions:reshard_wrong_for_mha", examples=FEW)
     assert code == 1 and "phase 1b" in out.out
     assert ("rank 0 layers.0.qkv.weight holds Q head 0, K head 1, Q head 1, V head 0, K head 0, "
             "V head 1") in out.out
@@ -198,10 +208,10 @@ def test_a_converter_from_pipeline_stages_is_fuzzed_with_each_ranks_coordinates(
     # the converter reads source= and conventions.rank_coordinates to turn local layer
     # indices global: it passes; the twin publishing local indices is a coverage failure
     code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_megatron_to_hf",
-                      "--from", "megatron:tp=2,pp=2", "--to", "hf")
+                      "--from", "megatron:tp=2,pp=2", "--to", "hf", examples=FEW)
     assert code == 0, out.out
     code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_local_as_global",
-                      "--from", "megatron:tp=2,pp=2", "--to", "hf")
+                      "--from", "megatron:tp=2,pp=2", "--to", "hf", examples=FEW)
     assert code == 1
     assert "degrees: megatron:tp=2,pp=2 -> hf:1" in out.out
     assert "coverage: never written on rank 0: layer 1" in out.out
@@ -217,7 +227,7 @@ def test_a_converter_named_by_its_convention_is_fuzzed_over_pipeline_stages_too(
     # beside its TP degrees, so the local-index bug is found without naming a split; the
     # correct converter (the twin) passes every draw
     code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_local_as_global",
-                      "--from", "megatron", "--to", "hf")
+                      "--from", "megatron", "--to", "hf", examples=FEW)
     assert code == 1, out.out
     assert re.search(r"degrees: megatron:tp=\d+,pp=\d+\S* -> hf:1", out.out), out.out
     assert "coverage: never written on rank 0: layer" in out.out
@@ -228,5 +238,5 @@ def test_a_converter_named_by_its_convention_is_fuzzed_over_pipeline_stages_too(
                  "--from", "megatron", "--to", "hf"]) == 1
     assert re.search(r"degrees: megatron:tp=\d+,pp=", capsys.readouterr().out)
     code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_megatron_to_hf",
-                      "--from", "megatron", "--to", "hf")
+                      "--from", "megatron", "--to", "hf", examples=FEW)
     assert code == 0, out.out
