@@ -7,7 +7,6 @@ import copy
 import json
 
 import pytest
-import torch
 
 from weight_sync_bench.cli import main
 from weight_sync_bench.errors import ToleranceMismatch
@@ -138,10 +137,11 @@ def test_committed_samples_re_measured_here_reproduce_the_running_kernel_sets_fi
 
 def test_wsb_floor_re_measures_an_artifacts_samples_under_every_kernel_set(tmp_path, capsys,
                                                                           monkeypatch):
-    # two kernel sets, the default and the running one, without probing the other candidates
-    # (a process each): the merge itself is tested above on any number of sets
-    here = torch.backends.cpu.get_cpu_capability()
-    sets = ["default"] if here == "DEFAULT" else ["default", here.lower()]
+    # one kernel set, DEFAULT, without probing the other candidates (a process each, 2.4 s):
+    # the merge itself is tested above on any number of sets. DEFAULT, not the running one:
+    # its committed figures differ from the vectorised sets' on these samples (on both
+    # vendors), so matching them shows the process ran under the kernel set it was given
+    sets = ["default"]
     monkeypatch.setattr("weight_sync_bench.tolerance.kernels.available", lambda: sets)
     committed = load_random_floor("1a")
     small = copy.deepcopy({**committed, "samples": committed["samples"][:6]})

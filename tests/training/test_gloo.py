@@ -3,6 +3,7 @@ dense reference against the phase 1b training floor (tolerance/training_1b.json)
 
 import pytest
 
+from tests.breadth import breadth
 from weight_sync_bench.collectives.gloo.pool import shared_pool
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.tolerance.artifacts import artifact_path
@@ -33,8 +34,13 @@ def test_a_tp_group_over_gloo_trains_like_the_reference(case_and_reference):
     assert report.passed, [(c.quantity, c.deviation, c.threshold) for c in report.comparisons]
 
 
-@pytest.mark.parametrize("name", ["tp_ranks_as_examples", "row_bias_every_rank",
-                                  "extra_tp_averaging"])
+# The TP backward over gloo (tp_ranks_as_examples: each rank's own loss output) and the
+# row-parallel forward's all-reduce (row_bias_every_rank) by default; extra_tp_averaging
+# (0.7 s), a TP gradient scaled as tp_ranks_as_examples' is, in the long run (detected in
+# process by default: tests/training/test_mutations.py)
+@pytest.mark.parametrize("name", breadth(["tp_ranks_as_examples", "row_bias_every_rank",
+                                          "extra_tp_averaging"],
+                                         keep={"tp_ranks_as_examples", "row_bias_every_rank"}))
 def test_tp_mutations_over_gloo_are_detected(case_and_reference, name):
     case, reference = case_and_reference
     mutation = training_mutation(name)

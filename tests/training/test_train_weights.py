@@ -20,10 +20,16 @@ from weight_sync_bench.training.mutations import mutation_matrix
 from weight_sync_bench.training.step import TrainingCase
 
 
-def weights():
+# TOY's layers, heads and widths with a vocabulary of 512, not 32000: the command's path on a
+# user's HF directory (thresholds measured on the weights over four trainings, then the check)
+# is the same at any vocabulary, and TOY's embedding and head made it 10 s, this 2 s
+TOY_SMALL_VOCAB = TOY.replace(name="toy_small_vocab", vocab=512)
+
+
+def weights(config=TOY):
     """Weights no seed draws: seed 9's, tripled, through bfloat16 (as a trainer saves them),
     in fp32 as AdamW trains them."""
-    return {n: (x * 3).to(torch.bfloat16).float() for n, x in init_params(TOY, 9).items()}
+    return {n: (x * 3).to(torch.bfloat16).float() for n, x in init_params(config, 9).items()}
 
 
 # 19 s: the long run; by default thresholds are measured on a user's weights and judge a
@@ -56,10 +62,11 @@ def test_thresholds_measured_on_the_weights_judge_the_correct_run_and_the_mutati
 
 
 def test_train_check_on_an_hf_directory_and_what_it_refuses(tmp_path, capsys):
-    w = weights()
+    w = weights(TOY_SMALL_VOCAB)
     hf = endpoint("hf")
     bf16 = {n: x.to(torch.bfloat16) for n, x in w.items()}
-    write_checkpoint(tmp_path / "w", materialize(hf.pieces(TOY), bf16), hf, TOY)
+    write_checkpoint(tmp_path / "w", materialize(hf.pieces(TOY_SMALL_VOCAB), bf16), hf,
+                     TOY_SMALL_VOCAB)
     base = ["train-check", "--weights", str(tmp_path / "w"), "--dp", "1", "--tp", "2",
             "--batch", "unpacked"]
     assert main(base) == 0
@@ -68,6 +75,6 @@ def test_train_check_on_an_hf_directory_and_what_it_refuses(tmp_path, capsys):
     assert "thresholds measured on them" in captured.out
     assert main([*base, "--sp"]) == 2
     assert "--sp / --cp on your weights is not built" in capsys.readouterr().err
-    write_megatron_dist(tmp_path / "m", bf16, endpoint("megatron:2"), TOY)
+    write_megatron_dist(tmp_path / "m", bf16, endpoint("megatron:2"), TOY_SMALL_VOCAB)
     assert main(["train-check", "--weights", str(tmp_path / "m")]) == 2
     assert "give --config NAME" in capsys.readouterr().err
