@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -209,8 +210,7 @@ def expert_rows(config: ModelConfig, experts: Iterable[int], *, etp: int = 1, et
     up_r]``, Megatron's fc1 and vLLM's w13; ``("up", "gate")``: FlashInfer's ``[w3; w1]``)."""
     f = config.expert_ffn
     at = {"gate": 0, "up": f}
-    return torch.cat([chunk(rows(e * 2 * f + at[h], e * 2 * f + at[h] + f), etp, etp_rank)
-                      for e in experts for h in halves]) if f else rows(0, 0)
+    return _runs([e * 2 * f + at[h] for e in experts for h in halves], f, etp, etp_rank)
 
 
 def expert_cols(config: ModelConfig, experts: Iterable[int], *, etp: int = 1,
@@ -218,8 +218,17 @@ def expert_cols(config: ModelConfig, experts: Iterable[int], *, etp: int = 1,
     """Canonical ``experts.down`` columns: for each expert in order, chunk ``etp_rank`` of
     ``etp`` of its down columns."""
     f = config.expert_ffn
-    parts = [chunk(rows(e * f, (e + 1) * f), etp, etp_rank) for e in experts]
-    return torch.cat(parts) if parts else rows(0, 0)
+    return _runs([e * f for e in experts], f, etp, etp_rank)
+
+
+def _runs(starts: list[int], length: int, etp: int, etp_rank: int) -> torch.Tensor:
+    """``cat([chunk(rows(s, s + length), etp, etp_rank) for s in starts])``, built at once
+    (a model of 128 experts asks for thousands of these per endpoint)."""
+    width = length // etp
+    if not starts or not width:
+        return rows(0, 0)
+    first = np.asarray(starts, dtype=np.int64)[:, None] + etp_rank * width
+    return torch.from_numpy((first + np.arange(width, dtype=np.int64)).reshape(-1))
 
 
 def materialize(pieces: Pieces, canonical: Mapping[str, torch.Tensor],
