@@ -58,8 +58,11 @@ def _run_fuzz(args: argparse.Namespace, out: Output, **kwargs: object):  # -> Fu
     try:
         item = next(events)
         while isinstance(item, Progress):
-            line.show(item.line())
-            interrupt = pending_interrupt()  # signalled, yet the run goes on: it was swallowed
+            try:
+                line.show(item.line())
+                interrupt = pending_interrupt()  # signalled, yet the run goes on: swallowed
+            except KeyboardInterrupt as exc:  # landed while the line was drawn: still the
+                interrupt = exc  # run's, which reports what ran (its Terminated too)
             item = events.throw(interrupt) if interrupt is not None else next(events)
     finally:
         line.close()
