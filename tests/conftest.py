@@ -106,21 +106,24 @@ def edit_artifact(tolerance):
 
 @pytest.fixture(autouse=True)
 def _fresh_layouts():
-    """``layout_for`` is cached per config (``model.plan``), and a table's validations,
-    ranges, supported degrees and reshard plans per frozen placement (``layout.table``,
-    ``layout.reshard``). mutmut forks each mutant's run from a process that ran the tests
-    unmutated, so a cached answer would carry what the unmutated code computed into the
-    mutant's tests: each test computes its own."""
+    """``layout_for`` is cached per config (``model.plan``), a table's validations, ranges,
+    supported degrees and reshard plans per frozen placement (``layout.table``,
+    ``layout.reshard``), a convention's index maps and refusals (``conventions.convention``)
+    and a few models' draws (``init_params``). mutmut forks each mutant's run from a
+    process that ran the tests unmutated, so under mutmut (``MUTANT_UNDER_TEST`` set, in
+    every phase of its run, as by ``mutation/try_mutant.py``) each test computes its own: a
+    cached answer would carry what the unmutated code computed into the mutant's tests.
+    Otherwise they are kept across tests, as in a user's process."""
     from weight_sync_bench.layout import reshard, table
     from weight_sync_bench.model.plan import layout_for
 
-    layout_for.cache_clear()
-    table.clear_caches()
-    reshard.clear_caches()
-    if "MUTANT_UNDER_TEST" in os.environ:  # kept across tests otherwise: a copy is handed out
+    if "MUTANT_UNDER_TEST" in os.environ:  # under mutmut; kept across tests otherwise
         from weight_sync_bench.conventions.convention import clear_caches
         from weight_sync_bench.model.config import clear_kept_params
 
+        layout_for.cache_clear()
+        table.clear_caches()
+        reshard.clear_caches()
         clear_kept_params()
         clear_caches()
     yield
