@@ -148,3 +148,30 @@ def test_a_signal_during_a_gloo_check_ends_the_ranks_and_leaves_no_temporary_fil
     left = _processes_with(str(private))
     assert left == [], [(pid, Path(f"/proc/{pid}/stat").read_text()[:80],
                          Path(f"/proc/{pid}/cmdline").read_bytes()[:120]) for pid in left]
+
+
+def test_a_ctrl_c_while_the_progress_line_is_drawn_still_prints_what_ran(tmp_path, monkeypatch,
+                                                                         capsys):
+    """The interrupt lands in ``wsb fuzz``'s own loop, not in the run: it is thrown into the
+    run, which reports what ran (the table), exit 130. Its twin: the line drawn without one
+    lets the run go to its budget."""
+    from weight_sync_bench.cli.output import ProgressLine
+
+    monkeypatch.setenv("WSB_CORPUS_DIR", str(tmp_path))
+    real, shown = ProgressLine.show, []
+
+    def interrupted(self, text):
+        shown.append(text)
+        if len(shown) == 2:
+            raise KeyboardInterrupt
+        return real(self, text)
+
+    monkeypatch.setattr(ProgressLine, "show", interrupted)
+    argv = ["mutants", "--examples", "2", "--chunk", "1", "--seed", "3", "--mutation",
+            "contiguous_qkv", "--mutation", "kv_swapped"]
+    assert main(argv) == 130
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split()[0] == "mutation" and "interrupted" in out
+    shown.clear()
+    monkeypatch.setattr(ProgressLine, "show", lambda self, text: shown.append(text))
+    assert main(argv) == 0 and len(shown) > 2  # the twin

@@ -154,3 +154,25 @@ def test_init_params_hands_out_a_copy_of_the_draw_it_keeps():
     # the twin: another seed is another draw (the key is not the config alone)
     assert not torch.equal(init_params(TOY, 6)["tok_embeddings.weight"],
                            fresh["tok_embeddings.weight"])
+
+
+def test_init_params_keeps_at_most_its_budget_oldest_out_first(monkeypatch):
+    """The kept draws never exceed ``_KEPT_BYTES``: the least recently asked goes first, and
+    what is dropped is drawn again, the same bits."""
+    from weight_sync_bench.model import config as model_config
+
+    toy = TOY.n_params * 4
+    monkeypatch.setattr(model_config, "_KEPT_BYTES", 3 * toy)  # a draw of a third: kept
+    model_config.clear_kept_params()
+    first = init_params(TOY, 1)
+    for seed in (2, 3, 4):  # the fourth is over the budget: seed 1, the oldest, is dropped
+        init_params(TOY, seed)
+    key = (TOY, 0, model_config.DEFAULT_INIT, torch.float32)
+    assert list(model_config._kept) == [key[:1] + (s,) + key[2:] for s in (2, 3, 4)]
+    assert sum(model_config._kept_bytes.values()) == 3 * toy
+    init_params(TOY, 2)  # asked again: now the most recent, seed 3 goes next
+    init_params(TOY, 1)
+    assert [k[1] for k in model_config._kept] == [4, 2, 1]
+    again = init_params(TOY, 1)
+    assert all(torch.equal(again[n], first[n]) for n in first)
+    model_config.clear_kept_params()

@@ -743,6 +743,7 @@ def iter_params(config: ModelConfig, seed: int, init: Init = DEFAULT_INIT,
 _KEPT_BYTES = 384 << 20
 _kept: OrderedDict[tuple[ModelConfig, int, Init, torch.dtype], dict[str, torch.Tensor]] = (
     OrderedDict())
+_kept_bytes: dict[tuple[ModelConfig, int, Init, torch.dtype], int] = {}  # each draw's size
 
 
 def init_params(config: ModelConfig, seed: int, init: Init = DEFAULT_INIT,
@@ -758,7 +759,9 @@ def init_params(config: ModelConfig, seed: int, init: Init = DEFAULT_INIT,
         if size > _KEPT_BYTES // 3:
             return drawn
         _kept[key] = kept = drawn
-        while sum(x.nbytes for params in _kept.values() for x in params.values()) > _KEPT_BYTES:
+        _kept_bytes[key] = size
+        while sum(_kept_bytes.values()) > _KEPT_BYTES:
+            del _kept_bytes[next(iter(_kept))]
             _kept.popitem(last=False)
     else:
         _kept.move_to_end(key)
@@ -768,6 +771,7 @@ def init_params(config: ModelConfig, seed: int, init: Init = DEFAULT_INIT,
 def clear_kept_params() -> None:
     """Forget the draws ``init_params`` keeps (a mutation-testing run draws its own)."""
     _kept.clear()
+    _kept_bytes.clear()
 
 
 def make_tokens(config: ModelConfig, seed: int) -> torch.Tensor:
