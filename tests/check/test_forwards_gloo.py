@@ -7,7 +7,11 @@ The threshold is phase 1b's own, never phase 1a's (the seed explains why): read 
 from __future__ import annotations
 
 import inspect
+import marshal
+import sys
 import textwrap
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from tests.breadth import breadth
 from weight_sync_bench.check import forwards as phase1b
 from weight_sync_bench.check.checker import check_split
 from weight_sync_bench.check.forwards import (
+    FORWARD_MODULES,
     forward_fingerprint,
     gloo_forward,
     phase1b_logits,
@@ -101,6 +106,48 @@ def test_the_ranks_run_the_in_process_forward_and_every_block_it_calls(monkeypat
             patch.setattr(owner, name, copy[name])
             assert forward_fingerprint() != before, name
     assert forward_fingerprint() == before
+
+
+@pytest.mark.parametrize("name", FORWARD_MODULES)
+def test_the_fingerprint_of_a_module_is_the_same_compiled_or_read_from_a_pyc(name, monkeypatch):
+    """A rank's forkserver may import the forward from the .pyc the parent just wrote (any
+    Python that writes bytecode): the same code must give the same fingerprint either way.
+    ``marshal.dumps`` did not (it flags an object by its reference count, and a code object
+    read back from marshal holds its constants otherwise): model.reference's
+    ``expert_hidden`` came out different. The twin, an edited copy giving another
+    fingerprint, is the test above."""
+    code = _compiled(name)
+    forms = (code, marshal.loads(marshal.dumps(code)))  # as a .pyc is written, then read
+    assert _fingerprint_of(name, forms[0], monkeypatch) == _fingerprint_of(name, forms[1],
+                                                                           monkeypatch)
+
+
+def test_a_constant_changed_in_place_changes_the_fingerprint(monkeypatch):
+    """Not vacuous in the constants: the same file, lines and names, one literal changed
+    (rope's ``1.0 / theta``), is another fingerprint."""
+    name = "weight_sync_bench.model.reference"
+    edited = _compiled(name, edit=("1.0 / theta", "2.0 / theta"))
+    assert _fingerprint_of(name, edited, monkeypatch) != _fingerprint_of(
+        name, _compiled(name), monkeypatch)
+
+
+def _compiled(name, edit=None):
+    path = sys.modules[name].__file__
+    source = Path(path).read_text()
+    if edit is not None:
+        assert edit[0] in source
+        source = source.replace(*edit)
+    return compile(source, path, "exec")
+
+
+def _fingerprint_of(name, code, monkeypatch):
+    """``forward_fingerprint`` of module ``name`` run from ``code`` instead."""
+    module = ModuleType(name)
+    module.__file__ = sys.modules[name].__file__
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, name, module)
+        exec(code, vars(module))
+        return forward_fingerprint((name,))
 
 
 def test_a_split_fn_runs_on_rank_0_and_matches_the_declared_split():

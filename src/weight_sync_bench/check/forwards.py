@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import marshal
 import pickle
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import FunctionType, ModuleType
+from types import CodeType, FunctionType, ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,8 +95,41 @@ def forward_fingerprint(modules: Sequence[str] = FORWARD_MODULES) -> str:
     for name in modules:
         for qualname, function in _functions(sys.modules[name]):
             digest.update(f"{name}.{qualname}".encode())
-            digest.update(marshal.dumps(function.__code__))
+            _feed(digest, function.__code__)
     return digest.hexdigest()[:16]
+
+
+# What a code object is, field by field. Not ``marshal.dumps``: marshal flags an object
+# referenced more than once (``w_ref`` reads its reference count), so the same code gave other
+# bytes in a process that had loaded it from a .pyc, or ran under a profiler.
+_CODE_FIELDS = ("co_name", "co_qualname", "co_filename", "co_firstlineno", "co_argcount",
+                "co_posonlyargcount", "co_kwonlyargcount", "co_flags", "co_code", "co_names",
+                "co_varnames", "co_freevars", "co_cellvars", "co_linetable",
+                "co_exceptiontable")
+
+
+def _feed(digest: Any, value: object) -> None:
+    """Feed ``value`` (a code object, one of its fields or constants) to ``digest``, the
+    same in every process: nested code recursively, a frozenset's members sorted (their
+    iteration order follows each process's string hash seed), any other constant by type
+    and ``repr``."""
+    if isinstance(value, CodeType):
+        digest.update(b"code(")
+        for field in _CODE_FIELDS:
+            _feed(digest, getattr(value, field, None))
+        _feed(digest, value.co_consts)
+        digest.update(b")")
+    elif isinstance(value, tuple):
+        digest.update(b"tuple(")
+        for item in value:
+            _feed(digest, item)
+        digest.update(b")")
+    elif isinstance(value, frozenset):
+        digest.update(b"frozenset(" + b",".join(sorted(repr(v).encode() for v in value)) + b")")
+    elif isinstance(value, bytes):
+        digest.update(b"bytes%d:" % len(value) + value)
+    else:
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
 
 
 def _functions(module: ModuleType) -> list[tuple[str, FunctionType]]:
