@@ -11,7 +11,7 @@ import pytest
 from tests.sync.conftest import tiny
 from weight_sync_bench.errors import InvalidNumber, UnsupportedLayout
 from weight_sync_bench.model.config import TOY, TOY_KV4
-from weight_sync_bench.sync import minimum_bytes, naive_bytes, plan_for, sync_layout
+from weight_sync_bench.sync import minimum_bytes, naive_bytes, plan_for, sync_layout, time_bound
 from weight_sync_bench.sync.boxes import cover_of
 from weight_sync_bench.sync.planner import ELEMENT_SIZE, build_plan
 
@@ -99,6 +99,14 @@ def test_the_naive_gather_then_scatter_moves_more_than_b_min_for_tp4_to_tp2():
     src, dst = sync_layout(TOY_KV4, "plain:4"), sync_layout(TOY_KV4, "plain:2")
     # gather 3/4 of the model to rank 0, scatter 1/2: 5/4 M, against B_min 3/4 M (norms aside)
     assert 1.6 < naive_bytes(src, dst) / minimum_bytes(src, dst) < 1.7
+
+
+def test_t_min_is_the_busiest_ranks_larger_direction_over_the_bandwidth():
+    """Per rank, the larger of what it sends and receives (both directions run at once);
+    the largest over ranks, over the pair bandwidth. Each direction wins once."""
+    assert time_bound([10, 4], [3, 12], 2.0) == 6.0  # rank 1's receiving
+    assert time_bound([10, 4], [3, 2], 2.0) == 5.0  # rank 0's sending
+    assert time_bound([0], [0], 1e9) == 0.0
 
 
 def test_the_plan_prints_is_cached_per_layout_pair_and_reports_its_build_time():
