@@ -17,6 +17,7 @@ from weight_sync_bench import (
     split,
 )
 from weight_sync_bench.check.checker import Verdict, format_verdicts
+from weight_sync_bench.check.verdict import ROUTING_LEGEND
 
 LAYOUT = layout_for(TOY)
 
@@ -80,6 +81,50 @@ def test_a_verdicts_text_names_every_field_a_reader_needs():
     assert str(verdict(max_abs_error=float("nan"))).splitlines()[1] == (
         "  logits are not finite (max |error| nan)")
     assert verdict(conventions=("meta", "megatron"), src=1, dst=2).route == "meta:1 -> megatron:2"
+    # a whole endpoint keeps its own degrees; a name alone takes the verdict's
+    assert verdict(conventions=("megatron:tp=2,ep=4", "vllm"), src=8, dst=2).route == (
+        "megatron:tp=2,ep=4 -> vllm:2")
+
+
+def test_an_moe_table_has_a_near_ties_column_and_its_legend_and_a_dense_one_neither():
+    """The routing column appears when any verdict checked routing: its own figure for an
+    MoE verdict, "-" for a dense one beside it; the legend once, after the rows and before
+    the notes. Its twin: the same dense rows alone have neither."""
+    dense = verdict(notes=("torch differs",))
+    moe = verdict(config="toy_moe", max_abs_error=5e-4, near_ties=(3, 64), route_bound=1e-3)
+    assert format_verdicts([dense, moe]).splitlines() == [
+        "config   src -> dst  phase  mutation  max |error|  threshold  ratio    forward   "
+        "near ties  result",
+        "toy      2 -> 4      1a     -         2.5e-06      0.001      0.0025x  declared  -"
+        "          PASS",
+        "toy_moe  2 -> 4      1a     -         0.0005       0.001      0.5x     declared  3/64"
+        "       PASS",
+        ROUTING_LEGEND,
+        "note: torch differs"]
+    assert "near ties" not in format_verdicts([dense])
+    assert ROUTING_LEGEND not in format_verdicts([dense])
+
+
+def test_a_verdicts_text_names_the_mutation_its_shards_are_and_the_routing_it_kept():
+    """The lines a failing conversion and an MoE check add: the catalogued mutation the
+    shards are bit for bit (one name, or several giving the same bytes), and how many
+    near-tied expert choices took the reference's experts. Their twin is the plain text
+    above, which has neither."""
+    one = verdict(first_mismatch="w", mismatches=("w",), named_mutation="qk_swapped",
+                  named_meaning="q and k trade places")
+    assert str(one).splitlines()[-1] == "  this is exactly `qk_swapped`: q and k trade places"
+    two = verdict(first_mismatch="w", mismatches=("w",), named_mutation="a, b",
+                  named_meaning="the same bytes")
+    assert str(two).splitlines()[-1] == (
+        "  this is exactly `a`, and exactly `b` (the same bytes here): the same bytes")
+    # a name is only read where the shards differ from the declared ones
+    assert "this is exactly" not in str(verdict(named_mutation="qk_swapped",
+                                                named_meaning="q and k trade places"))
+    routed = verdict(near_ties=(2, 48), route_bound=0.001, notes=("n",))
+    assert str(routed).splitlines()[-2:] == [
+        "  routing: 2 of 48 token choices within 0.001 of flipping took the reference's "
+        "experts; every other is the sharded forward's own",
+        "  note: n"]
 
 
 # ---- the Checker: its caches, its floor, its forwards ----
