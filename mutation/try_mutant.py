@@ -95,6 +95,19 @@ def main() -> int:
     import torch
     torch.set_num_threads(1)
     import weight_sync_bench
+    # Imported here, once, not in each child: pytest assertion-rewrites every module of a
+    # package that provides a pytest plugin as it imports it (hypothesis's 73 modules,
+    # xdist's, and the snapshot's own: the mutated sources are ~10x the size), and with no
+    # bytecode written that was 2.5-10 s of each mutant's run.
+    import importlib
+    import pkgutil
+
+    import _hypothesis_pytestplugin  # noqa: F401
+    import hypothesis.strategies  # noqa: F401
+    import xdist.plugin  # noqa: F401
+    for module in pkgutil.walk_packages(weight_sync_bench.__path__, "weight_sync_bench."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)
     if not Path(weight_sync_bench.__file__).is_relative_to(args.snapshot):
         sys.exit(f"weight_sync_bench imported from {weight_sync_bench.__file__}, not the snapshot")
     os.chdir(ROOT)

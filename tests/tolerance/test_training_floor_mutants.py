@@ -9,6 +9,7 @@ import pytest
 
 from weight_sync_bench.errors import ToleranceMismatch
 from weight_sync_bench.tolerance import training
+from weight_sync_bench.tolerance.artifacts import artifact_path
 from weight_sync_bench.tolerance.training import (
     QUANTITIES,
     REGIMES,
@@ -96,6 +97,33 @@ def test_a_whole_floor_loads_and_each_fault_is_refused_naming_the_file(tmp_path,
                                        + ", ".join(gone))
 
 
+def test_an_artifact_with_no_regimes_or_without_one_is_refused_not_a_python_error(
+        tmp_path, measured):
+    without = {k: v for k, v in measured.items() if k != "regimes"}
+    with pytest.raises(ToleranceMismatch) as err:
+        load(_written(tmp_path, without))
+    assert str(err.value).endswith("no plain floor recorded for " + ", ".join(QUANTITIES))
+    one = copy.deepcopy(measured)
+    del one["regimes"]["cancelling"]
+    with pytest.raises(ToleranceMismatch) as err:
+        load(_written(tmp_path, one))
+    assert str(err.value).endswith("no cancelling floor recorded for " + ", ".join(QUANTITIES))
+
+
+def test_with_no_path_the_committed_floor_of_the_kind_and_phase_asked_is_read():
+    for kind, phase in (("training", "1a"), ("sequence", "1b")):
+        committed = json.loads(artifact_path(phase, kind=kind).read_text())
+        assert load(phase=phase, kind=kind) == committed
+        assert (committed["kind"], committed["phase"]) == (kind, phase)
+    assert load() == json.loads(artifact_path("1a", kind="training").read_text())
+
+
+def test_an_artifact_with_no_cells_measured_no_mesh():
+    """Its twin, a cell that names the mesh, is test_gloo_floor_cells.py's."""
+    assert training.measured_meshes({}, "small") == []
+    assert training.measured_meshes({"cells": [{"regime": "plain"}]}, "small") == []
+
+
 def test_thresholds_are_derived_per_quantity_from_the_regime_asked(measured):
     plain, cancelling = thresholds_from(measured), thresholds_from(measured, "cancelling")
     assert list(plain) == list(QUANTITIES)
@@ -114,6 +142,7 @@ def test_a_config_past_any_edge_of_the_measured_domain_has_no_threshold(measured
     edge = copy.deepcopy(measured)
     edge["domain"] = domain_of(SMALL)
     assert thresholds_within(SMALL, edge, "cancelling") == thresholds_from(edge, "cancelling")
+    assert thresholds_within(SMALL, edge) == thresholds_from(edge, "plain")  # the default
     for field in ("d_model", "n_layers", "tokens"):
         short = copy.deepcopy(edge)
         short["domain"][field] -= 1
