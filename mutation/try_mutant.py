@@ -91,7 +91,11 @@ def main() -> int:
     snapshot(args.snapshot, args.fresh)
     names = [n for m in args.mutants for n in (survivors(m[:-1]) if m.endswith("*") else [m])]
     sys.path.insert(0, str(args.snapshot / "src"))
-    os.environ["PYTHONPATH"] = str(args.snapshot / "src")  # for any subprocess a test starts
+    sys.path.insert(1, str(ROOT))  # as `python -m pytest` from the checkout has it: `tests`
+    # for any subprocess a test starts; the checkout too, so that a gloo rank can unpickle a
+    # task a test module defines (``tests.sync.resharders``): the forkserver that forks the
+    # ranks takes this process's sys.path, a subprocess PYTHONPATH
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(args.snapshot / "src"), str(ROOT)])
     import torch
     torch.set_num_threads(1)
     import weight_sync_bench
