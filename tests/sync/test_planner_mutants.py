@@ -18,7 +18,15 @@ import pytest
 
 from tests.sync.conftest import tiny
 from weight_sync_bench.sync import plan_for, sync_layout
-from weight_sync_bench.sync.planner import Plan, Run, Transfer, _overlap, runs
+from weight_sync_bench.sync.boxes import cover_of
+from weight_sync_bench.sync.planner import (
+    Plan,
+    Run,
+    Transfer,
+    _overlap,
+    build_plan,
+    runs,
+)
 
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
 
@@ -137,15 +145,10 @@ def test_the_limit_splits_the_lines_between_the_kinds_and_counts_the_rest(plan):
 
 def _order(plan: Plan, rank: int) -> list[str]:
     """The destination tensors of ``rank`` in the order ``writes`` visits them (its cover)."""
-    from weight_sync_bench.sync.boxes import cover_of
-
     return list(cover_of(plan.dst, validate=False).ranks[rank])
 
 
 def test_the_build_time_is_the_time_build_plan_took_and_prints_in_milliseconds():
-    from weight_sync_bench.sync.boxes import cover_of
-    from weight_sync_bench.sync.planner import build_plan
-
     config = tiny(2)
     src, dst = cover_of(sync_layout(config, "megatron:2")), cover_of(sync_layout(config, "vllm:1"))
     before = time.perf_counter()
@@ -160,3 +163,40 @@ def test_a_lone_block_is_a_run_of_one_with_zero_steps():
     """What the ranks receive is the ``Run`` itself: its steps are data, zero for a run of one."""
     (lone,) = runs([("a", (4, 1), "b", (2, 0), (3, 5))])
     assert lone == Run("a", "b", (3, 5), (4, 1), (2, 0), (0, 0), (0, 0), 1, 0)
+
+
+
+@pytest.mark.parametrize(("config", "a", "b", "dp", "sent"), [
+    (tiny(4), "megatron:2", "vllm:1", 2, [0, 28672, 0, 28672]),
+    (tiny(4), "megatron:2", "vllm:4", 2, [14336] * 4),
+    (tiny(4), "megatron:4", "vllm:2", 2, [0, 6144, 6144, 6144, 0, 6144, 6144, 6144]),
+    # three replicas, and rows of 64, 32 and 1 elements in one plan (250 vocabulary rows)
+    (tiny(2, vocab=250), "fsdp:2", "vllm:1", 3, [0, 18240, 0, 18240, 0, 18240]),
+], ids=str)
+def test_replicas_share_the_bytes_sent_to_the_byte(config, a, b, dp, sent):
+    """Over DP replicas each sending replica sends the same bytes (test_planner.py allows
+    10% on TOY_KV4; here, exactly): the load the planner levels is bytes, each parameter's
+    rows times its row's width, so the replicas of a plan mixing widths still come out even."""
+    plan = plan_for(sync_layout(config, a, dp=dp), sync_layout(config, b))
+    assert plan.sent() == sent
+
+
+@pytest.mark.parametrize(("n_kv", "spec"), [(1, "vllm:2"), (1, "vllm:4"), (2, "megatron:2"),
+                                             (4, "meta:2"), (4, "fsdp:4"), (4, "hf")])
+def test_a_layout_to_itself_is_one_local_copy_per_box(n_kv, spec):
+    """Every box copied whole from the rank's own copy, one transfer each: the sweep's
+    segments of one (box, box) pair are coalesced. vLLM's replicated KV rows put another
+    rank's box boundary inside a rank's own qkv box (kv 1), which without the coalescing
+    is two transfers."""
+    layout = sync_layout(tiny(n_kv), spec)
+    plan = plan_for(layout, layout)
+    boxes = sorted((b.rank, b.name, b.start, b.stop)
+                   for stored in cover_of(layout).ranks for s in stored.values()
+                   for b in s.boxes if b.source is not None)
+    assert all(t.local for t in plan.transfers)
+    assert sorted((t.dst_rank, t.dst_name, *t.region[_dim(layout, t)])
+                  for t in plan.transfers) == boxes
+
+
+def _dim(layout, t: Transfer) -> int:
+    return cover_of(layout).ranks[t.dst_rank][t.dst_name].dim
