@@ -178,7 +178,7 @@ def validate_cover(cover: Cover) -> None:
                                    f"{_axis(stated_dim)} (0-{size - 1})",
                                    param=source, rank=b.rank, box=b)
         _no_overlap_within_ranks(layout, source, boxes)
-        _replication_as_stated(layout, cover, source, boxes, stated_dim, size)
+        _replication_as_stated(layout, cover, source, boxes, stated_dim)
 
 
 def _no_overlap_within_ranks(layout: SyncLayout, source: str, boxes: list[Box]) -> None:
@@ -197,7 +197,7 @@ def _no_overlap_within_ranks(layout: SyncLayout, source: str, boxes: list[Box]) 
 
 
 def _replication_as_stated(layout: SyncLayout, cover: Cover, source: str, boxes: list[Box],
-                           dim: int, size: int) -> None:
+                           dim: int) -> None:
     """Sweep the held and the stated intervals together; every elementary segment must be
     held by exactly as many ranks as stated."""
     events: list[tuple[int, int, int]] = []  # (position, +1/-1, 0 held / 1 stated)
