@@ -20,9 +20,8 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from weight_sync_bench.check.conversion import ConversionChecker
+from weight_sync_bench.check.diagnosis import bit_equal
 from weight_sync_bench.check.mutations import KILL_MARGIN
 from weight_sync_bench.check.routing import forward_unchanged
 from weight_sync_bench.check.verdict import Verdict
@@ -92,8 +91,9 @@ def _row(checker: ConversionChecker, mutation: ConversionMutation,
     converted = checker.source(dst)
     mutated = mutation.apply(converted, conversion)
     sources = {n: piece.source for rank in dst.pieces(config) for n, piece in rank.items()}
+    # bytes, not values: a -0.0 written over a +0.0 (padding) is a change (torch.equal: none)
     changed = sorted({sources[n] for new, old in zip(mutated, declared) for n in new
-                      if not torch.equal(new[n], old[n])})
+                      if not bit_equal(new[n], old[n])})
     stray = tuple(n for n in changed if not re.fullmatch(mutation.changes, n))
     reason = mutation.identity_reason(conversion)
     if reason is not None:
