@@ -4,9 +4,13 @@ measured) and one rank pool per test process."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from weight_sync_bench.collectives.gloo.pool import shared_pool
+from weight_sync_bench.conventions.maps import Piece
 from weight_sync_bench.model.config import ModelConfig
 
 # 8 query heads, n_kv KV heads; vocab 256: vLLM pads nothing (a multiple of 64), Megatron
@@ -17,6 +21,16 @@ BASE = ModelConfig(name="tiny", vocab=256, d_model=32, n_layers=1, n_heads=8, n_
 
 def tiny(n_kv: int = 2, **changes: object) -> ModelConfig:
     return BASE.replace(name=f"tiny_kv{n_kv}", n_kv_heads=n_kv, **changes)
+
+
+def with_piece(layout, rank: int, name: str, idx, dim: int | None = None):
+    """A copy of ``layout`` whose ``rank`` stores ``name`` as canonical indices ``idx``
+    (along ``dim``, by default the declared one): a broken cover, for the validation."""
+    pieces = [dict(p) for p in layout.pieces]
+    old = pieces[rank][name]
+    pieces[rank][name] = Piece(old.source, old.dim if dim is None else dim,
+                               torch.as_tensor(idx, dtype=torch.int64))
+    return replace(layout, pieces=tuple(pieces))
 
 
 @pytest.fixture(scope="session")

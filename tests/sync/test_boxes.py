@@ -5,14 +5,10 @@ parameter, the rank and the box (the twin of each: the declared cover passes).""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
-import torch
 
-from tests.sync.conftest import tiny
-from weight_sync_bench.conventions.maps import Piece
+from tests.sync.conftest import tiny, with_piece
 from weight_sync_bench.errors import InvalidCover
 from weight_sync_bench.sync import sync_layout
 from weight_sync_bench.sync.boxes import cover_of, runs, validate_cover
@@ -54,12 +50,8 @@ def test_megatron_grouped_qkv_is_one_box_per_group_range_and_padding_a_box_of_it
     assert [str(b) for b in padded.boxes] == ["rank 3 output_layer.weight[0:128] padding x128"]
 
 
-def _broken(text, rank, name, idx):
-    layout = sync_layout(tiny(2), text)
-    pieces = [dict(p) for p in layout.pieces]
-    old = pieces[rank][name]
-    pieces[rank][name] = Piece(old.source, old.dim, torch.tensor(idx, dtype=torch.int64))
-    return replace(layout, pieces=tuple(pieces))
+def _broken(text, rank, name, idx, dim=None):
+    return with_piece(sync_layout(tiny(2), text), rank, name, list(idx), dim)
 
 
 def test_a_box_out_of_bounds_is_refused_naming_the_rank_and_box():
@@ -101,9 +93,6 @@ def test_a_kv_head_replicated_as_stated_passes_and_one_replica_moved_fails():
 
 
 def test_a_box_along_another_dim_than_stated_is_refused():
-    layout = sync_layout(tiny(2), "plain:2")
-    pieces = [dict(p) for p in layout.pieces]
-    old = pieces[0]["layers.0.down.weight"]
-    pieces[0]["layers.0.down.weight"] = Piece(old.source, 0, torch.arange(16))
+    layout = _broken("plain:2", 0, "layers.0.down.weight", range(16), dim=0)
     with pytest.raises(InvalidCover, match=r"is split along dim 0; the layout states S\(1\)"):
-        validate_cover(cover_of(replace(layout, pieces=tuple(pieces)), validate=False))
+        validate_cover(cover_of(layout, validate=False))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.sync.conftest import tiny
+from tests.sync.conftest import tiny, with_piece
 from weight_sync_bench.conventions.maps import Piece
 from weight_sync_bench.errors import InvalidCover
 from weight_sync_bench.sync import sync_layout
@@ -29,23 +29,20 @@ from weight_sync_bench.sync.boxes import (
 NORM = "norm.weight"
 
 
-def _refusal(broken, declared, cover=None) -> InvalidCover:
-    """The refusal of ``broken`` (or of the hand-made ``cover``), after its twin: the
+def _refusal(broken, declared) -> InvalidCover:
+    """The refusal of ``broken`` (a layout, or a cover made by hand), after its twin: the
     ``declared`` layout it was cut from passes."""
     validate_cover(cover_of(declared))
     with pytest.raises(InvalidCover) as info:
-        validate_cover(cover if cover is not None else cover_of(broken, validate=False))
+        validate_cover(broken if isinstance(broken, Cover) else cover_of(broken, validate=False))
     return info.value
 
 
-def _with_piece(text: str, rank: int, name: str, idx, dim: int | None = None, **kw):
-    """The declared layout, and a copy whose ``rank`` stores ``name`` as ``idx`` (along
-    ``dim``, by default the declared one)."""
-    declared = sync_layout(tiny(2), text, **kw)
-    pieces = [dict(p) for p in declared.pieces]
-    old = pieces[rank][name]
-    pieces[rank][name] = Piece(old.source, old.dim if dim is None else dim, torch.as_tensor(idx))
-    return replace(declared, pieces=tuple(pieces)), declared
+def _with_piece(text: str, rank: int, name: str, idx, dim: int | None = None):
+    """A copy of tiny(2)'s ``text`` layout with one piece replaced (``with_piece``), and the
+    declared layout."""
+    declared = sync_layout(tiny(2), text)
+    return with_piece(declared, rank, name, idx, dim), declared
 
 
 def test_a_stored_tensor_reading_a_parameter_the_model_lacks_is_named_with_its_rank():
@@ -55,7 +52,7 @@ def test_a_stored_tensor_reading_a_parameter_the_model_lacks_is_named_with_its_r
     good = cover_of(declared)
     ranks = [dict(r) for r in good.ranks]
     ranks[1][NORM] = replace(ranks[1][NORM], source="no.such.weight")
-    err = _refusal(declared, declared, Cover(declared, tuple(ranks)))
+    err = _refusal(Cover(declared, tuple(ranks)), declared)
     assert str(err) == ("plain:2: rank 1 norm.weight reads canonical 'no.such.weight', which "
                         "tiny_kv2 does not have")
     assert (err.param, err.rank, err.box) == ("no.such.weight", 1, None)
@@ -90,12 +87,11 @@ def test_a_box_out_of_bounds_carries_the_box_and_cover_of_validates_unless_told(
 
 
 def test_an_overlap_within_a_rank_carries_the_second_box():
-    name = "layers.0.gate_up.weight"
-    stored = "layers.0.gate_up.weight"
+    name = "layers.0.gate_up.weight"  # plain's stored name is the canonical one
     idx = list(range(32)) + list(range(16, 48))  # gate rows 16-31 held twice on rank 1
-    broken, declared = _with_piece("plain:2", 1, stored, idx)
+    broken, declared = _with_piece("plain:2", 1, name, idx)
     err = _refusal(broken, declared)
-    first, second = cover_of(broken, validate=False).ranks[1][stored].boxes
+    first, second = cover_of(broken, validate=False).ranks[1][name].boxes
     assert (first.start, first.stop, second.start, second.stop) == (0, 32, 16, 48)
     assert str(err) == (f"plain:2: rank 1 holds {name} rows 16-31 twice: {first} and {second} "
                         "overlap (one rank stores each canonical index at most once)")
