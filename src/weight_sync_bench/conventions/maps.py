@@ -362,7 +362,10 @@ def translate(shards: Sequence[Mapping[str, torch.Tensor]], src: Pieces, dst: Pi
     tensor is made (the extra memory is the output; a parameter ``runs`` cannot describe, cut
     along another dim, goes through its canonical tensor)."""
     wanted = None if names is None else set(names)
-    dtype = next(iter(shards[0].values())).dtype if shards and shards[0] else torch.float32
+    # each parameter in the dtype its source tensors hold, as ``gather_canonical`` keeps it
+    # (a checkpoint's fp32 norms beside bf16 matrices), fp32 where no source holds it
+    dtypes = {piece.source: shards[rank][name].dtype for rank in range(len(src))
+              for name, piece in src[rank].items() if name in shards[rank]}
     out: list[Params] = [{} for _ in dst]
     fallback: dict[str, torch.Tensor] = {}
     owners: dict[tuple[str, int], Owners | None] = {}
@@ -376,7 +379,8 @@ def translate(shards: Sequence[Mapping[str, torch.Tensor]], src: Pieces, dst: Pi
                     fallback.update(gather_canonical(shards, src, shapes, [piece.source]))
                 out[rank][name] = piece.take(fallback[piece.source])
                 continue
-            x = torch.empty(piece.flat_shape(shapes[piece.source]), dtype=dtype)
+            x = torch.empty(piece.flat_shape(shapes[piece.source]),
+                            dtype=dtypes.get(piece.source, torch.float32))
             for run in found:
                 part = x.narrow(piece.dim, run.at, run.length)
                 if run.rank is None:
