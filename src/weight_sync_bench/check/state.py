@@ -276,7 +276,7 @@ class _Judge:
         whose = self.misplaced(rank, name, piece, held)
         if whose is not None:
             return TensorOutcome(name, "misplaced", whose, **said)
-        return TensorOutcome(name, "wrong", self.wrong(rank, name, piece, held, want), **said)
+        return TensorOutcome(name, "wrong", self.wrong(rank, name, piece, held), **said)
 
     def misplaced(self, rank: int, name: str, piece: Piece, held: torch.Tensor) -> str | None:
         """Whose declared bytes ``held`` is: another layer's same parameter, another rank's
@@ -288,15 +288,15 @@ class _Judge:
         mine: dict[int, list[bytes]] = {}
 
         def holds(theirs: Piece) -> bool:
-            if theirs.padding is not None or theirs.idx.numel() == 0 or tuple(
+            if theirs.idx.numel() == 0 or tuple(
                     theirs.local_shape(shapes[theirs.source])) != tuple(held.shape):
                 return False
             if theirs.dim not in mine:
                 mine[theirs.dim] = _slice_digests(theirs.flat(held) if theirs.is_stacked
                                                   else held, theirs.dim)
-            want = digests.of(theirs.source, theirs.dim)
-            if mine[theirs.dim] != [want[i] for i in theirs.idx.tolist()]:
-                return False
+            want, zero = digests.of(theirs.source, theirs.dim)
+            if mine[theirs.dim] != [want[i] if i >= 0 else zero for i in theirs.idx.tolist()]:
+                return False  # (a padding slice, -1, is declared zeros)
             return bit_equal(held, self.declared(theirs, self.weights).to(held.dtype))
 
         parts = piece.source.split(".")
@@ -323,8 +323,7 @@ class _Judge:
             self._digests = _Digests(self.weights, dtype)
         return self._digests
 
-    def wrong(self, rank: int, name: str, piece: Piece, held: torch.Tensor,
-              want: torch.Tensor) -> str:
+    def wrong(self, rank: int, name: str, piece: Piece, held: torch.Tensor) -> str:
         full = self.weights[piece.source]
         if held.dtype == torch.bfloat16 and full.dtype == torch.float32 and \
                 bit_equal(held, _truncated(piece.take(full))):
@@ -336,15 +335,18 @@ class _Judge:
 
 class _Digests:
     """Per (canonical parameter, dim): a 16-byte digest of each of its slices along ``dim``,
-    cast to ``dtype``, each parameter read once for them (``misplaced``'s index)."""
+    cast to ``dtype``, and that of a slice of zeros (what a padding index declares), each
+    parameter read once for them (``misplaced``'s index)."""
 
     def __init__(self, weights: Mapping[str, torch.Tensor], dtype: torch.dtype) -> None:
         self.weights, self.dtype = weights, dtype
-        self.made: dict[tuple[str, int], list[bytes]] = {}
+        self.made: dict[tuple[str, int], tuple[list[bytes], bytes]] = {}
 
-    def of(self, source: str, dim: int) -> list[bytes]:
+    def of(self, source: str, dim: int) -> tuple[list[bytes], bytes]:
         if (source, dim) not in self.made:
-            self.made[source, dim] = _slice_digests(self.weights[source].to(self.dtype), dim)
+            full = self.weights[source].to(self.dtype)
+            zero = _slice_digests(torch.zeros_like(full.narrow(dim, 0, 1)), dim)[0]
+            self.made[source, dim] = (_slice_digests(full, dim), zero)
         return self.made[source, dim]
 
 
