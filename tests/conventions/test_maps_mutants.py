@@ -29,6 +29,10 @@ from weight_sync_bench.model.config import init_params
 MOE = TOY.replace(name="toy_moe", n_experts=4, top_k=2, expert_ffn=8)
 
 
+def rows_of(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
 def test_no_experts_or_a_chunk_of_nothing_is_an_empty_int64_selection():
     for empty in (expert_rows(MOE, []), expert_cols(MOE, []),
                   expert_rows(MOE, [1], etp=16), expert_cols(MOE, [0, 2], etp=9)):
@@ -87,10 +91,6 @@ def test_runs_tell_index_0_from_index_1_and_a_piece_of_one_index_is_one_run():
     assert runs(src, Piece("w", 0, torch.tensor([2])), 4) == [Run(0, 1, 1, "b", 1)]
     assert runs(src, Piece("w", 0, torch.tensor([0])), 4) == [Run(0, 1, 0, "a", 0)]
     assert runs(src, Piece("w", 0, rows_of([])), 4) == []
-
-
-def rows_of(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
 
 
 def _mixed(config):
