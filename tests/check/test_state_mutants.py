@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.check.test_state import CONFIG, MOE, SENTINEL, engine, sync
+from tests.check.test_state import CONFIG, MOE, QKV, SENTINEL, engine, sync
 from tests.sync.conftest import tiny
 from weight_sync_bench.check.state import (
     _experts_of,
@@ -26,7 +26,7 @@ from weight_sync_bench.model.config import init_params
 
 WHERE = "vllm:2"
 L = "model.layers.{}."
-QKV, O_PROJ = L + "self_attn.qkv_proj.weight", L + "self_attn.o_proj.weight"
+O_PROJ = L + "self_attn.o_proj.weight"
 IN_NORM, POST_NORM = L + "input_layernorm.weight", L + "post_attention_layernorm.weight"
 STACKED = ("two pipeline stages publishing the same local indices, or a stage's offset "
            "wrong")

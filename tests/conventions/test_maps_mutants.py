@@ -126,6 +126,9 @@ def test_translate_and_gather_give_only_what_was_asked_for():
     assert bit_equal(got[0][name], translate(shards, src, dst, shapes)[0][name])  # the twin
     source = dst[0][name].source
     assert sorted(gather_canonical(shards, src, shapes, [source])) == [source]
+    last = next(reversed(src[0].values())).source  # past every other source on the rank
+    assert bit_equal(gather_canonical(shards, src, shapes, [last])[last],
+                     gather_canonical(shards, src, shapes)[last])
     assert len(gather_canonical(shards, src, shapes)) == len(shapes)
 
 

@@ -240,6 +240,15 @@ def materialize(pieces: Pieces, canonical: Mapping[str, torch.Tensor],
              if wanted is None or name in wanted} for rank in pieces]
 
 
+def stored_dtypes(shards: Sequence[Mapping[str, torch.Tensor]], pieces: Pieces
+                  ) -> dict[str, torch.dtype]:
+    """Each canonical parameter's dtype, the one its stored tensors hold (a checkpoint may
+    keep fp32 norms beside bf16 matrices); a parameter none of ``shards`` holds is absent
+    (``gather_canonical`` and ``translate`` make it fp32)."""
+    return {piece.source: shards[rank][name].dtype for rank in range(len(pieces))
+            for name, piece in pieces[rank].items() if name in shards[rank]}
+
+
 def gather_canonical(shards: Sequence[Mapping[str, torch.Tensor]], pieces: Pieces,
                      shapes: Mapping[str, Shape], sources: Iterable[str] | None = None
                      ) -> Params:
@@ -248,11 +257,7 @@ def gather_canonical(shards: Sequence[Mapping[str, torch.Tensor]], pieces: Piece
     several ranks (a replica) is taken from the lowest rank, as ``gather`` takes rank 0's
     copy of a replicated parameter. Assumes the shards fit the pieces' shapes."""
     wanted = set(shapes) if sources is None else set(sources)
-    # each canonical tensor in the dtype its stored tensors hold (a checkpoint may keep fp32
-    # norms beside bf16 matrices), fp32 where none is stored
-    dtypes = {piece.source: shards[rank][name].dtype for rank in range(len(pieces))
-              for name, piece in pieces[rank].items()
-              if piece.source in wanted and name in shards[rank]}
+    dtypes = stored_dtypes(shards, pieces)
     full = {name: torch.zeros(shapes[name], dtype=dtypes.get(name, torch.float32))
             for name in wanted}
     for rank in reversed(range(len(pieces))):  # rank 0 writes last: its copy wins
@@ -362,10 +367,7 @@ def translate(shards: Sequence[Mapping[str, torch.Tensor]], src: Pieces, dst: Pi
     tensor is made (the extra memory is the output; a parameter ``runs`` cannot describe, cut
     along another dim, goes through its canonical tensor)."""
     wanted = None if names is None else set(names)
-    # each parameter in the dtype its source tensors hold, as ``gather_canonical`` keeps it
-    # (a checkpoint's fp32 norms beside bf16 matrices), fp32 where no source holds it
-    dtypes = {piece.source: shards[rank][name].dtype for rank in range(len(src))
-              for name, piece in src[rank].items() if name in shards[rank]}
+    dtypes = stored_dtypes(shards, src)  # as gather_canonical keeps them
     out: list[Params] = [{} for _ in dst]
     fallback: dict[str, torch.Tensor] = {}
     owners: dict[tuple[str, int], Owners | None] = {}
