@@ -138,7 +138,8 @@ def test_a_degree_the_plain_layout_cannot_store_is_refused_without_a_command():
     assert message == (
         "odd_vocab: no measured floor covers the forward of vllm:8 (phase 1a, fp32 weights, "
         "d_model 32, n_heads 8, n_kv_heads 8): vllm at t=8 runs the plain forward, and "
-        "phase1x.json measured it at t=1, 2, 4 (its plain cells: t=1, 2, 4); a threshold measured on another forward or degree does not judge "
+        "phase1x.json measured it at t=1, 2, 4 (its plain cells: t=1, 2, 4); a threshold "
+        "measured on another forward or degree does not judge "
         "it. The plain layout cannot store t=8, so no floor measurement has this cell; pass "
         "threshold= explicitly (e.g. check.convert.measure_threshold)")
 
