@@ -4,10 +4,11 @@
 The declared destination is ``conventions.fp8.fp8_shards``: the source weights quantized by
 the reference quantizer, each HF tensor whole and on its own, the FP8 bytes and each
 ``weight_scale_inv`` cut as the engine's loader cuts them. The converter's output is
-compared with it bit for bit, weights and scales (names, shapes and dtypes first:
-``InvalidShards`` / ``WrongShardShape``); a NaN or an infinity in a weight or a scale never
-passes and is named. Then computation: the destination's forward reads every rank's tensors
-dequantized (``q.float() * scale`` per block, or per part for per-tensor scales) and is
+compared with it bit for bit, weights and scales (first the structural check every
+convention's shards get, ``check.shards.validate_shards``: names, CPU tensors, shapes and
+dtypes, else ``InvalidShards`` / ``WrongShardShape``); a NaN or an infinity in a weight or
+a scale never passes and is named. Then computation: the destination's forward reads every
+rank's tensors dequantized (``q.float() * scale`` per block, or per part for per-tensor scales) and is
 compared with the dense reference on the same dequantized full weights, so the difference
 is reduction order only, judged by the committed FP8 floor where it covers the check (a
 seed's weights at a committed geometry: ``tolerance/phase1a_fp8_<scheme>.json``, measured
@@ -41,6 +42,7 @@ import torch
 from weight_sync_bench.check.conversion import require_cell
 from weight_sync_bench.check.diagnosis import bit_equal
 from weight_sync_bench.check.floor import convention_logits
+from weight_sync_bench.check.shards import validate_shards
 from weight_sync_bench.check.threshold import environment_notes
 from weight_sync_bench.check.user_code import call
 from weight_sync_bench.check.verdict import Verdict
@@ -97,46 +99,6 @@ def dequantized(config: ModelConfig, target: Endpoint,
     return out
 
 
-def _validate(shards: object, declared: Sequence[Mapping[str, torch.Tensor]],
-              target: Endpoint) -> list[Params]:
-    """``shards`` as a list of dicts of exactly the declared names, shapes and dtypes."""
-    if not isinstance(shards, Sequence) or len(shards) != len(declared):
-        got = len(shards) if isinstance(shards, Sequence) else type(shards).__name__
-        raise InvalidShards(f"{target}: expected a list of {len(declared)} rank dicts, got {got}")
-    out = []
-    for rank, (params, want) in enumerate(zip(shards, declared)):
-        if not isinstance(params, Mapping):
-            raise InvalidShards(f"{target} rank {rank}: expected a dict of tensors, got "
-                                f"{type(params).__name__}")
-        missing = [n for n in want if n not in params]
-        extra = sorted(str(n) for n in params if n not in want)
-        if missing or extra:
-            raise InvalidShards(f"{target} rank {rank}: " + "; ".join(
-                ([f"missing {', '.join(missing[:4])}"] if missing else [])
-                + ([f"unexpected {', '.join(extra[:4])}"] if extra else [])))
-        for name, w in want.items():
-            x = params[name]
-            if not isinstance(x, torch.Tensor):
-                raise InvalidShards(f"{target} rank {rank} {name}: expected a Tensor, got "
-                                    f"{type(x).__name__}")
-            if x.dtype != w.dtype:
-                raise WrongShardShape(f"{target} rank {rank} {name}: dtype {x.dtype}, declared "
-                                      f"{w.dtype}", rank=rank, name=name,
-                                      expected_dtype=w.dtype, actual_dtype=x.dtype)
-            if tuple(x.shape) != tuple(w.shape):
-                raise WrongShardShape(f"{target} rank {rank} {name}: shape {list(x.shape)}, "
-                                      f"declared {list(w.shape)}", rank=rank, name=name,
-                                      expected=tuple(w.shape), actual=tuple(x.shape))
-        out.append(dict(params))
-    return out
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype == FP8:
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-    return bit_equal(a, b)
-
-
 def _nonfinite(shards: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
     """``rank r name: n NaN, m Inf`` for every tensor holding one."""
     out = []
@@ -159,17 +121,18 @@ def _diagnose(rank: int, name: str, checked: Params, declared: Sequence[Params],
     key = scale_name(name, scheme)
     # (a weight is listed before its scale, and a shard quantized on its own differs in its
     # weights wherever its scale differs: the weight is what differs first)
-    if own is not None and _same(got, own) and _same(checked[key], per_shard[rank][key]):
+    if own is not None and bit_equal(got, own) and bit_equal(checked[key],
+                                                             per_shard[rank][key]):
         return (f"{where} holds this rank's own shard quantized after the TP cut (the amax "
                 "of its own rows); the frameworks quantize each HF tensor whole, before the "
                 "cut (slime quantize_params_fp8 after the all-gather), and vLLM's loader cuts "
                 "weights and scales from it")
     if is_scale(name):
-        if want.dim() >= 2 and want.shape[-1] == want.shape[-2] and _same(
+        if want.dim() >= 2 and want.shape[-1] == want.shape[-2] and bit_equal(
                 got, want.transpose(-1, -2).contiguous()):
             return f"{where} holds the declared scale transposed (a square block grid)"
         for other, params in enumerate(declared):
-            if other != rank and name in params and _same(got, params[name]):
+            if other != rank and name in params and bit_equal(got, params[name]):
                 return f"{where} holds rank {other}'s scale"
         for value, what in ((torch.finfo(torch.float32).min, "vLLM's fill of an unloaded "
                              "block scale (finfo(float32).min): never written"),
@@ -189,7 +152,7 @@ def _diagnose(rank: int, name: str, checked: Params, declared: Sequence[Params],
         return (f"{where} holds NaN in {nan} of {got.numel()} elements" + (
             f"; its scale is 0 in {zero} blocks (an all-zero block quantized without the "
             "amax clamp: 0 / 0, THUDM/slime PR #2256)" if zero else ""))
-    if scale is not None and not _same(scale, declared[rank][key]) and bool(
+    if scale is not None and not bit_equal(scale, declared[rank][key]) and bool(
             (scale > 0).all()) and bool((torch.exp2(torch.log2(scale).round()) == scale).all()):
         return (f"{where} and its scale are requantized to powers of two (UE8M0, DeepGEMM's "
                 "packing), where the raw scale amax / 448 is expected")
@@ -301,11 +264,13 @@ class Fp8Check:
         """``out`` (a converter's return) against the declared destination, bytes first,
         then the destination's forward on its dequantized tensors."""
         config, target, declared = self.config, self.target, self.declared
-        checked = _validate(out, declared, target)
+        checked = [dict(rank) for rank in validate_shards(
+            out, target, [{n: (tuple(x.shape), x.dtype) for n, x in rank.items()}
+                          for rank in declared])]
         tokens, reference, routings, threshold, notes = self.forward
         guard = RoutingGuard(routings, threshold) if config.n_experts else None
         names = list(dict.fromkeys(n for rank in declared for n in rank))
-        differ = [n for n in names if any(n in d and not _same(c[n], d[n])
+        differ = [n for n in names if any(n in d and not bit_equal(c[n], d[n])
                                           for c, d in zip(checked, declared))]
         bad = _nonfinite(checked)
         logits = convention_logits(target.unquantized(), config,
@@ -317,7 +282,7 @@ class Fp8Check:
         if differ:
             first = differ[0]
             rank = next(r for r, (c, d) in enumerate(zip(checked, declared))
-                        if first in d and not _same(c[first], d[first]))
+                        if first in d and not bit_equal(c[first], d[first]))
             lines.append(_diagnose(rank, first, checked[rank], declared, self.per_shard,
                                    self.scheme))
         lines += [f"not finite: {b}" for b in bad[:4]]
@@ -382,8 +347,8 @@ def fp8_kill_matrix(config: ModelConfig, source: Endpoint, target: Endpoint,
             continue
         out = mutation.apply([{n: x.clone() for n, x in rank.items()} for rank in declared],
                              config, target, params)
-        if all(set(o) == set(d) and all(o[n].dtype == d[n].dtype and _same(o[n], d[n])
-                                        for n in d) for o, d in zip(out, declared)):
+        if all(set(o) == set(d) and all(bit_equal(o[n], d[n]) for n in d)
+               for o, d in zip(out, declared)):
             rows.append(Fp8KillRow(mutation.name, "identity", "the declared bytes here"))
             continue
         try:
