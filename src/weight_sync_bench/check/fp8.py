@@ -8,8 +8,8 @@ compared with it bit for bit, weights and scales (first the structural check eve
 convention's shards get, ``check.shards.validate_shards``: names, CPU tensors, shapes and
 dtypes, else ``InvalidShards`` / ``WrongShardShape``); a NaN or an infinity in a weight or
 a scale never passes and is named. Then computation: the destination's forward reads every
-rank's tensors dequantized (``q.float() * scale`` per block, or per part for per-tensor scales) and is
-compared with the dense reference on the same dequantized full weights, so the difference
+rank's tensors dequantized (``q.float() * scale`` per block, or per part for per-tensor
+scales) and is compared with the dense reference on the same dequantized full weights, so the difference
 is reduction order only, judged by the committed FP8 floor where it covers the check (a
 seed's weights at a committed geometry: ``tolerance/phase1a_fp8_<scheme>.json``, measured
 under every kernel set on bf16 weights quantized in that scheme), else by a threshold
@@ -99,16 +99,16 @@ def dequantized(config: ModelConfig, target: Endpoint,
     return out
 
 
-def _nonfinite(shards: Sequence[Mapping[str, torch.Tensor]]) -> list[str]:
-    """``rank r name: n NaN, m Inf`` for every tensor holding one."""
+def _nonfinite(shards: Sequence[Mapping[str, torch.Tensor]]) -> list[tuple[str, str]]:
+    """``(name, "rank r name: n NaN, m Inf")`` for every tensor holding one, rank by rank."""
     out = []
     for rank, params in enumerate(shards):
         for name, x in params.items():
             values = x.float()
             nan, inf = int(values.isnan().sum()), int(values.isinf().sum())
             if nan or inf:
-                out.append(f"rank {rank} {name}: " + ", ".join(
-                    f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "Inf")) if n))
+                out.append((name, f"rank {rank} {name}: " + ", ".join(
+                    f"{n} {what}" for n, what in ((nan, "NaN"), (inf, "Inf")) if n)))
     return out
 
 
@@ -285,15 +285,16 @@ class Fp8Check:
                         if first in d and not bit_equal(c[first], d[first]))
             lines.append(_diagnose(rank, first, checked[rank], declared, self.per_shard,
                                    self.scheme))
-        lines += [f"not finite: {b}" for b in bad[:4]]
+        more = len(bad) - 4
+        lines += [f"not finite: {line}" for _, line in bad[:4]] + (
+            [f"not finite: {more} more tensor{'s' if more > 1 else ''}"] if more > 0 else [])
         dtypes = {x.dtype for x in self.params.values()}
         return Verdict(config=config.name, src=self.source.degree, dst=target.degree,
                        max_abs_error=error if not bad else math.inf, threshold=threshold,
-                       first_mismatch=differ[0] if differ else (bad[0].split(":")[0] if bad
-                                                                else None),
+                       first_mismatch=differ[0] if differ else (bad[0][0] if bad else None),
                        mismatches=tuple(differ), diagnosis=tuple(lines), own_forward=True,
                        conventions=(str(self.source), str(target)), notes=notes,
-                       dtype=dtype_name(max(dtypes, key=str)) if len(dtypes) == 1 else "mixed",
+                       dtype=dtype_name(next(iter(dtypes))) if len(dtypes) == 1 else "mixed",
                        **({"near_ties": guard.near_ties(), "route_bound": guard.bound}
                           if guard is not None else {}))
 
