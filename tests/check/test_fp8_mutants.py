@@ -195,6 +195,16 @@ def test_differing_elements_are_counted_as_elements_in_any_dtype(check):
     assert first_line(check, fp8_bytes) == (
         f"rank 1 {O_PROJ}: 3 of 65536 elements differ from the declared bytes")
 
+    params = init_params(TOY_FP8, 0, dtype=torch.bfloat16)
+    params["layers.1.o_proj.weight"][:, -128:] = 0  # rank 1's last block column: +0 bytes
+    zeros = Fp8Check(TOY_FP8, endpoint("megatron:2"), endpoint(DST), params)
+
+    def negative_zero(r):  # FP8 bytes, not values: -0 where +0 is declared differs
+        assert int(r[O_PROJ].view(torch.uint8)[0, -1]) == 0
+        r[O_PROJ].view(torch.uint8)[0, -2:] = 0x80
+    assert first_line(zeros, negative_zero) == (
+        f"rank 1 {O_PROJ}: 2 of 65536 elements differ from the declared bytes")
+
     def norm(r):  # bf16: two elements, four bytes
         r[NORM][:2] = -r[NORM][:2] * 3
     assert first_line(check, norm) == (
@@ -236,6 +246,11 @@ def test_the_committed_fp8_floor_is_read_only_where_it_measured_the_destination(
         f"fp8: the threshold {found:g} is the committed FP8 floor's (phase1a_fp8_tensor.json: "
         "bf16 weights quantized tensor, every kernel set measured, the reference and the "
         "sharded forward on the same dequantized weights)", "<the phase 1a fp8_tensor floor>")
+    # a per-geometry floor is named by its geometry
+    geometry = type(floor)(floor.threshold, floor.artifact, floor.path, "geometry")
+    monkeypatch.setattr(fp8, "floor_for", lambda *a, **k: geometry)
+    assert fp8.fp8_threshold(TOY_KV4, endpoint("vllm:tp=2,fp8=tensor"), full, None,
+                             seeded=True)[1][1] == "<the phase 1a fp8_tensor floor of toy_kv4>"
     # the twin: the same floor without the destination's cell is not read; measured instead
     cells = [c for c in floor.artifact["cells"] if (c["config"], c["degree"]) != ("toy_kv4", 2)]
     without = type(floor)(floor.threshold, {**floor.artifact, "cells": cells}, floor.path,
@@ -353,11 +368,23 @@ def test_weights_that_hold_a_non_finite_value_fail_naming_the_tensor_not_the_ran
     first mismatch is the tensor's name, each rank's copy told."""
     params = init_params(TOY_FP8, 0, dtype=torch.bfloat16)
     params["layers.1.attn_norm.weight"][3] = float("inf")
+    params["norm.weight"][:2] = float("nan")
     inf = Fp8Check(TOY_FP8, endpoint("megatron:2"), endpoint(DST), params)
     v = inf.verdict(declared(inf))
     assert not v.passed and v.mismatches == () and v.first_mismatch == NORM
+    final = "model.norm.weight"
     assert v.diagnosis == (f"not finite: rank 0 {NORM}: 1 Inf",
-                           f"not finite: rank 1 {NORM}: 1 Inf")
+                           f"not finite: rank 0 {final}: 2 NaN",
+                           f"not finite: rank 1 {NORM}: 1 Inf",
+                           f"not finite: rank 1 {final}: 2 NaN")
+
+
+def test_weights_of_several_dtypes_are_a_mixed_check():
+    params = init_params(TOY_FP8, 0, dtype=torch.bfloat16)
+    params["norm.weight"] = params["norm.weight"].float()  # an fp32 norm beside bf16
+    mixed = Fp8Check(TOY_FP8, endpoint("megatron:2"), endpoint(DST), params)
+    v = mixed.verdict(declared(mixed))
+    assert v.passed and v.dtype == "mixed"
 
 
 def test_more_than_four_non_finite_tensors_are_counted_past_the_fourth(check):
@@ -386,9 +413,10 @@ def test_an_moe_fp8_verdict_keeps_the_references_near_ties_and_says_them(monkeyp
     monkeypatch.setattr(RoutingGuard, "choice", counted)
     moe = Fp8Check(MOE_FP8, endpoint("megatron:2"), endpoint("vllm:tp=2,ep=2,fp8=block128"),
                    init_params(MOE_FP8, 0, dtype=torch.bfloat16))
+    _, _, routings, threshold, _ = moe.forward  # its threshold's measurement routes too
+    asked.clear()
     v = moe.verdict(declared(moe))
     assert v.passed and sorted(set(asked)) == list(range(MOE_FP8.n_layers))
-    _, _, routings, threshold, _ = moe.forward
     assert v.near_ties == RoutingGuard(routings, threshold).near_ties()
     assert v.route_bound == threshold and v.near_ties[1] > 0
 
@@ -415,8 +443,11 @@ def test_check_fp8_convert_passes_its_threshold_seed_and_note_to_the_check():
     by_hand = Fp8Check(TOY_FP8, src, dst, params, threshold=0.25, seed=3)
     assert v.max_abs_error == by_hand.verdict(wrong(by_hand.inputs(), 2, config=TOY_FP8,
                                                     source=src, target=dst)).max_abs_error
-    seed0 = check_fp8_convert(wrong, TOY_FP8, src, dst, params, threshold=0.25)
+    seed0 = check_fp8_convert(wrong, TOY_FP8, src, dst, params, threshold=0.25)  # seed 0
     assert seed0.max_abs_error != v.max_abs_error  # the seed drew other tokens
+    zero = Fp8Check(TOY_FP8, src, dst, params, threshold=0.25, seed=0)
+    assert seed0.max_abs_error == zero.verdict(wrong(zero.inputs(), 2, config=TOY_FP8,
+                                                     source=src, target=dst)).max_abs_error
 
     def raises(shards, degree, **kw):
         raise RuntimeError("no scales today")
@@ -460,6 +491,9 @@ def test_the_kill_matrix_judges_with_its_seed_and_goes_on_past_a_refused_row(mon
                                init_params(TOY_FP8, 0, dtype=torch.bfloat16),
                                [refused_one, same, FP8_MUTATIONS["scale_unsent"]], seed=3)
     assert seeds == [3]
+    fp8.fp8_kill_matrix(TOY_FP8, endpoint("megatron:2"), endpoint(DST),
+                        init_params(TOY_FP8, 0, dtype=torch.bfloat16), [same])
+    assert seeds == [3, 0]  # seed 0 by default
     assert [(r.mutation, r.outcome) for r in rows] == [
         ("as_bf16", "refused"), ("same", "identity"), ("scale_unsent", "killed")]
     assert rows[0].reason == f"{DST} rank 0 {O_PROJ}: dtype torch.bfloat16, declared {FP8}"
