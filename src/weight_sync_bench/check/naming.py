@@ -90,7 +90,8 @@ NONE = Named((), ())
 
 
 def same(a: Tensors, b: Tensors) -> bool:
-    return all(x is y or bit_equal(x, y) for x, y in zip(a, b, strict=True))
+    """The same tensors, bit for bit, rank by rank; a different number of ranks is not."""
+    return len(a) == len(b) and all(x is y or bit_equal(x, y) for x, y in zip(a, b))
 
 
 @dataclass
