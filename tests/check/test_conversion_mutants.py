@@ -208,18 +208,11 @@ def test_a_diagnosis_reads_each_canonical_parameters_slice_index_once(monkeypatc
     assert built == [0]
 
 
-def test_an_moe_destinations_forward_keeps_the_references_near_tied_routing(monkeypatch):
+def test_an_moe_destinations_forward_keeps_the_references_near_tied_routing(guarded_layers):
     """The destination forward gets the checker's routing guard (``Checker.guard``): a
     token near-tied in the reference takes the reference's experts on every rank, as in the
     floor's measurement. Seen as the guard's ``choice`` being asked at every MoE layer."""
-    from weight_sync_bench.model.sharded import RoutingGuard
-    asked = []
-    choice = RoutingGuard.choice
-
-    def counted(self, layer, own, tokens=None):
-        asked.append(layer)
-        return choice(self, layer, own, tokens)
-    monkeypatch.setattr(RoutingGuard, "choice", counted)
+    asked = guarded_layers
     checker = conversion_checker(TOY_MOE)
     assert checker.checker.guard is not None
     asked.clear()

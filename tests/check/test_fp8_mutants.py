@@ -401,16 +401,10 @@ def test_more_than_four_non_finite_tensors_are_counted_past_the_fourth(check):
     assert check.verdict(out).diagnosis[-1] == "not finite: 2 more tensors"
 
 
-def test_an_moe_fp8_verdict_keeps_the_references_near_ties_and_says_them(monkeypatch):
+def test_an_moe_fp8_verdict_keeps_the_references_near_ties_and_says_them(guarded_layers):
     from tests.check.test_fp8_convert import MOE_FP8
     from weight_sync_bench.model.sharded import RoutingGuard
-    asked = []
-    choice = RoutingGuard.choice
-
-    def counted(self, layer, own, tokens=None):
-        asked.append(layer)
-        return choice(self, layer, own, tokens)
-    monkeypatch.setattr(RoutingGuard, "choice", counted)
+    asked = guarded_layers
     moe = Fp8Check(MOE_FP8, endpoint("megatron:2"), endpoint("vllm:tp=2,ep=2,fp8=block128"),
                    init_params(MOE_FP8, 0, dtype=torch.bfloat16))
     _, _, routings, threshold, _ = moe.forward  # its threshold's measurement routes too
