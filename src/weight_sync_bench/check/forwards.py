@@ -46,10 +46,6 @@ if TYPE_CHECKING:
     from weight_sync_bench.collectives.gloo.rank import RankContext
     from weight_sync_bench.conventions import ForwardLayout
 
-# Where a check's sharded forward runs: in this process (phase 1a) or one process per rank
-# over gloo (phase 1b).
-BACKENDS = ("inprocess", "gloo")
-
 # (full params, degree) -> rank-local dicts: a user's split function, as ``check.SplitFn``
 SplitFn = Callable[[dict[str, torch.Tensor], int], list[dict[str, torch.Tensor]]]
 Params = dict[str, torch.Tensor]
