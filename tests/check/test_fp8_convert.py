@@ -118,8 +118,11 @@ def test_the_verdict_reports_the_quantization_error_apart_from_the_threshold():
     v = check_convert(good, TOY_FP8, "megatron:2", "vllm:tp=2,fp8=block128", dtype="bf16")
     (error,) = [n for n in v.notes if n.startswith("fp8 quantization error")]
     figure = float(error.rsplit(" ", 1)[1])
-    assert figure > 100 * v.threshold  # quantization moves the logits far beyond the floor,
-    assert v.passed                    # and is never what the check judges
+    # quantization moves the logits far beyond the threshold (67x the committed FP8 floor's,
+    # which judges where the sharded forwards sum exactly, as on an AVX-512 Intel CPU; more
+    # where the threshold is measured), and is never what the check judges
+    assert figure > 10 * v.threshold
+    assert v.passed
 
 
 def test_a_fused_quantization_is_told_apart_where_blocks_straddle_gate_and_up():

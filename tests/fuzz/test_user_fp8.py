@@ -127,11 +127,14 @@ def test_wsb_fuzz_takes_an_fp8_destination_and_says_its_domain(tmp_path, monkeyp
     assert f"domain: {FP8_DOMAIN}" in out
 
 
-def test_where_every_sharded_forward_sums_exactly_the_committed_fp8_floor_judges_and_says_so():
-    """A small geometry (2 heads of 128, d_model 64, 4 tokens) whose sharded forward sums
+def test_where_every_sharded_forward_sums_exactly_the_committed_fp8_floor_judges_and_says_so(
+        monkeypatch):
+    """A small geometry (2 heads of 128, d_model 64, 4 tokens) whose sharded forwards sum
     exactly on its dequantized weights over every token seed: no floor to derive from, so
     the committed FP8 floor's threshold, named; a planted NaN still fails there (the
-    twin)."""
+    twin). Which geometry sums exactly depends on the CPU's kernels (this one did on an AMD
+    EPYC, not on an AVX-512 Intel Xeon), so the measurement stands in, saying 0."""
+    from weight_sync_bench.check import fp8
     from weight_sync_bench.check.fp8 import check_fp8_convert
     from weight_sync_bench.conventions import endpoint
     from weight_sync_bench.fuzz.domain import fuzz_params
@@ -146,8 +149,10 @@ def test_where_every_sharded_forward_sums_exactly_the_committed_fp8_floor_judges
                                                         target=dst),
                                  config, src, dst, fuzz_params(config, 0))
 
+    measured = []
+    monkeypatch.setattr(fp8, "measure_worst", lambda *a, **k: measured.append(a) or 0.0)
     v = run(uf.convert_to_fp8)
-    assert v.passed and any("summed exactly" in n and "phase1a_fp8_tensor.json" in n
+    assert measured and v.passed and any("summed exactly" in n and "phase1a_fp8_tensor.json" in n
                             for n in v.notes), v.notes
     assert not run(uf.convert_to_fp8_unclamped).passed
 
