@@ -316,8 +316,7 @@ def stream_task(ctx: RankContext, *, config: ModelConfig, fn: StageFn | None,
     draws = iter_params(config, seed, dtype=weights) if ctx.rank == 0 else None
     found = Found.of(config, layout, dst, weights)
     with torch.no_grad():
-        for label, names in stages(config):
-            ctx.tracer.mark(f"stream {label}")
+        for _, names in stages(config):
             for unit in units(names, per):
                 sink = ParamSink()
                 transport = GlooTransport(ctx, LayoutTable(tuple(layout[n] for n in unit)),
@@ -333,6 +332,8 @@ def stream_task(ctx: RankContext, *, config: ModelConfig, fn: StageFn | None,
                     transport.sync(None, sink)
                 local = [dict(sink)]
                 del sink
+                # the transport marked its own phase: a hang from here on is the forward's
+                ctx.tracer.mark("forward")
                 sharded.take(unit, local)
         named = found.named(config, layout, dst, seed, weights) if ctx.rank == 0 else NONE
     rss = (peak.began, peak.high())
