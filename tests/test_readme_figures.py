@@ -171,18 +171,10 @@ def floor_mismatches(text: str) -> list[str]:
         return [*wrong, "the README no longer states the kernel sets of the floors"]
     sets = [f"{vendor}/{k}" for vendor in (stated.group("vendors"), stated.group("vendor"))
             for k in [*stated.group("sets").split(", "), stated.group("last")]]
-    fp8 = re.search(r"the FP8 floors \(`phase1a_fp8_block128\.json`, `phase1a_fp8_tensor\.json`\): "
-                    r"on (?P<v>\w+) under (?P<set>[A-Z0-9, ]+?) and (?P<last>[A-Z0-9]+) only",
-                    _flat(text))
-    if fp8 is None:
-        return [*wrong, "the README no longer states the kernel sets of the FP8 floors"]
-    fp8_sets = [f"{fp8.group('v')}/{k}" for k in [*fp8.group("set").split(", "),
-                                                  fp8.group("last")]]
     for path in sorted(TOLERANCE.glob("*.json")):
         recorded = _artifact(path).get("kernel_sets")
-        said = fp8_sets if path.name.startswith("phase1a_fp8_") else sets
-        if sorted(recorded or []) != sorted(said):  # the order they were measured in aside
-            wrong.append(f"{path.name}: kernel sets {recorded}, the README says {said}")
+        if sorted(recorded or []) != sorted(sets):  # the order they were measured in aside
+            wrong.append(f"{path.name}: kernel sets {recorded}, the README says {sets}")
     # the random floors' figures per kernel set, on each vendor's CPU
     one = _artifact(TOLERANCE / "random_floor_1a.json")
     worst = {k: max(s["by_kernel_set"][k] for s in one["samples"]) for k in one["kernel_sets"]}
@@ -333,8 +325,6 @@ def test_same_figure_rounds_to_the_digits_the_readme_shows():
     ("campaign", "(1832 of 81455 choices, the", "(1831 of 81455 choices, the"),
     ("campaign", "ratio of an MoE mutation 17.3x (`qk_norm", "ratio of an MoE mutation 17.3x (`w13"),
     ("campaign", "in 162 of its 402 references", "in 161 of its 402 references"),
-    ("floors", "on AuthenticAMD under DEFAULT, AVX2 and AVX512 only",
-     "on AuthenticAMD under DEFAULT and AVX2 only"),
     ("corpus origins", "3 entries are discovered", "0 entries are discovered"),
     ("campaign", "9606 examples", "9660 examples"),
     ("campaign", "38.9x (`gate_up_swapped`)", "38.9x (`replica_scaled`)"),
