@@ -19,3 +19,18 @@ def guarded_layers(monkeypatch):
         return choice(self, layer, own, tokens)
     monkeypatch.setattr(RoutingGuard, "choice", counted)
     return asked
+
+
+@pytest.fixture
+def sharded_guards(monkeypatch):
+    """The routing guard each stepwise sharded forward (``model.stepwise.ShardedSteps``, the
+    streamed checks') is built with, in order; None for a dense model's."""
+    from weight_sync_bench.model.stepwise import ShardedSteps
+    made = []
+    over = ShardedSteps.over
+
+    def spy(*a, **k):
+        made.append(k.get("guard"))
+        return over(*a, **k)
+    monkeypatch.setattr(ShardedSteps, "over", staticmethod(spy))
+    return made

@@ -8,17 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.sync.conftest import MOE_FEW as MOE
+from tests.sync.conftest import forced_guard
 from weight_sync_bench.check.forwards import run_phase1b
 from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
 from weight_sync_bench.collectives.gloo.pool import shared_pool
 from weight_sync_bench.errors import RankFailure
-from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
+from weight_sync_bench.model.config import init_params, make_tokens
 from weight_sync_bench.model.reference import ReferenceModel
-from weight_sync_bench.model.routing import Routing
-from weight_sync_bench.model.sharded import RoutingGuard
-
-MOE = ModelConfig(name="moe_few", vocab=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
-                  head_dim=4, ffn=16, n_experts=8, top_k=2, expert_ffn=8, batch=1, seq_len=4)
 
 
 def test_the_reference_is_computed_on_rank_0_only_when_asked():
@@ -35,11 +32,8 @@ def test_the_routing_guard_reaches_every_rank():
     reference's (every token on experts 0 and 1): the ranks follow it, so the logits move."""
     pool = shared_pool(4)
     plain = run_phase1b(MOE, 2, param_seed=1, token_seed=2, pool=pool)
-    n = MOE.batch * MOE.seq_len
-    forced = Routing(experts=torch.tensor([[0, 1]] * n), scores=torch.zeros(n, MOE.n_experts),
-                     margin=torch.zeros(n))
-    guard = RoutingGuard({layer: forced for layer in range(MOE.n_layers)}, float("inf"))
-    guided = run_phase1b(MOE, 2, param_seed=1, token_seed=2, pool=pool, guard=guard)
+    guided = run_phase1b(MOE, 2, param_seed=1, token_seed=2, pool=pool,
+                         guard=forced_guard(MOE))
     assert not torch.equal(plain.logits, guided.logits)
 
 
@@ -104,9 +98,5 @@ def test_a_conventions_forward_over_gloo_is_its_forward_in_process(at):
     assert torch.allclose(there, convention_logits(where, config, shards, tokens), atol=1e-5)
     if not config.n_experts:
         return
-    n = config.batch * config.seq_len
-    forced = Routing(experts=torch.tensor([[0, 1]] * n), scores=torch.zeros(n, MOE.n_experts),
-                     margin=torch.zeros(n))
-    guard = RoutingGuard({layer: forced for layer in range(MOE.n_layers)}, float("inf"))
     assert not torch.equal(there, convention_logits(where, config, shards, tokens, phase="1b",
-                                                    guard=guard))
+                                                    guard=forced_guard(config)))

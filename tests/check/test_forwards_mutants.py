@@ -309,19 +309,13 @@ def test_the_floor_measurements_runner_asks_for_the_declared_split_on_the_shared
 def test_the_in_process_forward_follows_its_routing_guard():
     """A guard that keeps every choice (bound infinite) and holds other choices than the
     reference's: the forward follows it, so the logits move."""
+    from tests.sync.conftest import MOE_FEW as moe
+    from tests.sync.conftest import forced_guard
     from weight_sync_bench import layout_for
     from weight_sync_bench.layout.reshard import split
-    from weight_sync_bench.model.config import ModelConfig, init_params, make_tokens
-    from weight_sync_bench.model.routing import Routing
-    from weight_sync_bench.model.sharded import RoutingGuard
+    from weight_sync_bench.model.config import init_params, make_tokens
 
-    moe = ModelConfig(name="moe_few", vocab=64, d_model=16, n_layers=2, n_heads=4,
-                      n_kv_heads=2, head_dim=4, ffn=16, n_experts=8, top_k=2, expert_ffn=8,
-                      batch=1, seq_len=4)
     shards = split(init_params(moe, 1), layout_for(moe), 2)
-    tokens, n = make_tokens(moe, 2), moe.batch * moe.seq_len
-    forced = Routing(experts=torch.tensor([[0, 1]] * n), scores=torch.zeros(n, moe.n_experts),
-                     margin=torch.zeros(n))
-    guard = RoutingGuard({layer: forced for layer in range(moe.n_layers)}, float("inf"))
+    tokens, guard = make_tokens(moe, 2), forced_guard(moe)
     assert not torch.equal(forwards.inprocess_forward(moe, shards, tokens),
                            forwards.inprocess_forward(moe, shards, tokens, guard=guard))

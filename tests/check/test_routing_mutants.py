@@ -10,17 +10,15 @@ import math
 import pytest
 import torch
 
+from tests.sync.conftest import MOE_FEW
 from weight_sync_bench.check import routing
 from weight_sync_bench.check.convert import conversion_checker
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.conventions.mutations import MUTATIONS, Conversion
-from weight_sync_bench.model.config import ModelConfig
 from weight_sync_bench.model.sharded import RoutingGuard
 
 # DeepSeek-V3's selection bias; 4 tokens, top-2 of 8 experts, 2 MoE layers
-DS = ModelConfig(name="ds_few", vocab=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
-                 head_dim=4, ffn=16, n_experts=8, top_k=2, expert_ffn=8, router="sigmoid",
-                 router_bias=True, batch=1, seq_len=4)
+DS = MOE_FEW.replace(name="ds_few", router="sigmoid", router_bias=True)
 HF = endpoint("hf")
 BIAS = "model.layers.{}.mlp.gate.e_score_correction_bias"
 NO_MOVE = "the selection bias it leaves moves no token's choice of experts on these tokens"

@@ -12,15 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.sync.conftest import MOE_FEW as MOE
 from tests.sync.conftest import tiny
 from weight_sync_bench.check import streamed_conversion as sc
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.errors import InvalidNumber, UnsupportedLayout
-from weight_sync_bench.model.config import ModelConfig, init_params
+from weight_sync_bench.model.config import init_params
 
 DENSE = tiny(2, n_layers=1)
-MOE = ModelConfig(name="moe_few", vocab=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
-                  head_dim=4, ffn=16, n_experts=8, top_k=2, expert_ffn=8, batch=1, seq_len=4)
 
 
 def never(*a, **k):
@@ -167,15 +166,11 @@ def test_a_streamed_conversion_defaults_to_seed_0_and_the_committed_floor(floors
                                                       seed=1).max_abs_error
 
 
-def test_a_streamed_moe_forward_keeps_the_references_near_tied_choices(floors, monkeypatch):
+def test_a_streamed_moe_forward_keeps_the_references_near_tied_choices(floors,
+                                                                      sharded_guards):
     from weight_sync_bench.model.sharded import RoutingGuard
 
-    made, over = [], sc.ShardedSteps.over
-
-    def spy(*a, **k):
-        made.append(k.get("guard"))
-        return over(*a, **k)
-    monkeypatch.setattr(sc.ShardedSteps, "over", staticmethod(spy))
+    made = sharded_guards
     v = sc.stream_convert(sc.stage_convert("hf", "vllm:tp=2,ep=2", MOE), MOE, "hf",
                           "vllm:tp=2,ep=2", threshold=0.25)
     guard, = made

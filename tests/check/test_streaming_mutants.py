@@ -167,35 +167,23 @@ def test_a_streamed_bf16_check_names_only_what_its_own_dtypes_catalogue_holds():
     assert fp32.named_mutation == "fp16_round_trip"  # the twin: fp32 weights' catalogue
 
 
-@pytest.fixture
-def guards(monkeypatch):
-    """The routing guard each sharded pass is built with."""
-    made = []
-    over = streaming.ShardedSteps.over
-
-    def spy(*a, **k):
-        made.append(k.get("guard"))
-        return over(*a, **k)
-    monkeypatch.setattr(streaming.ShardedSteps, "over", staticmethod(spy))
-    return made
-
-
-def test_an_moe_pass_guards_its_forward_with_the_references_routings_at_the_bound(guards):
+def test_an_moe_pass_guards_its_forward_with_the_references_routings_at_the_bound(
+        sharded_guards):
     from weight_sync_bench.model.config import TOY_MOE
     from weight_sync_bench.model.sharded import RoutingGuard
 
     layout = layout_for(TOY_MOE)
     run = streaming.run_inprocess(TOY_MOE, layout, 2, None, None, "layer", 0, torch.float32,
                                   None, route_bound=0.25)
-    guard, = guards
+    guard, = sharded_guards
     assert isinstance(guard, RoutingGuard) and guard.bound == 0.25
     assert sorted(guard.routings) == list(range(TOY_MOE.n_layers))  # the reference's, filled
     assert run.near_ties == guard.near_ties() and run.near_ties[1] > 0
     streaming.run_inprocess(TOY_MOE, layout, 2, None, None, "layer", 0, torch.float32, None)
-    assert guards[-1].bound == math.inf  # unbounded: the floor of the continuous part
+    assert sharded_guards[-1].bound == math.inf  # unbounded: the floor of the continuous part
     dense = streaming.run_inprocess(WIDE, layout_for(WIDE), 2, None, None, "layer", 0,
                                     torch.float32, None)
-    assert guards[-1] is None and dense.near_ties is None  # the twin: a dense model's
+    assert sharded_guards[-1] is None and dense.near_ties is None  # the twin: a dense model's
 
 
 def test_an_moe_streamed_deviation_reports_its_own_routing_deviation():

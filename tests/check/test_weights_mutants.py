@@ -256,10 +256,7 @@ def test_a_threshold_on_real_weights_defaults_to_in_process_at_the_smallest_degr
 def test_an_moe_models_worst_is_measured_with_the_references_routing_kept_nowhere():
     """The floor of the continuous part: the guard's bound is infinite, so every sharded
     forward takes the reference's choices, read from the reference's own routings."""
-    from weight_sync_bench.model.config import ModelConfig
+    from tests.sync.conftest import MOE_FEW
 
-    moe = ModelConfig(name="moe_few", vocab=64, d_model=16, n_layers=2, n_heads=4,
-                      n_kv_heads=2, head_dim=4, ffn=16, n_experts=8, top_k=2, expert_ffn=8,
-                      batch=1, seq_len=4)
-    worst = weights.measure_worst(moe, ["plain:2"], seeds=[0])
+    worst = weights.measure_worst(MOE_FEW, ["plain:2"], seeds=[0])
     assert 0 <= worst < 1e-4

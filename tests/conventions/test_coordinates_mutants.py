@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.sync.conftest import MOE_FEW as MOE
 from tests.sync.conftest import tiny
 from weight_sync_bench.conventions import endpoint, rank_coordinates
-from weight_sync_bench.model.config import ModelConfig
-
-MOE = ModelConfig(name="moe_few", vocab=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
-                  head_dim=4, ffn=16, n_experts=8, top_k=2, expert_ffn=8, batch=1, seq_len=4)
 
 
 def coordinates(config, at):

@@ -23,6 +23,26 @@ def tiny(n_kv: int = 2, **changes: object) -> ModelConfig:
     return BASE.replace(name=f"tiny_kv{n_kv}", n_kv_heads=n_kv, **changes)
 
 
+# The smallest MoE the checks' tests route: 4 tokens, top-2 of 8 experts, 2 MoE layers.
+MOE_FEW = ModelConfig(name="moe_few", vocab=64, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2,
+                      head_dim=4, ffn=16, n_experts=8, top_k=2, expert_ffn=8, batch=1,
+                      seq_len=4)
+
+
+def forced_guard(config: ModelConfig, experts: tuple[int, ...] = (0, 1)):
+    """A routing guard that keeps every choice (bound infinite) and holds other choices than
+    a reference's: every token of every MoE layer on ``experts``. A forward given it follows
+    it, so its logits move: what shows that a guard reached a forward."""
+    from weight_sync_bench.model.routing import Routing
+    from weight_sync_bench.model.sharded import RoutingGuard
+
+    n = config.batch * config.seq_len
+    forced = Routing(experts=torch.tensor([list(experts)] * n),
+                     scores=torch.zeros(n, config.n_experts), margin=torch.zeros(n))
+    return RoutingGuard({layer: forced for layer in range(config.dense_layers,
+                                                          config.n_layers)}, float("inf"))
+
+
 def with_piece(layout, rank: int, name: str, idx, dim: int | None = None):
     """A copy of ``layout`` whose ``rank`` stores ``name`` as canonical indices ``idx``
     (along ``dim``, by default the declared one): a broken cover, for the validation."""

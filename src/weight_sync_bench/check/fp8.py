@@ -9,9 +9,9 @@ convention's shards get, ``check.shards.validate_shards``: names, CPU tensors, s
 dtypes, else ``InvalidShards`` / ``WrongShardShape``); a NaN or an infinity in a weight or
 a scale never passes and is named. Then computation: the destination's forward reads every
 rank's tensors dequantized (``q.float() * scale`` per block, or per part for per-tensor
-scales) and is compared with the dense reference on the same dequantized full weights, so the difference
-is reduction order only, judged by the committed FP8 floor where it covers the check (a
-seed's weights at a committed geometry: ``tolerance/phase1a_fp8_<scheme>.json``, measured
+scales) and is compared with the dense reference on the same dequantized full weights, so
+the difference is reduction order only, judged by the committed FP8 floor where it covers
+the check (a seed's weights at a committed geometry: ``tolerance/phase1a_fp8_<scheme>.json``, measured
 under every kernel set on bf16 weights quantized in that scheme), else by a threshold
 measured on these dequantized weights (``check.weights.measure_threshold``); never by a
 floor of unquantized ones. The
