@@ -228,6 +228,8 @@ def read_artifact(path: Path, *, phase: str, fields: Iterable[str], remedy: str,
         artifact = json.loads(path.read_text())
     except FileNotFoundError:
         raise ToleranceMismatch(f"{path}: no such artifact; measure it with `{remedy}`") from None
+    except OSError as exc:  # a directory, no permission: named, never a bare traceback
+        raise ToleranceMismatch(f"{path}: cannot read the artifact ({exc})") from None
     except json.JSONDecodeError as exc:
         raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(artifact, dict):
