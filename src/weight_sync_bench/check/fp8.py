@@ -302,15 +302,15 @@ class Fp8Check:
 def check_fp8_convert(fn: ConvertFn, config: ModelConfig, source: Endpoint, target: Endpoint,
                       params: Mapping[str, torch.Tensor], *, threshold: float | None = None,
                       seed: int = 0, weights_note: str | None = None,
-                      seeded: bool = True) -> Verdict:
+                      seeded: bool = True, name: str | None = None) -> Verdict:
     """``check_convert`` into a quantized ``target`` (see the module docstring): ``params``
     the canonical source weights (``seeded``: the seed's in the check's dtype, else the
-    user's)."""
+    user's); ``name``: what a failure calls the function (default its import path)."""
     check = Fp8Check(config, source, target, params, threshold=threshold, seed=seed,
                      weights_note=weights_note, seeded=seeded)
     out = call(fn, (check.inputs(), target.world), role="converter", config=config,
                during=f"while converting {config.name} {source} -> {target}",
-               ends=(source, target))
+               ends=(source, target), name=name)
     return check.verdict(out)
 
 

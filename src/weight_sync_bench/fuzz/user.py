@@ -379,7 +379,8 @@ def _fp8_case(function: UserFunction, case: Case) -> UserOutcome:
     common: dict[str, Any] = {"case": case, "function": function}
     try:
         verdict = check_fp8_convert(function.fn, case.config, src, dst,
-                                    fuzz_params(case.config, case.seed), seed=case.seed)
+                                    fuzz_params(case.config, case.seed), seed=case.seed,
+                                    name=function.name)  # as every other case names it
     except UserCodeError as err:
         if isinstance(err.__cause__, Unsupported):
             return UserOutcome(deviation=math.nan, shards_differ=False, threshold=math.nan,
@@ -464,9 +465,12 @@ def real_cases(function: UserFunction, *, domain: FuzzDomain = DOMAIN, src: int 
     the largest to the smallest other one above 1 (else 1), a converter from its source
     convention's largest degree to its destination's smallest other one above 1 (``src`` / ``dst`` where fixed, a geometry
     that does not support them left out), seed 0. A geometry outside a field the user
-    narrowed (``domain`` differs from ``DOMAIN`` there) is left out too."""
+    narrowed (``domain`` differs there from the function's default domain, ``DOMAIN`` or, for
+    an FP8 destination, ``FP8_DOMAIN``) is left out too: the harness's own choice of domain
+    narrows nothing, the destination's degrees decide what it stores."""
+    default = function.domain(DOMAIN)
     narrowed = {f.name for f in dataclasses.fields(FuzzDomain)
-                if getattr(domain, f.name) != getattr(DOMAIN, f.name)}
+                if getattr(domain, f.name) != getattr(default, f.name)}
     out = []
     for config in real_geometries():
         if any(v.split("=")[0] in narrowed for v in domain.violations(config)):
@@ -611,6 +615,8 @@ def user_property(function: UserFunction, *, domain: FuzzDomain = DOMAIN,
         held = _held_back_failure(stats)
         if held is not None:
             raise held
+        if stats.examples == 0:  # no draw and no explicit example: nothing to say passed
+            raise WsbError(f"{function.label}: no case ran, so nothing was checked")
         if stats.checked == 0:
             raise WsbError(f"{function.label}: every one of the {stats.declined} cases was "
                               "declined (Unsupported), so nothing was checked: narrow the domain")
