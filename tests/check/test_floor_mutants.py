@@ -84,7 +84,8 @@ def test_a_staged_endpoint_runs_its_unstaged_forward():
 
 
 class Renamed:
-    """vLLM's layouts under another convention's name: a replicated-KV forward nobody measured."""
+    """vLLM's layouts under another convention's name: a replicated-KV forward nobody
+    measured."""
 
     name = "mine"
 
@@ -366,8 +367,9 @@ def test_measure_in_a_synced_dtype_hands_the_forward_the_declared_shards_upcast(
         assert torch.equal(tokens, make_tokens(DENSE, TOKEN_SEED_OFFSET + rep))
         declared = [computing(p) for p in split(params, layout_for(DENSE), t)]
         assert len(shards) == t and all(
-            sorted(s) == sorted(d) and all(torch.equal(s[n], d[n]) and s[n].dtype == torch.float32
-                                           for n in d) for s, d in zip(shards, declared))
+            sorted(s) == sorted(d) and all(
+                torch.equal(s[n], d[n]) and s[n].dtype == torch.float32 for n in d)
+            for s, d in zip(shards, declared))
     assert artifact["weights_dtype"] == dtype and artifact["compute_dtype"] == "fp32"
     # the stand-in answers the first repetition's reference: its deviations are 0, not the
     # second's

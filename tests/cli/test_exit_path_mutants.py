@@ -295,8 +295,9 @@ def test_check_json_is_a_record_per_check_then_the_summary(monkeypatch, capsys):
 def test_check_with_nothing_to_run_is_refused_naming_why(monkeypatch, capsys):
     Jobs(monkeypatch, [], skipped=["toy: t=3 not supported", "toy_kv4: t=3 not supported"])
     assert check() == 2
-    assert capsys.readouterr().err == ("wsb check: no config supports the requested degrees:\n"
-                                       "  toy: t=3 not supported\n  toy_kv4: t=3 not supported\n")
+    assert capsys.readouterr().err == (
+        "wsb check: no config supports the requested degrees:\n"
+        "  toy: t=3 not supported\n  toy_kv4: t=3 not supported\n")
 
 
 @pytest.mark.parametrize("exc, code, said", [

@@ -122,7 +122,8 @@ def test_a_user_entry_is_run_against_its_function_loaded_by_import_path(runs):
 
 def test_a_converters_entry_is_run_between_the_cases_conventions(runs):
     case = ConversionCase(C, "megatron", 2, "vllm", 1, 0)
-    entry = user_entry(case, role="converter", function="user_functions:convert_megatron_to_vllm")
+    entry = user_entry(case, role="converter",
+                       function="user_functions:convert_megatron_to_vllm")
     R.replay_entry(entry, load=lambda spec, role: uf.convert_megatron_to_vllm)
     [(function, got_case, forward, rule)] = runs["users"]
     assert (function.src, function.dst, function.role) == ("megatron", "vllm", "converter")
@@ -134,8 +135,9 @@ def test_a_changed_source_is_noted_with_both_hashes(runs):
     old = "0123456789abcdef" * 4
     got = R.replay_entry(user_entry(digest=old), load=lambda s, r: uf.reshard_correct)
     assert got.status == "still failing"
-    assert got.note == (f"the source of user_functions:reshard_correct ({SOURCE}) changed since "
-                        f"the entry was written (sha256 0123456789ab -> {DIGEST[:12]})")
+    assert got.note == (f"the source of user_functions:reshard_correct ({SOURCE}) changed "
+                        f"since the entry was written (sha256 0123456789ab -> "
+                        f"{DIGEST[:12]})")
     same = R.replay_entry(user_entry(), load=lambda s, r: uf.reshard_correct)
     assert same.note is None
     unrecorded = R.replay_entry(user_entry(digest=None), load=lambda s, r: uf.reshard_correct)

@@ -232,7 +232,8 @@ def test_a_function_that_writes_into_its_input_is_refused_whatever_it_returns():
                            (resharder(reshard_then_scribble, name="m:r"), Case(C, 2, 1, 0))):
         outcome = run(function, case)
         assert outcome.verdict is None and outcome.shards_differ, function.role
-        assert "x.clone()" in outcome.error and outcome.error.startswith(f"your {function.role}")
+        assert "x.clone()" in outcome.error
+        assert outcome.error.startswith(f"your {function.role}")
 
 
 def test_a_function_is_called_as_its_role_is_with_the_cases_degrees_and_geometry():
@@ -255,8 +256,8 @@ def test_a_function_is_called_as_its_role_is_with_the_cases_degrees_and_geometry
     c = run(converter(convert, name="m:c"), Case(C, 2, 1, 0))
     assert seen == [("split", "layers.0.attn_norm.weight", 2, C), ("reshard", 2, 1, C),
                     ("convert", 2, 1, C, C.to_hf_config())]
-    assert a.error.startswith("your splitter `m:s` raised ValueError while splitting u for t=2: "
-                              "stop\n")
+    assert a.error.startswith("your splitter `m:s` raised ValueError while splitting u for "
+                              "t=2: stop\n")
     assert b.error.startswith("your resharder `m:r` raised ValueError while resharding u "
                               "2 -> 1: stop\n")
     assert c.error.startswith("your converter `m:c` raised ValueError while converting u "
@@ -335,7 +336,8 @@ def test_an_fp8_converter_that_raises_declines_or_returns_what_does_not_fit():
     misfit = run(converter(bad, dst="vllm:fp8=tensor", name="m:bad"), case)
     assert misfit.error.startswith("your converter `m:bad` returned shards that do not fit the "
                                    "convention: ")
-    assert misfit.shards_differ and math.isnan(misfit.threshold) and math.isnan(misfit.deviation)
+    assert misfit.shards_differ and math.isnan(misfit.threshold)
+    assert math.isnan(misfit.deviation)
     assert "threshold" not in U.report(misfit).splitlines()[-1]  # no forward, none measured
 
 
@@ -782,7 +784,8 @@ def test_a_pytest_property_runs_the_corpus_and_shipped_geometries_with_the_fuzz_
 
 def test_a_pytest_property_warns_of_declined_cases_and_fails_when_all_declined(
         inner, monkeypatch):
-    monkeypatch.setattr(U, "corpus_cases", lambda function: [Case(C, 2, 1, 5), Case(C, 2, 1, 6)])
+    monkeypatch.setattr(U, "corpus_cases",
+                        lambda function: [Case(C, 2, 1, 5), Case(C, 2, 1, 6)])
     declines = {6}
     monkeypatch.setattr(U, "run_user_case", lambda f, case, **k: outcome(
         case.config, src=case.src, dst=case.dst, function=f,

@@ -226,7 +226,8 @@ def test_a_failed_rev_parse_is_no_commit(tmp_path, monkeypatch):
 # ---- which kernel sets an artifact names ----------------------------------------------------
 
 def test_the_vendor_is_recorded_or_read_from_the_model_name():
-    assert A.vendor_of({"cpu_vendor": "GenuineIntel", "cpu_model": "AMD EPYC"}) == "GenuineIntel"
+    recorded = {"cpu_vendor": "GenuineIntel", "cpu_model": "AMD EPYC"}
+    assert A.vendor_of(recorded) == "GenuineIntel"
     assert A.vendor_of({"cpu_vendor": "", "cpu_model": "AMD EPYC 7B13"}) == "AuthenticAMD"
     assert A.vendor_of({"cpu_vendor": None, "cpu_model": "Intel(R) Xeon(R)"}) == "GenuineIntel"
     assert A.vendor_of({"cpu_model": "AMD and Intel"}) == "AuthenticAMD"  # AMD read first
