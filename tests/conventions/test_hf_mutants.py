@@ -63,18 +63,18 @@ def test_a_dense_checkpoint_is_every_tensor_under_transformers_names():
     assert len(got) == 3 + 2 * 15
 
 
-def test_transformers_names_are_these():
-    assert H.NAMES == {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "layers.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-        "layers.{i}.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
-        "layers.{i}.o_proj.bias": "model.layers.{i}.self_attn.o_proj.bias",
-        "layers.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-        "layers.{i}.down.weight": "model.layers.{i}.mlp.down_proj.weight",
-        "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight",
-        "layers.{i}.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-        "layers.{i}.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight"}
+def test_every_stored_name_is_transformers_own():
+    """The names as transformers' Llama / Qwen2 / Qwen3 modules save them, written out."""
+    _, got = stored(DENSE.replace(n_layers=1, qkv_bias=True, o_bias=True, qk_norm=True))
+    layer = [f"model.layers.0.{n}" for n in (
+        "input_layernorm.weight", "post_attention_layernorm.weight",
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+        "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+        "self_attn.o_proj.weight", "self_attn.o_proj.bias",
+        "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
+    assert sorted(got) == sorted(["model.embed_tokens.weight", "model.norm.weight",
+                                  "lm_head.weight", *layer])
     assert H.OPTIONS == {"experts": ("per_expert", "fused"),
                          "fp8": ("none", "block128", "tensor")}
     assert H.NAME == "hf" and H.HF.name == "hf"
