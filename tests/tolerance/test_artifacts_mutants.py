@@ -293,10 +293,12 @@ def test_an_artifact_is_written_whole_through_a_temporary_beside_it(tmp_path, mo
 
 def test_read_json_names_the_file_and_what_is_wrong(tmp_path):
     path = tmp_path / "a.json"
-    assert refusal(A.read_json, path).startswith(f"{path}: cannot read a JSON artifact (")
+    assert refusal(A.read_json, path) == f"{path}: no such artifact"
+    assert refusal(A.read_json, path, "wsb floor phase") == (
+        f"{path}: no such artifact; measure it with `wsb floor phase`")
     path.write_text("{nope")
     message = refusal(A.read_json, path)
-    assert message.startswith(f"{path}: cannot read a JSON artifact (Expecting")
+    assert message.startswith(f"{path}: not valid JSON (Expecting")
     assert message.endswith(")")
     path.write_text("[1]")
     assert refusal(A.read_json, path) == f"{path}: expected a JSON object, got list"

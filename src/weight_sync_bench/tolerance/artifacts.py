@@ -208,12 +208,19 @@ def write_artifact(artifact: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from ``path``, or ``ToleranceMismatch`` naming the file."""
+def read_json(path: Path, remedy: str | None = None) -> dict[str, Any]:
+    """A JSON object from ``path``, or ``ToleranceMismatch`` naming the file and what is
+    wrong: missing (with ``remedy``, the command that measures it, where given), unreadable
+    (a directory, no permission), not JSON, or not an object."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ToleranceMismatch(f"{path}: cannot read a JSON artifact ({exc})") from None
+    except FileNotFoundError:
+        how = f"; measure it with `{remedy}`" if remedy else ""
+        raise ToleranceMismatch(f"{path}: no such artifact{how}") from None
+    except OSError as exc:  # a directory, no permission: named, never a bare traceback
+        raise ToleranceMismatch(f"{path}: cannot read the artifact ({exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise ToleranceMismatch(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -221,19 +228,10 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def read_artifact(path: Path, *, phase: str, fields: Iterable[str], remedy: str,
                   schema: int = SCHEMA) -> dict[str, Any]:
-    """A measured artifact read back, or ``ToleranceMismatch`` naming the file and what is
-    wrong: missing (with ``remedy``, the command that measures it), not JSON, a field
-    missing, another schema, or another phase (a floor is never reused across phases)."""
-    try:
-        artifact = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ToleranceMismatch(f"{path}: no such artifact; measure it with `{remedy}`") from None
-    except OSError as exc:  # a directory, no permission: named, never a bare traceback
-        raise ToleranceMismatch(f"{path}: cannot read the artifact ({exc})") from None
-    except json.JSONDecodeError as exc:
-        raise ToleranceMismatch(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(artifact, dict):
-        raise ToleranceMismatch(f"{path}: expected a JSON object, got {type(artifact).__name__}")
+    """A measured artifact read back (``read_json``, ``remedy`` the command that measures
+    it), or ``ToleranceMismatch`` naming the file and what is wrong: a field missing, another
+    schema, or another phase (a floor is never reused across phases)."""
+    artifact = read_json(path, remedy)
     for field in ("schema", "phase", *fields):
         if field not in artifact:
             raise ToleranceMismatch(f"{path}: missing field {field!r}")
