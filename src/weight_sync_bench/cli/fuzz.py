@@ -16,6 +16,7 @@ tables (or ``--json`` records) to stdout.
 from __future__ import annotations
 
 import argparse
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -55,18 +56,31 @@ def _run_fuzz(args: argparse.Namespace, out: Output, **kwargs: object):  # -> Fu
     line = out.progress()
     events = fuzz(phase=args.phase, profile=args.profile, master_seed=args.seed,
                   forward=phase_forward(args.phase), **kwargs)  # type: ignore[arg-type]
+    # An interrupt is the run's wherever it lands (its Terminated too): while the generator
+    # runs, it ends the run there with the report of what ran; here, between two of its
+    # steps (the line drawn, the next step asked for), it is thrown into the generator at
+    # its yield, which does the same. One signalled but swallowed (``pending_interrupt``)
+    # is thrown in at the next step.
+    item: object = None
+    interrupt: BaseException | None = None
     try:
-        item = next(events)
-        while isinstance(item, Progress):
+        while not isinstance(item, FuzzReport):
             try:
-                line.show(item.line())
-                interrupt = pending_interrupt()  # signalled, yet the run goes on: swallowed
-            except KeyboardInterrupt as exc:  # landed while the line was drawn: still the
-                interrupt = exc  # run's, which reports what ran (its Terminated too)
-            item = events.throw(interrupt) if interrupt is not None else next(events)
+                if interrupt is None:
+                    item = next(events)
+                elif inspect.getgeneratorstate(events) == inspect.GEN_SUSPENDED:
+                    item = events.throw(interrupt)
+                else:  # landed as the generator ended: no report to take
+                    raise interrupt
+                if isinstance(item, Progress):
+                    line.show(item.line())
+                    interrupt = pending_interrupt()
+            except KeyboardInterrupt as exc:
+                if interrupt is exc:  # the generator's own raise of the one thrown in
+                    raise
+                interrupt = exc
     finally:
         line.close()
-    assert isinstance(item, FuzzReport)
     return item
 
 

@@ -468,46 +468,52 @@ def fuzz(*, minutes: float | None = None, examples: int | None = None, phase: st
     stopped: str | None = None
     interrupted: BaseException | None = None
     start, first = time.monotonic(), True
-    while stopped is None:
-        active = [t for t in work if t not in exhausted
-                  and (examples is None or merged[t].examples < examples)]
-        if not active or (minutes is not None and time.monotonic() - start >= minutes * 60):
-            break
-        for prop, mutation in active:
-            done = merged[(prop, mutation)].examples
-            budget = chunk if examples is None else min(chunk, examples - done)
-            tally = Tally(prop, mutation)
-            try:
-                run(prop, mutation, profile=name, max_examples=budget,
-                             seed=rng.getrandbits(32), phase=phase, forward=forward,
-                             threshold_rule=rule, corpus=first, corpus_path=corpus_path,
-                             tally=tally)
-            except PropertyFailed as failure:
-                # a counterexample found again in a later round (the corpus entry it was
-                # saved as is replayed first) is one counterexample: listed and counted once,
-                # by the progress line and the summary alike
-                if not any(_same_counterexample(failure, f) for f in failures):
-                    failures.append(failure)
-            except RankFailure:
-                pass  # recorded in tally.faults; the pool restarts on its next task
-            except KeyboardInterrupt as exc:  # SIGINT, or the CLI's SIGTERM: report what ran
-                interrupted, stopped = exc, f"interrupted ({type(exc).__name__})"
-            if tally.examples == 0 and not tally.faults and interrupted is None:
-                exhausted.add((prop, mutation))
-            _merge(merged[(prop, mutation)], tally)
-            faults = sum(len(t.faults) for t in merged.values())
-            if stopped is None and faults >= max_faults:
-                stopped = f"stopped after {faults} harness faults (max_faults={max_faults})"
-            elapsed = time.monotonic() - start
-            if interrupted is None:
-                try:
-                    yield Progress(sum(t.examples for t in merged.values()),
-                                   len(failures), elapsed, merged[(prop, mutation)].label)
-                except KeyboardInterrupt as exc:  # thrown in by the consumer: report what ran
-                    interrupted, stopped = exc, f"interrupted ({type(exc).__name__})"
-            if stopped is not None or (minutes is not None and elapsed >= minutes * 60):
+    # A KeyboardInterrupt can land at any line, not only inside a property's run or at a
+    # yield: one between a round's steps (its tallying) ends the run as those do, with the
+    # report of what ran, rather than escaping the generator with the report lost.
+    try:
+        while stopped is None:
+            active = [t for t in work if t not in exhausted
+                      and (examples is None or merged[t].examples < examples)]
+            if not active or (minutes is not None and time.monotonic() - start >= minutes * 60):
                 break
-        first = False
+            for prop, mutation in active:
+                done = merged[(prop, mutation)].examples
+                budget = chunk if examples is None else min(chunk, examples - done)
+                tally = Tally(prop, mutation)
+                try:
+                    run(prop, mutation, profile=name, max_examples=budget,
+                        seed=rng.getrandbits(32), phase=phase, forward=forward,
+                        threshold_rule=rule, corpus=first, corpus_path=corpus_path, tally=tally)
+                except PropertyFailed as failure:
+                    # a counterexample found again in a later round (the corpus entry it
+                    # was saved as is replayed first) is one counterexample: listed and
+                    # counted once, by the progress line and the summary alike
+                    if not any(_same_counterexample(failure, f) for f in failures):
+                        failures.append(failure)
+                except RankFailure:
+                    pass  # recorded in tally.faults; the pool restarts on its next task
+                except KeyboardInterrupt as exc:  # SIGINT, or the CLI's SIGTERM: report it
+                    interrupted, stopped = exc, f"interrupted ({type(exc).__name__})"
+                if tally.examples == 0 and not tally.faults and interrupted is None:
+                    exhausted.add((prop, mutation))
+                _merge(merged[(prop, mutation)], tally)
+                faults = sum(len(t.faults) for t in merged.values())
+                if stopped is None and faults >= max_faults:
+                    stopped = (f"stopped after {faults} harness faults "
+                               f"(max_faults={max_faults})")
+                elapsed = time.monotonic() - start
+                if interrupted is None:
+                    try:
+                        yield Progress(sum(t.examples for t in merged.values()),
+                                       len(failures), elapsed, merged[(prop, mutation)].label)
+                    except KeyboardInterrupt as exc:  # thrown in by the consumer
+                        interrupted, stopped = exc, f"interrupted ({type(exc).__name__})"
+                if stopped is not None or (minutes is not None and elapsed >= minutes * 60):
+                    break
+            first = False
+    except KeyboardInterrupt as exc:
+        interrupted, stopped = exc, f"interrupted ({type(exc).__name__})"
     yield FuzzReport(list(merged.values()), time.monotonic() - start, name, master_seed,
                      failures, faults=[f for t in merged.values() for f in t.faults],
                      stopped=stopped, interrupted=interrupted, corpus=corpus)
