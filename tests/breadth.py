@@ -31,3 +31,15 @@ def breadth(values: Iterable[Any], *, keep: Iterable[str],
         else:  # a tuple is the values of several argument names, as parametrize takes them
             out.append(pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=slow))
     return out
+
+
+def budget(default: int, *, nightly: int) -> int:
+    """A Hypothesis budget: ``default`` examples in the default run (the ``wsb-test``
+    profile), ``nightly`` under any other (``make nightly``'s ``wsb-nightly``): the default
+    run's share of a property is smaller, the long run's is not cut with it. ``nightly`` is
+    given from the active profile (``settings().max_examples // 4``, say)."""
+    from weight_sync_bench.fuzz.profiles import DEFAULT_PROFILE, profile_name
+
+    if default < 1 or nightly < 1:
+        raise ValueError(f"budget: {default=}, {nightly=}: a budget is at least one example")
+    return default if profile_name() == DEFAULT_PROFILE else nightly

@@ -11,10 +11,12 @@ twins: with the committed validation the same geometries are judged, and pass.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from tests.breadth import breadth
 from weight_sync_bench.check.conversion import ConversionChecker
 from weight_sync_bench.check.floor import forward_of
 from weight_sync_bench.check.mutations import KILL_MARGIN
@@ -23,7 +25,7 @@ from weight_sync_bench.conventions.mutations import MOE_MUTATIONS
 from weight_sync_bench.errors import FloorNotMeasured, ToleranceMismatch
 from weight_sync_bench.fuzz import floor
 from weight_sync_bench.fuzz.case import ConversionCase, make_checker, run_case
-from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN
+from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN, IntRange
 from weight_sync_bench.fuzz.runner import draw_moe_cases
 from weight_sync_bench.fuzz.threshold import (
     fuzz_threshold_rule,
@@ -93,12 +95,20 @@ def test_the_committed_validation_shows_the_rule_in_force_holds_on_every_moe_for
         for s in artifact["samples"])
 
 
-def test_the_validation_covers_every_forward_the_coverage_grid_reaches():
+# The whole grid (112 geometries: every KV-head count, query group and expert count) in the
+# long run; by default its geometries of 2 and 3 experts (32 of them, a sixth of the time),
+# which reach the same 14 (world, forward) pairs, both forwards no random draw reached among
+# them: the same claim and the same twin, over a part of the grid.
+@pytest.mark.parametrize("n_experts", breadth([IntRange(2, 3), MOE_DOMAIN.n_experts], keep={"2-3"},
+                                              name=lambda r: f"{r.lo}-{r.hi}"),
+                         ids=lambda r: f"{r.lo}-{r.hi}")
+def test_the_validation_covers_every_forward_the_coverage_grid_reaches(n_experts):
     """The (world, forward) pairs every MoE geometry of the grid runs (each size chosen so
     that every degree divides it: what the fuzz can draw; 1500 draws of moe_conversion_cases
     reached 13 of these 14 and nothing else) are all measured. Twin: the committed samples
     without the coverage geometries miss two, which ``coverage_cases`` adds back."""
-    reach = floor.coverage_reach()
+    moe = dataclasses.replace(MOE_DOMAIN, n_experts=n_experts)
+    reach = floor.coverage_reach(DOMAIN, moe)
     artifact = sampled_moe.load_moe()
     measured = {(s["degree"], s["forward"]) for s in artifact["samples"]}
     assert reach <= measured
@@ -106,13 +116,17 @@ def test_the_validation_covers_every_forward_the_coverage_grid_reaches():
              if s["purpose"] != "coverage"}
     missing = reach - drawn
     assert missing == {(3, "vllm-replicated-kv"), (6, "vllm-replicated-kv")}
-    added = floor.coverage_cases(drawn)
+    added = floor.coverage_cases(drawn, DOMAIN, moe)
     assert {p for c, _, _ in added for p in floor.forward_groups(c)} >= missing
 
 
 def test_a_sample_is_each_forward_of_the_geometry_with_the_reference_choice_kept():
-    records = floor.sample_moe(GEOMETRY, 3, rule=RULE)
-    groups = floor.forward_groups(GEOMETRY)
+    # the endpoints up to 4 ranks, not 8 (5 forwards of 6, two thirds of the time): every
+    # kind of forward is among them; those over 8 ranks are the committed validation's
+    # (test_the_committed_validation_shows_the_rule_in_force_holds_on_every_moe_forward)
+    records = floor.sample_moe(GEOMETRY, 3, rule=RULE, max_world=4)
+    groups = floor.forward_groups(GEOMETRY, 4)
+    assert {f for _, f in groups} == {"plain", "expert-parallel", "vllm-replicated-kv"}
     assert [(r["degree"], r["forward"]) for r in records] == list(groups)
     unbounded = ConversionChecker(make_checker(GEOMETRY, 3, threshold_rule=lambda c, r: math.inf))
     scale = float(unbounded.checker.reference.abs().max())
@@ -132,7 +146,9 @@ def test_a_sample_is_each_forward_of_the_geometry_with_the_reference_choice_kept
 
 
 def test_a_router_bias_geometry_is_sampled_again_at_its_mutations_length():
-    records = floor.sample_moe_geometry(GEOMETRY, 0, rule=RULE)
+    # the endpoints up to 2 ranks (a plain and an expert-parallel forward), not 8: which
+    # lengths a geometry is sampled at, with which mutations, does not depend on the world
+    records = floor.sample_moe_geometry(GEOMETRY, 0, rule=RULE, max_world=2)
     at_32 = [r for r in records if r["geometry"]["seq_len"] == 32]
     assert at_32 and all(r["geometry"]["seq_len"] == GEOMETRY.seq_len
                          for r in records[:len(records) - len(at_32)])
@@ -141,8 +157,8 @@ def test_a_router_bias_geometry_is_sampled_again_at_its_mutations_length():
     assert not any(set(r["kills"]) & selection_only for r in records if r not in at_32)
     # twin: no selection bias, no second length
     plain = GEOMETRY.replace(router="softmax", router_bias=False)
-    assert all(r["geometry"]["seq_len"] == 8 for r in floor.sample_moe_geometry(plain, 0,
-                                                                                 rule=RULE))
+    assert all(r["geometry"]["seq_len"] == 8 for r in floor.sample_moe_geometry(
+        plain, 0, rule=RULE, max_world=2))
 
 
 def test_the_draw_is_reproducible_inside_the_moe_domain_smallest_and_largest_first():
@@ -185,9 +201,9 @@ def test_square_experts_are_drawn_inside_the_domain_at_three_kv_heads():
 def test_a_kernel_set_that_raises_a_floor_raises_the_figures():
     # GEOMETRY without its selection bias: one length, not two (the second length's samples
     # are test_a_router_bias_geometry_is_sampled_again_at_its_mutations_length's); the merge
-    # is the same on any samples
+    # is the same on any samples (here those of its endpoints up to 2 ranks: 3, not 6)
     artifact = floor.measure_moe([(GEOMETRY.replace(router="softmax", router_bias=False), 0,
-                                   None)], cover=False)
+                                   None)], cover=False, max_world=2)
     floors = [s["floor"] for s in artifact["samples"]]
     assert floors == floor.remeasure_moe_floors(artifact)  # the same kernels: the same floors
     merged = kernels.merge_moe(artifact, {"DEFAULT": floors, "AVX2": [f * 50 for f in floors]},

@@ -21,7 +21,7 @@ import json
 import pytest
 from hypothesis import Phase, settings
 
-from tests.breadth import breadth
+from tests.breadth import breadth, budget
 from weight_sync_bench.conventions.mutations import MOE_MUTATIONS
 from weight_sync_bench.errors import CorruptCorpusEntry
 from weight_sync_bench.fuzz.case import ConversionCase, Outcome, run_case
@@ -43,8 +43,8 @@ from weight_sync_bench.fuzz.strategies.conventions import (
 from weight_sync_bench.model.config import TOY_MOE, ModelConfig
 
 GENERATES = Phase.generate in settings().phases  # False under wsb-replay (corpus only)
-INVARIANT_EXAMPLES = max(20, settings().max_examples // 4)  # wsb-test: 25; nightly: 500
-KILL_EXAMPLES = max(8, settings().max_examples // 12)  # wsb-test: 8; nightly: 166
+INVARIANT_EXAMPLES = budget(12, nightly=max(20, settings().max_examples // 4))  # nightly: 500
+KILL_EXAMPLES = budget(4, nightly=max(8, settings().max_examples // 12))  # nightly: 166
 
 
 def test_the_invariant_holds_through_the_harness_converter_between_moe_endpoints():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-from tests.breadth import breadth
+from tests.breadth import breadth, budget
 from weight_sync_bench.fuzz.strategies import (
     degree_pairs,
     geometries,
@@ -30,14 +30,15 @@ from weight_sync_bench.layout.reshard import gather, reshard, split
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.sharded import ShardedModel
 
-INVARIANT_WEIGHT = 1  # each example checks every degree pair of its geometry (3.6 on average)
+# The default run's share of each property: 25 examples; the long run's: the profile's (the
+# invariant's examples each check every degree pair of their geometry, 3.6 on average)
+EXAMPLES = budget(25, nightly=settings().max_examples)
 GENERATES = Phase.generate in settings().phases  # False under wsb-replay (corpus only)
 
 
 def test_invariant_holds_on_fuzzed_geometries_and_degree_pairs():
-    examples = INVARIANT_WEIGHT * settings().max_examples
-    tally = run_property("invariant", None, max_examples=examples)
-    assert tally.examples >= (examples if GENERATES else 0)
+    tally = run_property("invariant", None, max_examples=EXAMPLES)
+    assert tally.examples >= (EXAMPLES if GENERATES else 0)
     assert tally.failures == 0 and tally.max_ratio <= 1.0
 
 
@@ -47,7 +48,7 @@ def test_invariant_holds_on_fuzzed_geometries_and_degree_pairs():
 @pytest.mark.parametrize("mutation", breadth(MUTATIONS, keep={"contiguous_qkv", "gate_up_swapped",
                                                             "o_proj_reversed"}))
 def test_mutation_is_killed_by_ten_x_wherever_it_is_not_the_identity(mutation):
-    tally = run_property("kill", mutation)
+    tally = run_property("kill", mutation, max_examples=EXAMPLES)
     live = tally.examples - tally.identity
     assert live > 0 or not GENERATES, f"{mutation}: every example was an identity case"
     assert tally.killed == live and tally.min_ratio >= 10
@@ -57,6 +58,7 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
 
 
+@settings(max_examples=EXAMPLES)
 @given(data=st.data(), config=geometries(), seed=seeds())
 def test_gather_of_split_and_reshard_are_byte_exact(data, config, seed):
     layout = layout_for(config)
@@ -69,6 +71,7 @@ def test_gather_of_split_and_reshard_are_byte_exact(data, config, seed):
                for m, d in zip(moved, direct) for n in layout.names)
 
 
+@settings(max_examples=EXAMPLES)
 @given(rejection=rejected_layouts())
 def test_rejected_layout_raises_naming_parameter_rule_and_degree(rejection):
     layout = layout_for(rejection.config)
@@ -83,6 +86,7 @@ def test_rejected_layout_raises_naming_parameter_rule_and_degree(rejection):
         assert rejection.rule in message and f"t={t})" in message, message
 
 
+@settings(max_examples=EXAMPLES)
 @given(config=geometries(), seed=seeds())
 def test_every_accepted_degree_splits_and_runs(config, seed):
     layout = layout_for(config)

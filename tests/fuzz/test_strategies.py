@@ -2,7 +2,8 @@
 supported degrees, and shrink toward t=1 and the smallest dimensions."""
 
 import pytest
-from hypothesis import find, given
+from hypothesis import find, given, settings
+from tests.breadth import budget
 from weight_sync_bench.fuzz.strategies import (
     cases,
     degree_pairs,
@@ -17,11 +18,15 @@ from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.sampled import load_random_floor
 
+# A quarter of the profile's budget per drawn property: wsb-test: 25; nightly: 500
+QUARTER = settings(max_examples=budget(25, nightly=settings().max_examples))
+
 
 def test_the_floor_samples_were_drawn_over_this_domain():
     assert FuzzDomain.from_json(load_random_floor()["domain"]) == DOMAIN
 
 
+@QUARTER
 @given(config=geometries())
 def test_every_fuzzed_geometry_lies_inside_the_domain_the_floor_samples_cover(config):
     assert DOMAIN.violations(config) == []
@@ -44,6 +49,7 @@ def test_floor_samples_reach_both_ends_of_every_domain_range():
         assert (min(seen), max(seen)) == (r.lo, r.top), name
 
 
+@QUARTER
 @given(case=cases())
 def test_cases_draw_ordered_pairs_of_supported_degrees(case):
     degrees = layout_for(case.config).supported_degrees()
@@ -98,6 +104,7 @@ def test_int_range_rejects_an_empty_range():
         IntRange(4, 2)
 
 
+@QUARTER
 @given(config=geometries(), seed=seeds())
 def test_fuzz_tokens_read_every_ranks_vocab_slice_at_every_supported_degree(config, seed):
     tokens = fuzz_tokens(config, seed)

@@ -18,7 +18,7 @@ from hypothesis.errors import NoSuchExample
 sys.path.insert(0, str(Path(__file__).parent))
 import user_functions as uf
 
-from tests.breadth import breadth
+from tests.breadth import budget
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig, check_reshard, check_split
 from weight_sync_bench.check.checker import checker_for
 from weight_sync_bench.errors import InvalidConfig, UserCodeError, WsbError
@@ -54,16 +54,24 @@ def _own_corpus(monkeypatch, tmp_path_factory):
 PLANTED_SPLITTERS = [uf.split_kv_at_least_two, uf.split_head_dim_from_d_model]
 PLANTED_RESHARDERS = [uf.reshard_wrong_for_mha, uf.reshard_vocab_tiles_of_64]
 
-# pytest collects these as they are: the public API as a user writes it
-test_a_correct_resharder_as_a_collected_property = reshard_property(uf.reshard_correct)
+# pytest collects these as they are: the public API as a user writes it, with a budget of
+# its own (the settings a user may pass): a quarter of the profile's, 25 examples by default,
+# 500 in the long run (the default budget's reach is
+# test_the_correct_functions_pass_with_zero_failures_and_check_the_shipped_geometries)
+COLLECTED = settings(max_examples=budget(25, nightly=settings().max_examples))
+test_a_correct_resharder_as_a_collected_property = reshard_property(uf.reshard_correct,
+                                                                    settings=COLLECTED)
 test_a_correct_splitter_on_a_narrowed_domain = split_property(uf.split_correct, max_d_model=32,
-                                                              kv_heads=(1, 2))
+                                                              kv_heads=(1, 2), settings=COLLECTED)
 
 
-# TOY by default, TOY_KV4 (replicated KV heads) in the long run: its planted bugs are fuzzed
-# by default over geometries that replicate KV heads (test_each_planted_bug_is_found_...)
-@pytest.mark.parametrize("config", breadth([TOY, TOY_KV4], keep={"toy"}, name=lambda c: c.name),
-                         ids=lambda c: c.name)
+# Every degree of TOY and TOY_KV4 in the long run. The default run's equivalent is
+# test_the_fixed_checks_themselves_pass_the_planted_functions: each planted function passes
+# the fixed check on TOY (splitters) and TOY_KV4 (resharders, replicated KV heads) at a
+# sharded degree, as a user calls it; the planted bugs are fuzzed by default over geometries
+# that replicate KV heads too (test_each_planted_bug_is_found_...)
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [TOY, TOY_KV4], ids=lambda c: c.name)
 def test_the_planted_functions_pass_the_fixed_checks_on_toy_and_toy_kv4_at_every_degree(config):
     checker = checker_for(config)  # one reference forward for every function and degree
     degrees = checker.layout.supported_degrees()
@@ -174,10 +182,11 @@ def test_the_shipped_geometries_are_every_config_json_at_one_layer_and_a_reduced
 
 
 def test_declined_cases_are_counted_with_the_smallest_and_never_passed():
-    # 30 examples, not the profile's 100: the claim is the counting (the budget's reach is
+    # 15 examples, not the profile's 100 (3 declined, derandomized): the claim is the counting
+    # (the budget's reach is
     # test_the_correct_functions_pass_with_zero_failures_and_check_the_shipped_geometries)
     prop = reshard_property(uf.reshard_declines_odd_vocab,
-                            settings=settings(max_examples=30, database=None))
+                            settings=settings(max_examples=15, database=None))
     with pytest.warns(UserWarning, match=r"declined \(Unsupported") as caught:
         prop()
     stats = prop.stats
@@ -187,8 +196,11 @@ def test_declined_cases_are_counted_with_the_smallest_and_never_passed():
 
 
 def test_a_function_that_declines_every_case_fails_the_test():
+    # 10 drawn examples after the shipped geometries, not the profile's 100: the claim is
+    # what a run that checked nothing says, whatever its budget
     with pytest.raises(WsbError, match="every one of the .* cases was declined"):
-        reshard_property(uf.reshard_declines_everything)()
+        reshard_property(uf.reshard_declines_everything,
+                         settings=settings(max_examples=10, database=None))()
 
 
 def test_the_function_gets_config_and_a_converter_hf_config():

@@ -161,18 +161,20 @@ def test_init_params_keeps_at_most_its_budget_oldest_out_first(monkeypatch):
     what is dropped is drawn again, the same bits."""
     from weight_sync_bench.model import config as model_config
 
-    toy = TOY.n_params * 4
-    monkeypatch.setattr(model_config, "_KEPT_BYTES", 3 * toy)  # a draw of a third: kept
+    # TOY at a vocabulary of 512 and one layer (1/20 of its bytes): the budget scaled to it
+    small = TOY.replace(vocab=512, n_layers=1)
+    one = small.n_params * 4
+    monkeypatch.setattr(model_config, "_KEPT_BYTES", 3 * one)  # a draw of a third: kept
     model_config.clear_kept_params()
-    first = init_params(TOY, 1)
+    first = init_params(small, 1)
     for seed in (2, 3, 4):  # the fourth is over the budget: seed 1, the oldest, is dropped
-        init_params(TOY, seed)
-    key = (TOY, 0, model_config.DEFAULT_INIT, torch.float32)
+        init_params(small, seed)
+    key = (small, 0, model_config.DEFAULT_INIT, torch.float32)
     assert list(model_config._kept) == [key[:1] + (s,) + key[2:] for s in (2, 3, 4)]
-    assert sum(model_config._kept_bytes.values()) == 3 * toy
-    init_params(TOY, 2)  # asked again: now the most recent, seed 3 goes next
-    init_params(TOY, 1)
+    assert sum(model_config._kept_bytes.values()) == 3 * one
+    init_params(small, 2)  # asked again: now the most recent, seed 3 goes next
+    init_params(small, 1)
     assert [k[1] for k in model_config._kept] == [4, 2, 1]
-    again = init_params(TOY, 1)
+    again = init_params(small, 1)
     assert all(torch.equal(again[n], first[n]) for n in first)
     model_config.clear_kept_params()

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from tests.breadth import breadth
 from weight_sync_bench import TOY, TOY_KV4, Checker, ToleranceMismatch
 from weight_sync_bench.check.floor import inprocess_runner, measure
 from weight_sync_bench.model.config import init_params, make_tokens
@@ -91,20 +92,30 @@ def _runner_with_worst_in(cell):
 
 def test_the_measurement_keeps_the_maximum_over_cells_not_the_last_one():
     deviations = {("toy", 2): 2.0 ** -10, ("toy_kv4", 4): 2.0 ** -14}  # worst is not last
-    artifact = measure("1a", repetitions=2, runner=_runner_with_worst_in(deviations))
+    # the plain cells only (toy_kv4 t=4 the last): the replicated-KV cells run vLLM's real
+    # forward, not the runner, and deviate by ~1e-6, far under either planted deviation
+    artifact = measure("1a", repetitions=2, runner=_runner_with_worst_in(deviations),
+                       replicated=False)
     by_cell = {(c["config"], c["degree"]): c["worst_abs"] for c in artifact["cells"]}
     assert by_cell[("toy", 2)] == pytest.approx(2.0 ** -10, rel=1e-3)
     assert artifact["worst_abs"] == max(by_cell.values()) == by_cell[("toy", 2)]
     assert artifact["threshold"] == 0.1  # 100 x 2^-10 ~ 0.098 -> 0.1
 
 
-def test_a_committed_floor_cell_is_what_a_re_measurement_gives():
+# Every seed of the cell in the long run; by default its first 4 (a fifth of the time), whose
+# worst is one of the observations the recorded figure of the running kernel set is the worst
+# of: not above it, where bit for bit all 20 give it.
+@pytest.mark.parametrize("seeds", breadth(["first 4", "all"], keep={"first 4"}))
+def test_a_committed_floor_cell_is_what_a_re_measurement_gives(seeds):
     """toy_kv4 t=4 re-measured over the artifact's 20 seeds, in this process: bit for bit the
     figure recorded for the kernel set it runs on this CPU vendor (other kernel sets, and
     other vendors' MKL, sum in other orders: the cell keeps the worst of them all), where the
-    artifact measured it; on a machine it did not, within 4x of the worst and not above it."""
-    recorded = {(c["config"], c["degree"]): c for c in load_artifact("1a")["cells"]}
+    artifact measured it; on a machine it did not, within 4x of the worst and not above it.
+    Over the first 4 seeds: not above the recorded figure, and within 4x of the worst."""
+    committed = load_artifact("1a")
+    recorded = {(c["config"], c["degree"]): c for c in committed["cells"]}
     cell = recorded[("toy_kv4", 4)]
+    repetitions = committed["repetitions"] if seeds == "all" else 4
 
     def t4_only(config, degree, param_seed, token_seed):
         # the cell under test, computed as measure's in-process forward computes it (the same
@@ -115,14 +126,15 @@ def test_a_committed_floor_cell_is_what_a_re_measurement_gives():
             return torch.zeros(())
         return inprocess_runner(config, degree, param_seed, token_seed)
 
-    remeasured = measure("1a", configs=[TOY_KV4], repetitions=load_artifact("1a")["repetitions"],
-                         runner=t4_only)
+    remeasured = measure("1a", configs=[TOY_KV4], repetitions=repetitions, runner=t4_only)
     got = {(c["config"], c["degree"]): c for c in remeasured["cells"]}[("toy_kv4", 4)]
     assert cell["worst_abs"] / 4 <= got["worst_abs"] <= cell["worst_abs"] * 4, (got, cell)
     assert got["worst_abs"] <= cell["worst_abs"]  # the recorded one is the worst kernel set's
     here = running_kernel_set()
-    if here in cell["by_kernel_set"]:
+    if here in cell["by_kernel_set"] and repetitions == committed["repetitions"]:
         assert got["worst_abs"] == cell["by_kernel_set"][here], (here, got, cell)
+    elif here in cell["by_kernel_set"]:  # some of the seeds: one of its observations
+        assert got["worst_abs"] <= cell["by_kernel_set"][here], (here, got, cell)
 
 
 def test_a_floor_measured_under_another_torch_is_named_in_the_verdict(committed, tolerance_dir,
