@@ -366,14 +366,17 @@ def test_the_users_function_gets_copies_at_the_seed_and_dtype_and_is_named_when_
     from weight_sync_bench.errors import UserCodeError
     from weight_sync_bench.model.config import init_params
 
+    # TOY over a 512-word vocabulary: a fifth of the weights to draw (the thresholds are given)
+    narrow = TOY.replace(name="narrow", vocab=512)
+    layout = layout_for(narrow)
     seen = {}
 
     def splitter(full, degree):
         seen["full"], seen["degree"] = full, degree
-        return split(full, LAYOUT, degree)
+        return split(full, layout, degree)
 
-    v = check_split(splitter, TOY, 2, seed=5, threshold=1.0, dtype="bf16")
-    expected = init_params(TOY, 5, dtype=torch.bfloat16)
+    v = check_split(splitter, narrow, 2, seed=5, threshold=1.0, dtype="bf16")
+    expected = init_params(narrow, 5, dtype=torch.bfloat16)
     assert seen["degree"] == 2 and v.passed and v.dtype == "bf16" and v.threshold == 1.0
     assert all(torch.equal(seen["full"][n], expected[n]) for n in expected)
 
@@ -382,18 +385,18 @@ def test_the_users_function_gets_copies_at_the_seed_and_dtype_and_is_named_when_
         raise RuntimeError("boom")
 
     with pytest.raises(UserCodeError) as err:
-        check_reshard(resharder, TOY, 2, 1, seed=5, threshold=1.0)
+        check_reshard(resharder, narrow, 2, 1, seed=5, threshold=1.0)
     text = str(err.value)
-    assert "resharder" in text and "while resharding toy 2 -> 1" in text and "boom" in text
-    declared = split(init_params(TOY, 5), LAYOUT, 2)
+    assert "resharder" in text and "while resharding narrow 2 -> 1" in text and "boom" in text
+    declared = split(init_params(narrow, 5), layout, 2)
     assert seen["dst"] == 1 and len(seen["shards"]) == 2
     assert all(torch.equal(seen["shards"][r][n], declared[r][n]) for r in range(2)
                for n in declared[r])
     assert all(seen["shards"][r][n] is not declared[r][n] for r in range(2) for n in declared[r])
 
     with pytest.raises(UserCodeError) as err:
-        check_split(lambda full, degree: 1 / 0, TOY, 2, threshold=1.0)
-    assert "while splitting toy for t=2" in str(err.value)
+        check_split(lambda full, degree: 1 / 0, narrow, 2, threshold=1.0)
+    assert "while splitting narrow for t=2" in str(err.value)
 
 
 def test_environment_notes_name_the_floor_as_a_reader_asks(monkeypatch):
@@ -572,11 +575,12 @@ def test_the_sweep_makes_its_checker_from_its_options_and_mutates_with_the_confi
     from weight_sync_bench.check.checker import sweep
     from weight_sync_bench.check.mutations import MUTATIONS
 
+    narrow = TOY.replace(name="narrow", vocab=512)  # a fifth of TOY's weights to draw
     made, real = [], module.checker_for
     monkeypatch.setattr(module, "checker_for",
                         lambda config, **kw: made.append(kw) or real(config, threshold=1.0))
-    sweep(TOY, pairs=[(1, 1)])
-    sweep(TOY, seed=3, pairs=[(1, 1)], dtype="bf16")
+    sweep(narrow, pairs=[(1, 1)])
+    sweep(narrow, seed=3, pairs=[(1, 1)], dtype="bf16")
     assert made == [{"seed": 0, "backend": "inprocess", "dtype": torch.float32},
                     {"seed": 3, "backend": "inprocess", "dtype": "bf16"}]
     seen = []
@@ -588,8 +592,8 @@ def test_the_sweep_makes_its_checker_from_its_options_and_mutates_with_the_confi
             seen.append((len(shards), layout.names == LAYOUT.names, config))
             return MUTATIONS["contiguous_qkv"].apply(shards, layout, config)
 
-    (v,) = sweep(TOY, pairs=[(1, 2)], mutation=Spy())
-    assert seen == [(2, True, TOY)] and v.mutation == "spy" and not v.passed
+    (v,) = sweep(narrow, pairs=[(1, 2)], mutation=Spy())
+    assert seen == [(2, True, narrow)] and v.mutation == "spy" and not v.passed
 
 
 @pytest.mark.parametrize("which", ["split", "reshard"])

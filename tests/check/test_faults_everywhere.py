@@ -22,6 +22,11 @@ from weight_sync_bench.training.compare import deviation, max_abs_difference
 
 STREAMS = [None, "layer", "parameter"]
 NAME = "layers.1.down.weight"  # a row-parallel weight every rank holds a piece of
+# TOY and TOY_KV4 over a 512-word vocabulary (a fifth of the cost: their 32000-word embedding
+# and head are most of their weights), judged by an explicit threshold: no floor is committed
+# for them, and the fault is in the bytes, which no threshold excuses.
+NARROW, NARROW_KV4 = (c.replace(name=f"{c.name}_vocab512", vocab=512) for c in (TOY, TOY_KV4))
+THRESHOLD = 1e-4  # 100x what the declared shards deviate by at either (1e-6)
 
 
 def flip_low_bit(shards, rank, name):
@@ -37,32 +42,33 @@ def flip_low_bit(shards, rank, name):
 @pytest.mark.parametrize("stream", STREAMS)
 @pytest.mark.parametrize("where", breadth(["first", "last"], keep={"last"}))  # first: most tests
 def test_a_split_with_one_wrong_bit_on_any_rank_fails_however_it_is_checked(stream, where):
-    split = stage_split(layout_for(TOY))
+    split = stage_split(layout_for(NARROW))
     degree = 2
     rank = 0 if where == "first" else degree - 1
 
     def wrong(full, d):
         return flip_low_bit(split(full, d), rank, NAME)
 
-    verdict = check_split(wrong, TOY, degree, stream=stream)
+    verdict = check_split(wrong, NARROW, degree, stream=stream, threshold=THRESHOLD)
     assert not verdict.passed and verdict.first_mismatch == NAME, verdict
     assert verdict.max_abs_error <= verdict.threshold  # the bytes, not the forward, fail it
-    assert check_split(split, TOY, degree, stream=stream).passed  # the twin
+    assert check_split(split, NARROW, degree, stream=stream, threshold=THRESHOLD).passed  # twin
 
 
 @pytest.mark.parametrize("stream", STREAMS)
 @pytest.mark.parametrize("where", breadth(["first", "last"], keep={"last"}))  # first: most tests
 def test_a_reshard_with_one_wrong_bit_on_any_rank_fails_however_it_is_checked(stream, where):
-    reshard = stage_reshard(layout_for(TOY_KV4))
+    reshard = stage_reshard(layout_for(NARROW_KV4))
     src, dst = 2, 4
     rank = 0 if where == "first" else dst - 1
 
     def wrong(shards, d):
         return flip_low_bit(reshard(shards, d), rank, NAME)
 
-    verdict = check_reshard(wrong, TOY_KV4, src, dst, stream=stream)
+    verdict = check_reshard(wrong, NARROW_KV4, src, dst, stream=stream, threshold=THRESHOLD)
     assert not verdict.passed and verdict.first_mismatch == NAME, verdict
-    assert check_reshard(reshard, TOY_KV4, src, dst, stream=stream).passed  # the twin
+    assert check_reshard(reshard, NARROW_KV4, src, dst, stream=stream,
+                         threshold=THRESHOLD).passed  # the twin
 
 
 def value_equal_variants(x: torch.Tensor, at: int) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

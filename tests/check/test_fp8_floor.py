@@ -28,8 +28,16 @@ def test_the_committed_fp8_floor_records_what_it_measured(scheme):
     assert min(sharded) > 0  # a sharded forward sums in another order: a floor, not zero
 
 
+@pytest.fixture(scope="module")
+def bf16_cells():
+    """TOY_KV4's bf16 floor measured as the FP8 ones below are (one seed, replicated cells):
+    the weights each scheme quantizes, measured once for both."""
+    return floor.measure("1a", configs=[TOY_KV4], repetitions=1, dtype="bf16",
+                         replicated=True)["cells"]
+
+
 @pytest.mark.parametrize("scheme", ["block128", "tensor"])
-def test_measuring_again_stays_within_the_committed_cells(scheme):
+def test_measuring_again_stays_within_the_committed_cells(scheme, bf16_cells):
     """Seed 0 on the running kernel set is one of the observations each committed cell is
     the worst of: measured again by the same code, no cell exceeds it (a quantizer or a
     measurement that changed without the artifact would)."""
@@ -43,8 +51,7 @@ def test_measuring_again_stays_within_the_committed_cells(scheme):
         assert cell["worst_abs"] <= worst[key], (key, cell["worst_abs"], worst[key])
     assert sum(c["worst_abs"] for c in again["cells"]) > 0
     # and it measured the quantized weights, not the bf16 ones they were quantized from
-    bf16 = floor.measure("1a", configs=[TOY_KV4], repetitions=1, dtype="bf16", replicated=True)
-    assert [c["worst_abs"] for c in again["cells"]] != [c["worst_abs"] for c in bf16["cells"]]
+    assert [c["worst_abs"] for c in again["cells"]] != [c["worst_abs"] for c in bf16_cells]
 
 
 def test_a_seeded_check_at_a_committed_geometry_reads_the_fp8_floor_and_its_twins_measure(

@@ -74,11 +74,32 @@ def test_a_token_far_from_a_tie_is_routed_by_the_sharded_forward_itself():
     assert torch.equal(chosen[~far], checker.guard.routings[0].experts[~far])
 
 
+STREAMED = ("megatron:tp=2,ep=4", "vllm:tp=4,ep=4")
+EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@pytest.fixture(scope="module")
+def streamed_per_parameter():
+    """The streamed check per parameter of the harness's conversion ``STREAMED``, and the
+    embedding's source tensors on each of the 8 source ranks as ``fn`` was given them (each
+    time it was): shared by the two tests below."""
+    src, dst = STREAMED
+    seen = []
+
+    def spy(shards, degree):
+        if EMBEDDING in shards[0]:
+            seen.append([shards[r][EMBEDDING] for r in range(8)])
+        return stage_convert(src, dst, TOY_MOE)(shards, degree)
+    return check_convert(spy, TOY_MOE, src, dst, stream="parameter"), seen
+
+
 @pytest.mark.parametrize("per", breadth(["layer", "parameter"], keep={"parameter"}))
-def test_a_streamed_moe_conversion_gives_the_whole_model_verdict(per):
-    src, dst = "megatron:tp=2,ep=4", "vllm:tp=4,ep=4"
+def test_a_streamed_moe_conversion_gives_the_whole_model_verdict(per, request):
+    src, dst = STREAMED
     whole = check_convert(stage_convert(src, dst, TOY_MOE), TOY_MOE, src, dst)
-    streamed = check_convert(stage_convert(src, dst, TOY_MOE), TOY_MOE, src, dst, stream=per)
+    streamed = (request.getfixturevalue("streamed_per_parameter")[0] if per == "parameter"
+                else check_convert(stage_convert(src, dst, TOY_MOE), TOY_MOE, src, dst,
+                                   stream=per))
     assert whole.passed and streamed.passed
     assert (streamed.max_abs_error, streamed.threshold, streamed.near_ties, streamed.route) == (
         whole.max_abs_error, whole.threshold, whole.near_ties, whole.route)
@@ -108,24 +129,21 @@ def test_an_moe_destination_runs_over_gloo_one_process_per_rank():
 
 def test_a_gloo_forward_of_an_endpoint_with_data_parallel_replicas_is_refused():
     # megatron:tp=2,ep=4 holds four replicas of the TP-2 dense layers: no gloo forward yet
+    # (TOY_MOE over a 512-word vocabulary: the refusal does not depend on it)
+    narrow = TOY_MOE.replace(name="toy_moe_vocab512", vocab=512)
     with pytest.raises(UnsupportedLayout, match="4 data-parallel replicas of TP 2 .* in process"):
-        check_convert(stage_convert("hf", "megatron:tp=2,ep=4", TOY_MOE), TOY_MOE, "hf",
+        check_convert(stage_convert("hf", "megatron:tp=2,ep=4", narrow), narrow, "hf",
                       "megatron:tp=2,ep=4", backend="gloo", threshold=math.inf)
 
 
-def test_a_streamed_conversion_hands_fn_one_tensor_per_replicated_piece():
+def test_a_streamed_conversion_hands_fn_one_tensor_per_replicated_piece(
+        streamed_per_parameter):
     """megatron:tp=2,ep=4 holds four data-parallel replicas of its TP-2 dense layers: the
     streamed check cuts each replica's bytes once (the embedding of a real model is 1.2 GiB:
     four copies would be the peak), and fn, which may not write into what it is given, sees
     equal tensors on every replica."""
-    src, dst = "megatron:tp=2,ep=4", "vllm:4"
-    name, seen = "embedding.word_embeddings.weight", []
-
-    def spy(shards, degree):
-        if name in shards[0]:
-            seen.append([shards[r][name] for r in range(8)])
-        return stage_convert(src, dst, TOY_MOE)(shards, degree)
-    assert check_convert(spy, TOY_MOE, src, dst, stream="parameter").passed
+    verdict, seen = streamed_per_parameter
+    assert verdict.passed
     (held,) = seen
     assert held[0] is held[2] is held[4] is held[6] and held[1] is held[3] is held[5] is held[7]
     assert held[0] is not held[1] and not torch.equal(held[0], held[1])  # TP ranks differ

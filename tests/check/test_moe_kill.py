@@ -6,15 +6,19 @@ SequentialMLP, vLLM's round-robin map and FlashInfer's ``[w3; w1]``, HF v5's fus
 where it is declared the identity its bytes really are unchanged; it changes only what its
 ``changes`` names.
 
-The default run takes the whole matrix on ``EVERY`` (a small geometry where every MoE
-mutation is live: square experts, an uneven expert count, a sigmoid router with a selection
-bias and groups, a gated shared expert, q/k norms), the README's pair and one other on
-TOY_MOE, and the bytes of declared identities on the reduced Qwen3; the long run
-(``WSB_PROFILE=wsb-nightly``) takes the whole matrix on a reduced Qwen3-30B-A3B (128
-experts of 48, top 8, one layer: its threshold measured here) and on TOY_MOE and TOY_MOE_DS
-(judged by their committed floors). ``bench/moe_kill_matrix.py`` prints the ratios.
+The default run takes the matrix on ``EVERY`` (a small geometry where every MoE mutation
+is live: square experts, an uneven expert count, a sigmoid router with a selection bias and
+groups, a gated shared expert, q/k norms) between ten of its endpoints that meet every
+outcome all of them meet (``EVERY_ENDPOINTS``), the README's pair and one other on TOY_MOE,
+and the bytes of declared identities on the reduced Qwen3 between endpoints that meet each
+of its identity reasons; the long run (``WSB_PROFILE=wsb-nightly``) takes the whole matrix
+on EVERY, on a reduced Qwen3-30B-A3B (128 experts of 48, top 8, one layer: its threshold
+measured here) and on TOY_MOE and TOY_MOE_DS (judged by their committed floors).
+``bench/moe_kill_matrix.py`` prints the ratios.
 ``test_the_default_run_reaches_every_outcome_of_the_whole_matrix`` checks the long run adds
-no live outcome the default run does not reach."""
+no live outcome the default run does not reach, and that the default run's pairs on EVERY
+meet every outcome (not applicable, identity, live: each with its reason) all its pairs
+meet."""
 
 from __future__ import annotations
 
@@ -90,26 +94,53 @@ def _live(config):
                         and all(config.n_experts % ep == 0 for ep in (2, 4, config.n_heads))))}
 
 
+# The default run's endpoints on EVERY: every convention with each of its options (HF's
+# fused experts, FlashInfer's [w3; w1], Megatron's SequentialMLP, vLLM's round-robin map),
+# TP 1, 2 and 4, EP 1, 2 and 4 (6 experts: even over 2, uneven over 4), expert-TP 1 and the
+# default. Between them every mutation meets each outcome, with its reason, that it meets
+# between all of EVERY's endpoints (not applicable, identity, live;
+# test_the_default_run_reaches_every_outcome_of_the_whole_matrix): each mutation is killed by
+# default, over 100 ordered pairs of the 729; the long run takes every pair.
+EVERY_ENDPOINTS = ("plain:1", "hf:1", "hf:experts=fused", "megatron:2",
+                   "megatron:tp=2,ep=2,etp=1", "megatron:tp=4,ep=2,experts=sequential",
+                   "vllm:tp=2,kernel=flashinfer_cutlass", "vllm:tp=2,ep=2", "vllm:tp=4,ep=4",
+                   "vllm:tp=4,ep=4,placement=round_robin")
+
+
 @pytest.mark.parametrize("mutation", MOE_MUTATIONS, ids=lambda m: m.name)
-@pytest.mark.parametrize("config", [
-    pytest.param(EVERY, id="every_moe"),
-    *(pytest.param(c, id=c.name, marks=NIGHTLY) for c in LONG_RUN)])
-def test_every_moe_mutation_is_killed_wherever_it_is_not_the_identity(config, mutation):
-    rows = list(kill_matrix(checker(config), moe_endpoints(config), [mutation]))
+@pytest.mark.parametrize("config, share", [
+    pytest.param(EVERY, EVERY_ENDPOINTS, id="every_moe"),
+    pytest.param(EVERY, None, id="every_moe_all_pairs", marks=NIGHTLY),
+    *(pytest.param(c, None, id=c.name, marks=NIGHTLY) for c in LONG_RUN)])
+def test_every_moe_mutation_is_killed_wherever_it_is_not_the_identity(config, share, mutation):
+    eps = moe_endpoints(config) if share is None else [endpoint(e) for e in share]
+    rows = list(kill_matrix(checker(config), eps, [mutation]))
     killed = _assert_rows(rows)
     # Non-vacuous: killed somewhere wherever the geometry can hold it, nowhere else.
     assert (killed > 0) == (mutation.name in _live(config)), (mutation.name, killed)
 
 
+# Between these the reduced Qwen3 meets each identity (mutation and reason) of its whole
+# matrix (test_the_default_run_reaches_every_outcome_of_the_whole_matrix): ep=1 (plain:1),
+# an even expert count over EP 2, etp=1 at TP 2 (the etp=1 source), one layer (any pair).
+QWEN3_IDENTITY_ENDPOINTS = ("plain:1", "vllm:tp=2,ep=2", "megatron:tp=2,ep=4,etp=1")
+
+
 def test_the_reduced_qwen3_declared_identities_move_no_byte():
     """The default run's share of the long run's matrix on the reduced Qwen3-30B-A3B: no
-    forward, but the conversions (between every third endpoint) a mutation declares the
-    identity on are converted, mutated and compared (one layer: q/k norms from the next
-    layer are its own)."""
+    forward, but the conversions a mutation declares the identity on are converted, mutated
+    and compared (one layer: q/k norms from the next layer are its own), between endpoints
+    that meet every identity the whole matrix meets (the long run's matrix on it compares
+    every pair's)."""
+    eps = [endpoint(e) for e in QWEN3_IDENTITY_ENDPOINTS]
     bytes_only = conversion_checker(QWEN3_30B, threshold=math.inf)  # no forward runs
-    rows = list(kill_matrix(bytes_only, moe_endpoints(QWEN3_30B)[::3], MOE_MUTATIONS,
-                            live=False))
-    assert any(r.outcome == "identity" for r in rows)
+    rows = list(kill_matrix(bytes_only, eps, MOE_MUTATIONS, live=False))
+    # every identity these endpoints meet has its row (one per mutation key)
+    assert {(r.mutation, r.outcome, r.reason) for r in rows if r.outcome == "identity"} == {
+        o for o in _outcomes(QWEN3_30B, eps) if o[1] == "identity"}
+    assert {r.mutation for r in rows if r.outcome == "identity"} >= {
+        "local_expert_id_as_global", "ep_remainder_to_last", "fc1_etp_rank_concat",
+        "fc2_split_on_wrong_dim", "qk_norm_from_next_layer"}
     _assert_rows([r for r in rows if r.outcome != "live"])
 
 
@@ -129,17 +160,22 @@ def test_the_readme_pairs_on_toy_moe(src, dst):
     assert any(r.outcome == "killed" for r in rows), [(r.mutation, r.outcome) for r in rows]
 
 
-@pytest.mark.parametrize("config", [
-    pytest.param(EVERY, id="every_moe"),
-    *(pytest.param(c, id=c.name, marks=NIGHTLY) for c in LONG_RUN)])
-def test_the_harness_conversion_passes(config):
-    """The twin of every detection above: the unmutated conversion, same checker, passes."""
-    check, eps = checker(config), moe_endpoints(config)
-    for src in eps[::5]:
-        for dst in eps:
-            verdict = check.verdict(
-                [dict(p) for p in _converted(check, src, dst)], src=src, dst=dst)
-            assert verdict.passed and verdict.first_mismatch is None, str(verdict)
+@pytest.mark.parametrize("config, share", [
+    pytest.param(EVERY, EVERY_ENDPOINTS, id="every_moe"),
+    pytest.param(EVERY, None, id="every_moe_all_pairs", marks=NIGHTLY),
+    *(pytest.param(c, None, id=c.name, marks=NIGHTLY) for c in LONG_RUN)])
+def test_the_harness_conversion_passes(config, share):
+    """The twin of every detection above: the unmutated conversion, same checker, passes
+    (by default between the endpoints of the default run's matrix, each pair)."""
+    check = checker(config)
+    if share is None:
+        eps = moe_endpoints(config)
+        pairs = [(src, dst) for src in eps[::5] for dst in eps]
+    else:
+        pairs = [(endpoint(src), endpoint(dst)) for src in share for dst in share]
+    for src, dst in pairs:
+        verdict = check.verdict([dict(p) for p in _converted(check, src, dst)], src=src, dst=dst)
+        assert verdict.passed and verdict.first_mismatch is None, str(verdict)
 
 
 def _converted(check, src, dst):
@@ -148,11 +184,11 @@ def _converted(check, src, dst):
     return convert(check.source(src), src, dst, check.config)
 
 
-def _outcomes(config):
-    """What each MoE mutation meets over ``config``'s endpoints without running a forward:
-    each not-applicable reason, each identity reason, and "live"."""
+def _outcomes(config, eps=None):
+    """What each MoE mutation meets over ``config``'s endpoints (or ``eps``) without running
+    a forward: each not-applicable reason, each identity reason, and "live"."""
     seen = set()
-    eps = moe_endpoints(config)
+    eps = moe_endpoints(config) if eps is None else eps
     for m in MOE_MUTATIONS:
         for src in eps:
             for dst in eps:
@@ -169,11 +205,27 @@ def _outcomes(config):
 def test_the_default_run_reaches_every_outcome_of_the_whole_matrix():
     """Every live outcome of the long run's geometries (a mutation live with some reason it
     applies) is one the default run's forwards meet on EVERY; their not-applicable and
-    identity outcomes the default run meets itself (the test above)."""
+    identity outcomes the default run meets itself (the test above; the reduced Qwen3's
+    between QWEN3_IDENTITY_ENDPOINTS, which meet all of its identities). And the default
+    run's pairs on EVERY (between ``EVERY_ENDPOINTS``) meet each outcome, with its reason,
+    that every pair of its endpoints meets."""
     every = _outcomes(EVERY)
     for config in LONG_RUN:
-        assert {o for o in _outcomes(config) if o[1] == "live"} <= every, config.name
+        whole = _outcomes(config)
+        assert {o for o in whole if o[1] == "live"} <= every, config.name
+        if config is QWEN3_30B:
+            share = _outcomes(config, [endpoint(e) for e in QWEN3_IDENTITY_ENDPOINTS])
+            assert {o for o in whole if o[1] == "identity"} == {
+                o for o in share if o[1] == "identity"}
     assert {m.name for m in MOE_MUTATIONS} == {o[0] for o in every if o[1] == "live"}
+    # The default run's pairs on EVERY meet every outcome all its pairs meet (each mutation is
+    # killed wherever live there, test_every_moe_mutation_is_killed_wherever_it_is_not_...)
+    share = [endpoint(e) for e in EVERY_ENDPOINTS]
+    assert _outcomes(EVERY, share) == every
+    # and every convention with each of its options, every TP, EP and expert-TP degree
+    for what in (lambda e: (e.name, e.options), lambda e: e.degree, lambda e: e.ep,
+                 lambda e: e.etp):
+        assert {what(e) for e in share} == {what(e) for e in moe_endpoints(EVERY)}
 
 
 def test_a_selection_bias_left_at_its_initial_value_flips_choices_and_is_killed():

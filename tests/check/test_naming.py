@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.breadth import breadth
 from weight_sync_bench.errors import UnsupportedLayout
 import torch
 
@@ -291,7 +292,41 @@ CONVERSION_CELLS = (_live(SMALL) + _live(SMALL_BIAS) + _live(MOE_SQUARE) + _live
                     + _live(STAGED, PIPELINE_MUTATIONS))
 
 
-@pytest.mark.parametrize("mutation", CONVERSION_MUTATIONS, ids=lambda m: m.name)
+# The default run names 18 of the 28 conversion mutations, one or more of each kind of bug,
+# between them every geometry with every source and destination convention it has cells for
+# and both kinds of key (test_the_default_run_names_in_every_geometry_and_convention_...):
+# the two that coincide with layout mutations on a plain destination (tp_rank_defaults_to_0
+# with qkv_rank0_duplicated, megatron_qkv_read_as_plain with qkv_interleaved_read_as_plain),
+# the replicated KV heads (kv_replica_modulo), a RoPE permute (rope_permute_missing), the qkv
+# bias (qkv_bias_not_split), the Meta embedding cut each way (embedding_split_on_vocab;
+# embedding_joined_on_vocab, keyed by its source degree), the vocabulary padding (every
+# geometry), of the MoE ones those the kill matrix keeps by default but for the expert-TP
+# gathers (an expert's layout: expert_transposed_twice, cheaper than fc1_etp_rank_concat and
+# fc2_split_on_wrong_dim), and every pipeline one. The long run names the rest: the same
+# kinds over more rows (fc1/fc2_etp, megatron_fc1_rank_concat, output_stale_copy,
+# w13_halves_swapped, expert_bucket_not_sent, plain_qkv_read_as_megatron,
+# router_bias_not_synced, rope_permute_twice, rope_k_permuted_with_n_heads).
+NAMED_BY_DEFAULT = {
+    "tp_rank_defaults_to_0", "megatron_qkv_read_as_plain", "kv_replica_modulo",
+    "rope_permute_missing", "qkv_bias_not_split", "embedding_split_on_vocab",
+    "embedding_joined_on_vocab", "vocab_padding_per_rank", "local_expert_id_as_global",
+    "ep_remainder_to_last", "router_bias_negated", "expert_transposed_twice",
+    "shared_gate_dropped", "qk_norm_from_next_layer", *(m.name for m in PIPELINE_MUTATIONS)}
+
+
+def test_the_default_run_names_in_every_geometry_and_convention_the_whole_matrix_does():
+    """The default run's share of the conversion matrix (``NAMED_BY_DEFAULT``) has cells in
+    every geometry from every source and into every destination convention the whole
+    matrix has, keyed by the destination and by the source degree."""
+    kept = [(m, c) for m, c in CONVERSION_CELLS if m.name in NAMED_BY_DEFAULT]
+    for where in (lambda c: (c.config.name, c.src.name), lambda c: (c.config.name, c.dst.name)):
+        assert {where(c) for _, c in kept} == {where(c) for _, c in CONVERSION_CELLS}
+    assert {m.depends_on for m, _ in kept} == {m.depends_on for m, _ in CONVERSION_CELLS}
+
+
+@pytest.mark.parametrize("mutation", breadth(
+    [pytest.param(m, id=m.name) for m in CONVERSION_MUTATIONS], keep=NAMED_BY_DEFAULT,
+    name=lambda p: p.id))
 def test_every_conversion_mutation_is_named_as_itself_or_as_those_it_coincides_with(
         checkers_by_name, mutation):
     cells = [c for m, c in CONVERSION_CELLS if m is mutation]

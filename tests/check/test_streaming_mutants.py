@@ -151,19 +151,22 @@ def test_a_streamed_verdict_at_another_seed_is_the_whole_checks_at_that_seed():
 
 def test_a_streamed_bf16_check_names_only_what_its_own_dtypes_catalogue_holds():
     """bf16 weights sent through fp16 and back: not declared a mutation either way for bf16
-    weights (``mutations._exact_for``), so no verdict names it, whole or streamed."""
-    from weight_sync_bench import TOY, check_split
+    weights (``mutations._exact_for``), so no verdict names it, whole or streamed. On TOY
+    over a 512-word vocabulary (its embedding and head are most of TOY's bytes; the naming
+    does not depend on them), judged by explicit thresholds: no floor is committed for it."""
+    from weight_sync_bench import check_split
 
-    split = streaming.stage_split(layout_for(TOY))
+    narrow = TOY.replace(name="toy_vocab512", vocab=512)
+    split = streaming.stage_split(layout_for(narrow))
 
     def via_fp16(full, degree):
         return [{n: x.to(torch.float16).to(x.dtype) for n, x in rank.items()}
                 for rank in split(full, degree)]
-    whole = check_split(via_fp16, TOY, 2, dtype="bf16")
-    streamed = check_split(via_fp16, TOY, 2, dtype="bf16", stream="layer")
+    whole = check_split(via_fp16, narrow, 2, dtype="bf16", threshold=1e-3)
+    streamed = check_split(via_fp16, narrow, 2, dtype="bf16", threshold=1e-3, stream="layer")
     assert not whole.passed and not streamed.passed  # TOY's draws hold values below 2^-17
     assert streamed.named_mutation == whole.named_mutation != "fp16_round_trip"
-    fp32 = check_split(via_fp16, TOY, 2, stream="layer")
+    fp32 = check_split(via_fp16, narrow, 2, threshold=1e-4, stream="layer")
     assert fp32.named_mutation == "fp16_round_trip"  # the twin: fp32 weights' catalogue
 
 
