@@ -43,7 +43,9 @@ def converters(tmp_path, monkeypatch):
 
 
 # A user's module for the --weights checks: the correct converter and its twin, [up; gate]
-# where [gate; up] is.
+# where [gate; up] is. Each takes the geometry as config=, so the checkpoints below hold
+# TOY_KV4 with a vocabulary of 256 (_weights): the threshold is measured on the weights at
+# every check, and TOY_KV4's 32000-row embedding and head made that most of each test's time.
 WEIGHTS_CONVERTERS = textwrap.dedent("""
     import torch
     from weight_sync_bench import convert
@@ -59,6 +61,17 @@ WEIGHTS_CONVERTERS = textwrap.dedent("""
                     rank[name] = torch.cat(x.chunk(2)[::-1])
         return out
 """)
+
+
+def _weights(vocab=256):
+    """TOY_KV4's heads, layers and widths with a small vocabulary, as bf16 weights no seed
+    draws (the seed's, scaled)."""
+    import torch
+
+    from weight_sync_bench.model.config import TOY_KV4, init_params
+
+    config = TOY_KV4.replace(name=f"toy_kv4_v{vocab}", vocab=vocab)
+    return config, {n: (x * 1.5).to(torch.bfloat16) for n, x in init_params(config, 7).items()}
 
 
 def test_a_converter_from_the_command_line_passes_and_its_twin_fails_naming_the_heads(
@@ -197,15 +210,12 @@ def test_a_converter_on_the_users_own_weights_from_the_command_line(tmp_path, mo
     """``--weights DIR``: an HF directory of bf16 weights no seed draws; the geometry its
     config.json states; the converter passes on them and its twin fails (exit 1); flags that
     would judge other weights are refused (exit 2)."""
-    import torch
-
     from weight_sync_bench.conventions import endpoint, materialize
     from weight_sync_bench.conventions.checkpoint import write_checkpoint
-    from weight_sync_bench.model.config import TOY_KV4, init_params
 
-    weights = {n: (x * 1.5).to(torch.bfloat16) for n, x in init_params(TOY_KV4, 7).items()}
+    config, weights = _weights()
     hf = endpoint("hf")
-    write_checkpoint(tmp_path / "w", materialize(hf.pieces(TOY_KV4), weights), hf, TOY_KV4)
+    write_checkpoint(tmp_path / "w", materialize(hf.pieces(config), weights), hf, config)
     (tmp_path / "wsb_cli_weights.py").write_text(WEIGHTS_CONVERTERS)
     monkeypatch.syspath_prepend(str(tmp_path))
     base = ["check", "--from", "megatron:2", "--to", "vllm:2", "--weights", str(tmp_path / "w")]
@@ -222,25 +232,27 @@ def test_a_converter_on_the_users_own_weights_from_the_command_line(tmp_path, mo
 
 def test_a_converter_on_a_megatron_torch_dist_checkpoint(tmp_path, capsys, monkeypatch):
     """``wsb check --converter ... --weights DIR`` on the trainer's torch_dist checkpoint:
-    the geometry from ``--config`` (Megatron's args state sizes, not the whole model; without
-    it, exit 2 saying so), checked against the args; the wrong converter fails (exit 1)."""
-    import torch
-
+    the geometry from the model options (Megatron's args state sizes, not the whole model;
+    without them, exit 2 saying so), checked against the args: ``--hf-config`` (TOY_KV4 with
+    a vocabulary of 256, as the weights above) passes the converter and fails the wrong one
+    (exit 1); ``--config toy`` is refused naming the args' field that differs."""
     from weight_sync_bench.conventions import endpoint
     from weight_sync_bench.conventions.checkpoint import write_megatron_dist
-    from weight_sync_bench.model.config import TOY_KV4, init_params
 
-    weights = {n: (x * 1.5).to(torch.bfloat16) for n, x in init_params(TOY_KV4, 7).items()}
-    write_megatron_dist(tmp_path / "m", weights, endpoint("megatron:2"), TOY_KV4)
+    config, weights = _weights()
+    write_megatron_dist(tmp_path / "m", weights, endpoint("megatron:2"), config)
+    hf_config = tmp_path / f"{config.name}.json"
+    hf_config.write_text(json.dumps(config.to_hf_config()))
     (tmp_path / "wsb_cli_dist.py").write_text(WEIGHTS_CONVERTERS)
     monkeypatch.syspath_prepend(str(tmp_path))
     base = ["check", "--from", "megatron:2", "--to", "vllm:2", "--weights", str(tmp_path / "m")]
+    model = ["--hf-config", str(hf_config), "--layers", str(config.n_layers), "--vocab",
+             str(config.vocab)]
     assert main([*base, "--converter", "wsb_cli_dist:megatron_to_vllm"]) == 2
     assert "give --hf-config PATH or --config NAME (as Megatron-Bridge" in capsys.readouterr().err
-    assert main([*base, "--config", "toy_kv4", "--converter",
-                 "wsb_cli_dist:megatron_to_vllm"]) == 0
+    assert main([*base, *model, "--converter", "wsb_cli_dist:megatron_to_vllm"]) == 0
     assert "1 passed, 0 failed" in capsys.readouterr().out
-    assert main([*base, "--config", "toy_kv4", "--converter", "wsb_cli_dist:up_gate"]) == 1
+    assert main([*base, *model, "--converter", "wsb_cli_dist:up_gate"]) == 1
     assert "gate_up_proj.weight" in capsys.readouterr().out
     assert main([*base, "--config", "toy", "--converter", "wsb_cli_dist:megatron_to_vllm"]) == 2
     assert "args say num_query_groups=4, the config checked (toy) has" in capsys.readouterr().err
@@ -250,30 +262,24 @@ def test_a_splitter_and_a_resharder_on_an_hf_directory(tmp_path, capsys, monkeyp
     """``wsb check --splitter/--resharder ... --weights DIR``: the geometry from the
     directory, the user's function on its weights; the twin (o_proj of two ranks swapped)
     fails naming it; --weights without a function is refused (exit 2)."""
-    import torch
-
     from weight_sync_bench.conventions import endpoint, materialize
     from weight_sync_bench.conventions.checkpoint import write_checkpoint
-    from weight_sync_bench.model.config import TOY_KV4, init_params
 
-    weights = {n: (x * 1.5).to(torch.bfloat16) for n, x in init_params(TOY_KV4, 7).items()}
+    config, weights = _weights()
     hf = endpoint("hf")
-    write_checkpoint(tmp_path / "w", materialize(hf.pieces(TOY_KV4), weights), hf, TOY_KV4)
+    write_checkpoint(tmp_path / "w", materialize(hf.pieces(config), weights), hf, config)
     (tmp_path / "wsb_cli_split.py").write_text(textwrap.dedent("""
         from weight_sync_bench.layout.reshard import reshard, split
-        from weight_sync_bench.model.config import TOY_KV4
         from weight_sync_bench.model.plan import layout_for
 
-        LAYOUT = layout_for(TOY_KV4)
+        def splitter(full, degree, *, config):
+            return split(full, layout_for(config), degree)
 
-        def splitter(full, degree):
-            return split(full, LAYOUT, degree)
+        def resharder(shards, degree, *, config):
+            return reshard(shards, layout_for(config), degree)
 
-        def resharder(shards, degree):
-            return reshard(shards, LAYOUT, degree)
-
-        def swapped(shards, degree):
-            out = reshard(shards, LAYOUT, degree)
+        def swapped(shards, degree, *, config):
+            out = reshard(shards, layout_for(config), degree)
             name = "layers.0.o_proj.weight"
             out[0][name], out[1][name] = out[1][name], out[0][name]
             return out

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from tests.breadth import breadth
 from weight_sync_bench.cli import main
 from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
 from weight_sync_bench.collectives.gloo.pool import shared_pool
@@ -35,7 +36,9 @@ def _run(argv, capsys):
     return code, capsys.readouterr(), time.monotonic() - start
 
 
-@pytest.mark.parametrize("command", ["fuzz", "mutants"])
+# wsb fuzz by default, wsb mutants in the long run: both run through cli.fuzz's one
+# _run_fuzz and _finish over fuzz.runner, which turns the rank fault into a harness fault
+@pytest.mark.parametrize("command", breadth(["fuzz", "mutants"], keep={"fuzz"}))
 def test_a_killed_rank_is_a_harness_fault_and_the_run_goes_on(pool, tmp_path, capsys, command):
     starts = pool.starts
     pool.arm(Fault("kill", rank=0, phase="forward", index=3))

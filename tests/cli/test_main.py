@@ -56,8 +56,8 @@ def test_wsb_check_runs_a_users_resharder_by_module_path(tmp_path, monkeypatch, 
                 out[rank]["layers.0.gate_up.weight"] = piece.clone()
             return out
     """)
-    # the twin at the pair the bug is checked at; the same resharder over the whole 9-pair
-    # sweep is test_a_sweep_whose_last_check_alone_fails_exits_1_counting_it's twin
+    # the twin at the pair the bug is checked at; a correct resharder over a whole sweep is
+    # test_a_sweep_whose_last_check_alone_fails_exits_1_counting_it's twin
     assert main(["check", "--config", "toy_kv4", "--src", "1", "--dst", "2",
                  "--resharder", "my_resharders:good"]) == 0
     assert "1 passed, 0 failed" in capsys.readouterr().out
@@ -75,33 +75,35 @@ def test_wsb_check_runs_a_users_resharder_by_module_path(tmp_path, monkeypatch, 
 def test_a_sweep_whose_last_check_alone_fails_exits_1_counting_it(tmp_path, monkeypatch,
                                                                   capsys, flags):
     """The exit code and the tally come from every check of the sweep, not the first: the
-    resharder is wrong only at the sweep's last pair (4 -> 4)."""
+    resharder is wrong only at the sweep's last pair (2 -> 2). TOY's sweep, 4 pairs (each
+    check of a user's resharder fingerprints its inputs and reshards twice: TOY_KV4's 9 pairs
+    made the test 4.7 s)."""
     (tmp_path / "sweep_resharders.py").write_text(textwrap.dedent("""
-        from weight_sync_bench import layout_for, reshard, TOY_KV4
+        from weight_sync_bench import layout_for, reshard, TOY
 
         def good(shards, dst):
-            return reshard(shards, layout_for(TOY_KV4), dst)
+            return reshard(shards, layout_for(TOY), dst)
 
         def wrong_at_the_end(shards, dst):
             out = good(shards, dst)
-            if len(shards) == 4 and dst == 4:
-                x = out[3]["norm.weight"].clone()
+            if len(shards) == 2 and dst == 2:
+                x = out[1]["norm.weight"].clone()
                 x.view(-1).view(__import__("torch").int32)[-1] ^= 1
-                out[3]["norm.weight"] = x
+                out[1]["norm.weight"] = x
             return out
     """))
     monkeypatch.chdir(tmp_path)
-    argv = ["check", "--config", "toy_kv4", *flags, "--resharder"]
+    argv = ["check", "--config", "toy", *flags, "--resharder"]
     assert main([*argv, "sweep_resharders:wrong_at_the_end"]) == 1
     out = capsys.readouterr().out
     if "--json" in flags:
         summary = json.loads(out.splitlines()[-1])
         assert (summary["kind"], summary["passed"], summary["failed"], summary["exit_code"]) == (
-            "summary", 8, 1, 1)
+            "summary", 3, 1, 1)
     else:
-        assert "8 passed, 1 failed" in out
+        assert "3 passed, 1 failed" in out
     assert main([*argv, "sweep_resharders:good"]) == 0  # the twin
-    assert "--json" in flags or "9 passed, 0 failed" in capsys.readouterr().out
+    assert "--json" in flags or "4 passed, 0 failed" in capsys.readouterr().out
 
 
 def test_a_missing_resharder_is_a_clear_error(tmp_path, monkeypatch, capsys):
@@ -121,16 +123,17 @@ def test_wsb_check_runs_over_gloo_with_the_phase_1b_threshold(capsys):
 
 def test_wsb_version_imports_no_torch():
     """``wsb --version`` answers from the distributions' metadata: a fresh interpreter running
-    the console script's entry never imports torch (the rest of the CLI does)."""
+    the console script's entry never imports torch (the rest of the CLI does). One
+    interpreter for both: the twin, ``wsb layout``, runs after it in the same process."""
     import subprocess
     import sys
 
     code = ("import sys; from weight_sync_bench.__main__ import main; "
-            "sys.argv = ['wsb', '--version']; main(); print('torch' in sys.modules)")
+            "sys.argv = ['wsb', '--version']; main(); "
+            "print('torch' in sys.modules, flush=True); "
+            "sys.argv = ['wsb', 'layout', '--config', 'toy']; main(); "
+            "print('twin', 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out[0].startswith("wsb ") and "(torch " in out[0] and out[1] == "False", out
-    twin = ("import sys; from weight_sync_bench.__main__ import main; "
-            "sys.argv = ['wsb', 'layout', '--config', 'toy']; main(); print('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", twin], capture_output=True, text=True,
-                          check=True).stdout.splitlines()[-1] == "True"
+    assert out[-1] == "twin True", out  # the twin

@@ -166,6 +166,7 @@ def test_train_check_mutations_shows_progress_per_case(capsys):
     assert re.search(r"^train-check --mutations 1/1: small_tied_bias dp=2 tp=2 packed "
                      r"\(\d+ mutations, phase 1a\)$", err, re.M)
     assert re.search(r"^(\d+) of \1 detected, 0 identity cells skipped$", out, re.M)
+    assert "9 of 9 detected, 0 identity cells skipped" in out  # test_train.py's, in the long run
 
 
 def test_quiet_check_prints_failures_and_the_closing_line_only(capsys):

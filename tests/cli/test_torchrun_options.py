@@ -46,6 +46,10 @@ def _root_cause(done: subprocess.CompletedProcess[str]) -> str:
     return done.stderr.split("Root Cause (first observed failure):")[1]
 
 
+# 6 s, a torchrun job of its own: the long run. The default run keeps one torchrun job
+# (tests/cli/test_torchrun_check.py's phase 1b check) and, as this test's equivalent, the
+# same refusal in process on a rank of a torchrun job (RANK and WORLD_SIZE set), below.
+@pytest.mark.slow
 def test_a_bad_option_on_one_rank_only_is_refused_there_naming_the_rank_and_the_option():
     done = per_rank({1: ["--seed", "-5"]}, *SYNC)
     assert done.returncode != 0
@@ -55,6 +59,24 @@ def test_a_bad_option_on_one_rank_only_is_refused_there_naming_the_rank_and_the_
     # waiting for it in rendezvous, is ended by the agent's SIGTERM, not left to hang
     assert re.search(r"rank +: 1 \(local_rank: 1\)\s+exitcode +: 2 ", _root_cause(done))
     assert "wsb (rank 0 of 2)" not in done.stderr and "Traceback" not in done.stdout
+
+
+def test_a_bad_option_on_a_rank_of_a_torchrun_job_is_refused_naming_the_rank_and_the_option(
+        monkeypatch, capsys):
+    """The default run's equivalent of the torchrun job above: rank 1's command line, in
+    process, with the environment torchrun gives it; exit 2 (the input's fault) before any
+    rendezvous, the message naming the rank and the option."""
+    from weight_sync_bench.cli.main import main
+
+    for key in ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exited:
+        main([*SYNC, "--seed", "-5"])
+    assert exited.value.code == 2
+    assert ("wsb (rank 1 of 2) sync: error: argument --seed: must be an int in 0..2^63-1, "
+            "got -5") in capsys.readouterr().err
 
 
 # 8 s: the long run; by default a differing option is refused under torchrun (above) and

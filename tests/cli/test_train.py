@@ -30,6 +30,9 @@ def test_train_check_prints_every_quantity_with_deviation_and_threshold(capsys):
     assert "1 passed, 0 failed (steps=2, seed=0, phase 1a)" in out
 
 
+# The same run as test_output.py's test_train_check_mutations_shows_progress_per_case, which
+# stays in the default run and asserts the same closing line (9 of 9 detected): the long run
+@pytest.mark.slow
 def test_train_check_mutations_reports_each_ratio(capsys):
     assert _run(["train-check", "--config", "small_tied_bias", "--dp", "2", "--tp", "2",
                  "--batch", "packed", "--mutations"]) == 0

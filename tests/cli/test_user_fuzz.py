@@ -45,6 +45,13 @@ def user_module(tmp_path, monkeypatch):
 # pass twin runs the same 20 draws as the run that found its twin's bug), a third of the time
 FEW = 20
 
+# The shipped geometries run first in every fuzz of a user's function, each judged by a
+# threshold measured for it (~0.5 s a run, more for a converter's conventions): they run here
+# where they are the subject (a correct resharder passes them, a narrowed domain leaves the
+# ones outside it out, a converter's fixed degrees hold there too); elsewhere NO_REAL leaves
+# them out (tests/fuzz/test_user_properties.py checks them through the API)
+NO_REAL = "--no-real-geometries"
+
 
 def _fuzz(capsys, *args, examples=60):
     code = main(["fuzz", "--examples", str(examples), "--seed", "1", *args])
@@ -53,7 +60,8 @@ def _fuzz(capsys, *args, examples=60):
 
 def test_a_planted_bug_is_reported_shrunk_with_the_geometry_and_the_rows_exit_1(user_module,
                                                                                 capsys):
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", examples=FEW)
+    code, out = _fuzz(capsys, NO_REAL, "--resharder", "my_functions:reshard_wrong_for_mha",
+                      examples=FEW)
     assert code == 1
     text = out.out
     assert "FAIL invariant fails on your resharder my_functions:reshard_wrong_for_mha" in text
@@ -67,8 +75,8 @@ def test_a_planted_bug_is_reported_shrunk_with_the_geometry_and_the_rows_exit_1(
         "my_functions:reshard_wrong_for_mha"
     # --json carries what the text says: the same counterexample (its corpus entry runs
     # first), its degrees and the diagnosis lines, each as the text wrote it
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", "--json",
-                      examples=FEW)
+    code, out = _fuzz(capsys, NO_REAL, "--resharder", "my_functions:reshard_wrong_for_mha",
+                      "--json", examples=FEW)
     records = [json.loads(line) for line in out.out.splitlines()]
     (failure,) = [r for r in records if r["kind"] == "counterexample"]
     assert code == 1 and failure["property"] == "invariant" and failure["error"] is None
@@ -85,7 +93,7 @@ def test_the_progress_line_and_the_summary_count_one_counterexample_once(user_mo
     """Found in the first round, then replayed first (from the corpus) in every later one:
     one counterexample, in the last progress line as in the summary (the progress line
     once said 10 where the summary said 1)."""
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha",
+    code, out = _fuzz(capsys, NO_REAL, "--resharder", "my_functions:reshard_wrong_for_mha",
                       "--chunk", "10")
     assert code == 1
     progress = re.findall(r"(\d+) examples, (\d+) failures, ", out.err)
@@ -102,14 +110,16 @@ def test_without_wsb_corpus_dir_the_entry_lands_in_the_users_project_not_the_che
     monkeypatch.delenv("WSB_CORPUS_DIR")
     monkeypatch.delenv("WSB_FUZZ_DIR", raising=False)
     before = sorted((checkout() / "corpus").iterdir())
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", examples=FEW)
+    code, out = _fuzz(capsys, NO_REAL, "--resharder", "my_functions:reshard_wrong_for_mha",
+                      examples=FEW)
     assert code == 1
     (entry,) = (user_module / "wsb-corpus").glob("*.json")
     assert f"corpus entry: {entry}" in out.out
     assert list((user_module / ".hypothesis" / "summaries").glob("fuzz-*.json"))
     assert sorted((checkout() / "corpus").iterdir()) == before
     # the next fuzz of the same function reads its entries from the same place
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", examples=FEW)
+    code, out = _fuzz(capsys, NO_REAL, "--resharder", "my_functions:reshard_wrong_for_mha",
+                      examples=FEW)
     assert code == 1 and f"corpus entry: {entry} (already there)" in out.out
     assert f"corpus: {user_module / 'wsb-corpus'} (0 new entries)" in out.out
 
@@ -122,7 +132,7 @@ def test_the_correct_resharder_passes_exit_0(user_module, capsys):
 
 
 def test_a_splitter_and_a_converter_with_fixed_degrees(user_module, capsys):
-    code, out = _fuzz(capsys, "--splitter", "my_functions:split_head_dim_from_d_model",
+    code, out = _fuzz(capsys, NO_REAL, "--splitter", "my_functions:split_head_dim_from_d_model",
                       examples=FEW)
     assert code == 1 and "degrees: split of the full model -> t=" in out.out
     code, out = _fuzz(capsys, "--converter", "my_functions:convert_megatron_to_vllm",
@@ -132,7 +142,7 @@ def test_a_splitter_and_a_converter_with_fixed_degrees(user_module, capsys):
 
 
 def test_declined_cases_are_counted_and_all_declined_checks_nothing_exit_2(user_module, capsys):
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_declines_odd_vocab")
+    code, out = _fuzz(capsys, NO_REAL, "--resharder", "my_functions:reshard_declines_odd_vocab")
     assert code == 0
     assert "declined (Unsupported: skipped, not passed)" in out.out
     assert "smallest declined: " in out.out and "only even vocabularies" in out.out
@@ -146,8 +156,8 @@ def test_the_domain_is_narrowed_from_the_command_line(user_module, capsys):
     code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_wrong_for_mha", "--gqa-only")
     assert code == 0, out.out  # wrong only for MHA: a GQA-only domain never meets the bug
     assert "domain: n_kv_heads 1..4, group 2..4" in out.out
-    code, out = _fuzz(capsys, "--resharder", "my_functions:reshard_correct", "--kv-heads",
-                      "1-2", "--max-d-model", "16", "--domain", "n_layers=1")
+    code, out = _fuzz(capsys, NO_REAL, "--resharder", "my_functions:reshard_correct",
+                      "--kv-heads", "1-2", "--max-d-model", "16", "--domain", "n_layers=1")
     assert code == 0 and "n_kv_heads 1..2" in out.out and "d_model 8..16 step 8" in out.out
     assert "n_layers 1..1" in out.out
 
@@ -177,7 +187,7 @@ def test_a_function_with_the_wrong_signature_is_the_users_code_exit_4(user_modul
 
 
 def test_replay_reruns_a_user_entry_and_says_when_its_source_changed(user_module, capsys):
-    assert _fuzz(capsys, "--resharder", "my_functions:reshard_vocab_tiles_of_64",
+    assert _fuzz(capsys, NO_REAL, "--resharder", "my_functions:reshard_vocab_tiles_of_64",
                  examples=FEW)[0] == 1
     code = main(["replay"])
     out = capsys.readouterr()
@@ -207,10 +217,12 @@ def test_a_converter_from_pipeline_stages_is_fuzzed_with_each_ranks_coordinates(
                                                                                 capsys):
     # the converter reads source= and conventions.rank_coordinates to turn local layer
     # indices global: it passes; the twin publishing local indices is a coverage failure
-    code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_megatron_to_hf",
+    code, out = _fuzz(capsys, NO_REAL, "--converter",
+                      "my_functions:convert_staged_megatron_to_hf",
                       "--from", "megatron:tp=2,pp=2", "--to", "hf", examples=FEW)
     assert code == 0, out.out
-    code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_local_as_global",
+    code, out = _fuzz(capsys, NO_REAL, "--converter",
+                      "my_functions:convert_staged_local_as_global",
                       "--from", "megatron:tp=2,pp=2", "--to", "hf", examples=FEW)
     assert code == 1
     assert "degrees: megatron:tp=2,pp=2 -> hf:1" in out.out
@@ -226,7 +238,8 @@ def test_a_converter_named_by_its_convention_is_fuzzed_over_pipeline_stages_too(
     # `--from megatron` and a converter taking source=: Megatron's pipeline splits are drawn
     # beside its TP degrees, so the local-index bug is found without naming a split; the
     # correct converter (the twin) passes every draw
-    code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_local_as_global",
+    code, out = _fuzz(capsys, NO_REAL, "--converter",
+                      "my_functions:convert_staged_local_as_global",
                       "--from", "megatron", "--to", "hf", examples=FEW)
     assert code == 1, out.out
     assert re.search(r"degrees: megatron:tp=\d+,pp=\d+\S* -> hf:1", out.out), out.out
@@ -237,6 +250,7 @@ def test_a_converter_named_by_its_convention_is_fuzzed_over_pipeline_stages_too(
                  "--converter", "my_functions:convert_staged_local_as_global",
                  "--from", "megatron", "--to", "hf"]) == 1
     assert re.search(r"degrees: megatron:tp=\d+,pp=", capsys.readouterr().out)
-    code, out = _fuzz(capsys, "--converter", "my_functions:convert_staged_megatron_to_hf",
+    code, out = _fuzz(capsys, NO_REAL, "--converter",
+                      "my_functions:convert_staged_megatron_to_hf",
                       "--from", "megatron", "--to", "hf", examples=FEW)
     assert code == 0, out.out

@@ -48,6 +48,9 @@ def _run(code, tmpdir, tmp_path):
 
 
 def test_the_rank_pool_starts_and_checks_under_a_very_long_tmpdir(tmp_path):
+    """Also the default run's twin of test_unguarded_main.py's UnguardedMain: the pool is
+    started under ``if __name__ == "__main__":`` in the script run as ``__main__``, and
+    runs."""
     long = _long_tmpdir(tmp_path)
     out = _run(_RANKS, long, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]

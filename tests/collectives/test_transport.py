@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.breadth import breadth
 from weight_sync_bench.check.forwards import run_phase1b
 from weight_sync_bench.collectives.gloo.pool import shared_pool
 from weight_sync_bench.collectives.gloo.transport import (
@@ -38,7 +39,12 @@ def first_bit_difference(got, want):
     return None
 
 
-@pytest.mark.parametrize(("config", "degree"), [(TOY, 2), (TOY_KV4, 4), (TOY_KV4, 1)])
+# TOY_KV4 at t=4 by default, the most ranks, every rank's shards a cut; the long run adds
+# TOY at t=2 and TOY_KV4 at t=1 (by default the degree-2 transport is also checked bit for
+# bit by test_callers_shards_arrive_unchanged)
+@pytest.mark.parametrize(("config", "degree"), breadth(
+    [(TOY, 2), (TOY_KV4, 4), (TOY_KV4, 1)], keep={"toy_kv4 t=4"},
+    name=lambda case: f"{case[0].name} t={case[1]}"))
 def test_received_bytes_equal_the_declared_split_bit_for_bit(config, degree):
     result = run_phase1b(config, degree, param_seed=11, token_seed=0, pool=shared_pool(4),
                          return_shards=True)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 BODY = """
 from weight_sync_bench.collectives.gloo.pool import RankPool
 pool = RankPool(2)
@@ -32,6 +34,11 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
     assert 'Put the code that runs checks under `if __name__ == "__main__":`' in done.stderr
 
 
+# 3.5 s, an interpreter of its own: the long run. By default the twin is
+# test_long_tmpdir.py's test_the_rank_pool_starts_and_checks_under_a_very_long_tmpdir: a
+# script that starts the harness's rank pool under the guard, run as __main__, exits 0 (its
+# ranks re-import it without starting a pool).
+@pytest.mark.slow
 def test_the_same_script_under_the_guard_runs(tmp_path):
     guarded = "if __name__ == '__main__':\n" + textwrap.indent(BODY, "    ")
     done = _run(tmp_path, guarded)
