@@ -13,9 +13,27 @@ from pathlib import Path
 
 import pytest
 
+from tests.breadth import breadth
 from weight_sync_bench.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "num_hidden_layers": 4, "vocab_size": 512, "rms_norm_eps": 1e-5,
+              "rope_theta": 10000.0, "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    """``--hf-config`` of a one-layer Llama of width 64 (vocabulary 512): for the runs with
+    ``--no-forward``, whose steps, exit codes and lines are the same at any width; TOY_KV4's
+    19M parameters made each 1.5-2.7 s, this 0.1-0.3 s. The forward needs a committed
+    geometry's floor: those runs stay on toy_kv4."""
+    path = tmp_path / "tiny_llama" / "config.json"  # a geometry is named by its directory
+    path.parent.mkdir()
+    path.write_text(json.dumps(TINY_LLAMA))
+    return ["--hf-config", str(path), "--layers", "1"]
 
 
 def test_wsb_sync_prints_the_figures_and_the_verdict_and_exits_0(capsys):
@@ -29,8 +47,8 @@ def test_wsb_sync_prints_the_figures_and_the_verdict_and_exits_0(capsys):
         assert claim in out, claim
 
 
-def test_wsb_sync_shows_its_steps_with_an_eta_on_stderr_unless_quiet(capsys):
-    code = main(["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1",
+def test_wsb_sync_shows_its_steps_with_an_eta_on_stderr_unless_quiet(capsys, tiny_llama):
+    code = main(["sync", *tiny_llama, "--from", "megatron:2", "--to", "vllm:1",
                  "--naive", "--no-forward"])
     err = capsys.readouterr().err
     assert code == 0
@@ -39,15 +57,15 @@ def test_wsb_sync_shows_its_steps_with_an_eta_on_stderr_unless_quiet(capsys):
     assert "wsb sync megatron:2 -> vllm:1: done: 3/3, " in err and "ETA 0s" in err
 
 
-def test_wsb_sync_exits_1_when_a_planner_mutation_is_run(capsys):
-    code = main(["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1",
+def test_wsb_sync_exits_1_when_a_planner_mutation_is_run(capsys, tiny_llama):
+    code = main(["sync", *tiny_llama, "--from", "megatron:2", "--to", "vllm:1",
                  "--mutation", "dropped_transfer", "--no-forward", "-q"])
     out = capsys.readouterr().out
     assert code == 1 and "DIFFERENT" in out
-    assert "FAIL toy_kv4 megatron:2 -> vllm:1 (phase 2, " in out
+    assert "FAIL tiny_llama megatron:2 -> vllm:1 (phase 2, " in out
     assert "mutation dropped_transfer)" in out  # the dropped rows hold zeros: nothing wrote them
-    assert ("    rank 0 lm_head.weight holds vocabulary rows 0-15999, zeros x16000; declared "
-            "vocabulary rows 0-31999\n") in out
+    assert ("    rank 0 lm_head.weight holds vocabulary rows 0-255, zeros x256; declared "
+            "vocabulary rows 0-511\n") in out
 
 
 def test_nccl_without_cuda_and_torchrun_outside_torchrun_are_refused_naming_why(capsys,
@@ -91,15 +109,27 @@ def test_the_sync_runs_under_torchrun_with_gloo_and_env_rendezvous(into):
     assert done.stdout.count("plan megatron:2 -> vllm:1") == 1  # rank 0 alone prints
 
 
-def test_wsb_sync_into_existing_storage_passes_the_element_check_and_the_forward(capsys):
+# By default on tiny_llama with --no-forward (0.2 s: the existing storage, B_min and every
+# element, as the report prints them); on toy_kv4 with the forward in the long run (2 s). By
+# default the forward reading existing storage passes in tests/test_docs_run.py, which runs
+# the distributed guide's `wsb sync --config toy_kv4 --from megatron:4 --to vllm:2 --into
+# existing` (exit 0, the forward included).
+@pytest.mark.parametrize("model", breadth(["tiny_llama", "toy_kv4"], keep={"tiny_llama"}))
+def test_wsb_sync_into_existing_storage_passes_the_element_check_and_the_forward(model, capsys,
+                                                                                 request):
     """The forward reads the existing tensors the second (``init_params``) reshard wrote
     into (a dropped transfer into them: ``tests/sync/test_existing.py``)."""
-    assert main(["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1",
+    if model == "toy_kv4":  # the forward's verdict closes the report
+        args, b_min, verdict = ["--config", "toy_kv4"], 38666240, "(phase 2)"
+    else:  # the element check's verdict, naming the executor, is the report's
+        args, b_min = [*request.getfixturevalue("tiny_llama"), "--no-forward"], 200704
+        verdict = "(phase 2, weight_sync_bench.sync.execute:execute_plan)"
+    assert main(["sync", *args, "--from", "megatron:2", "--to", "vllm:1",
                  "--into", "existing", "-q"]) == 0
     out = capsys.readouterr().out
     for claim in ("into existing destination storage, T_min ",
-                  "(counted at the transport), B_min 38666240: 1.000x",
-                  "100% coverage, bit-exact", "PASS toy_kv4 megatron:2 -> vllm:1 (phase 2)"):
+                  f"(counted at the transport), B_min {b_min}: 1.000x",
+                  "100% coverage, bit-exact", f"PASS {model} megatron:2 -> vllm:1 {verdict}"):
         assert claim in out, claim
 
 
@@ -111,12 +141,6 @@ def test_pool_only_options_are_refused_under_torchrun(flag, capsys, monkeypatch)
     args = ["sync", "--launcher", "torchrun", flag] + {"--mutation": ["box_overlap"]}.get(flag, [])
     assert main(args) == 2
     assert "run on the rank pool only" in capsys.readouterr().err
-
-
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
-              "num_hidden_layers": 4, "vocab_size": 512, "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
 def test_a_users_config_json_syncs_with_the_element_check_and_its_forward_is_refused(
@@ -145,11 +169,11 @@ def test_a_users_config_json_syncs_with_the_element_check_and_its_forward_is_ref
     assert "FAIL tiny_llama megatron:2 -> vllm:4 (phase 2, " in capsys.readouterr().out
 
 
-def test_wsb_sync_checks_a_users_distributed_resharder(capsys):
+def test_wsb_sync_checks_a_users_distributed_resharder(capsys, tiny_llama):
     """``--resharder MOD:FN``: the user's fn(ctx, rank, local, plan) instead of the harness's
     executor, judged as check_distributed_reshard judges it: a correct one exits 0, one
     that flips a bit exits 1 naming the tensor, one that raises exits 4 naming itself."""
-    base = ["sync", "--config", "toy_kv4", "--from", "megatron:2", "--to", "vllm:1",
+    base = ["sync", *tiny_llama, "--from", "megatron:2", "--to", "vllm:1",
             "--no-forward", "-q", "--resharder"]
     assert main([*base, "tests.sync.resharders:returns_fresh_tensors"]) == 0
     assert "tests.sync.resharders:returns_fresh_tensors" in capsys.readouterr().out

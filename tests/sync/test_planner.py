@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.breadth import breadth
 from tests.sync.conftest import tiny
 from weight_sync_bench.errors import InvalidNumber, UnsupportedLayout
 from weight_sync_bench.model.config import TOY, TOY_KV4
@@ -44,7 +45,15 @@ def _id(case):
     return f"{config.name}-{a}{'x' + str(dp) if dp > 1 else ''}-{b}"
 
 
-@pytest.mark.parametrize("case", PAIRS, ids=_id)
+# Every pair by default but two of TOY's width (0.2-0.6 s each, the oracle's masks over 19M
+# parameters): toy-megatron:2-vllm:4 is tiny_kv2-megatron:2-vllm:4's pair (2 KV heads
+# replicated at 4) and toy_kv4-megatron:4x2-vllm:2 is tiny_kv4-megatron:4x2-vllm:2's (two
+# data-parallel replicas of the source); TOY's width stays by default in
+# toy_kv4-megatron:4-vllm:2, the pair the issue lists.
+@pytest.mark.parametrize("case", breadth(
+    [pytest.param(c, id=_id(c)) for c in PAIRS],
+    keep={_id(c) for c in PAIRS} - {"toy-megatron:2-vllm:4", "toy_kv4-megatron:4x2-vllm:2"},
+    name=lambda p: p.id))
 def test_the_plan_moves_exactly_b_min_between_ranks(case):
     config, a, b, dp = case
     src, dst = sync_layout(config, a, dp=dp), sync_layout(config, b)

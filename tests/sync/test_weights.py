@@ -63,24 +63,33 @@ def test_a_sync_of_real_weights_passes_and_a_mutated_plan_fails(tmp_path, pool, 
     assert "holds up rows" in bad.summary()
 
 
+# On tiny_kv4 (TOY_KV4's 8 query and 4 KV heads at width 32, vocabulary 256): the command's
+# path on a user's directory (the geometry read from its config.json, the threshold measured
+# on the weights over gloo, the element check, the refusal) is the same at any width, and
+# TOY_KV4's 19M parameters made it 8.5 s. megatron:2 -> vllm:2 regroups the qkv rows of the
+# same 4 KV heads over the same 2 ranks, as it did on TOY_KV4.
 def test_wsb_sync_weights(tmp_path, capsys):
-    directory, w = hf_dir(tmp_path, TOY_KV4)
+    config = tiny(4)
+    directory, w = hf_dir(tmp_path, config)
     base = ["sync", "--from", "megatron:2", "--to", "vllm:2", "--weights", str(directory)]
     assert main([*base, "-q"]) == 0
     out = capsys.readouterr().out
     assert "bit-exact" in out and "measured on them" in out, out
+    assert f"PASS {config.name} megatron:2 -> vllm:2 (phase 2)" in out, out
     # the mutated plan fails the element check on these weights; --no-forward: the threshold
-    # measured on them above is not measured again (4 s), and the forward's verdict on a
+    # measured on them above is not measured again, and the forward's verdict on a
     # mutated plan of real weights is test_a_sync_of_real_weights_passes_and_a_mutated_plan_fails'
     # (the long run; by default the forward fails each planner mutation in
     # tests/sync/test_mutations.py)
     assert main([*base, "--mutation", "gate_up_swapped", "--no-forward", "-q"]) == 1
     capsys.readouterr()
-    write_megatron_dist(tmp_path / "m", w, endpoint("megatron:2"), TOY_KV4)
+    write_megatron_dist(tmp_path / "m", w, endpoint("megatron:2"), config)
     assert main(["sync", "--weights", str(tmp_path / "m"), "--no-forward"]) == 2
     assert "give --config NAME or --hf-config PATH" in capsys.readouterr().err
-    assert main(["sync", "--weights", str(tmp_path / "m"), "--config", "toy_kv4",
-                 "--from", "megatron:2", "--to", "vllm:2", "--no-forward", "-q"]) == 0
+    # a geometry no --config names: the HF config.json beside the weights
+    assert main(["sync", "--weights", str(tmp_path / "m"), "--hf-config",
+                 str(directory / "config.json"), "--layers", "1", "--from", "megatron:2",
+                 "--to", "vllm:2", "--no-forward", "-q"]) == 0
 
 
 def test_the_session_moves_the_checkpoint_not_a_seed(tmp_path, pool):

@@ -55,9 +55,9 @@ def _assert_passes(report):
 
 @pytest.mark.parametrize(("config", "mesh", "packed"), [
     # 4.3 s: the long run; by default DP x TP trains on the SMALL variants under these same
-    # thresholds (test_every_mesh_of_every_variant_trains_like_the_reference), a named config
-    # at its widest TP is toy_kv4-dp1-tp4-packed (below), and TOY itself trains at dp2-tp2 in
-    # tests/training/test_compare_claims.py (toy_case)
+    # thresholds (test_every_mesh_of_every_variant_trains_like_the_reference, dp2-tp2 among
+    # its meshes), and a named config at TOY's width, at its widest TP, is
+    # toy_kv4-dp1-tp4-packed (below)
     pytest.param(TOY, Mesh(2, 2), True, id="toy-dp2-tp2-packed", marks=pytest.mark.slow),
     # 3.5 s: DP alone on TOY; in the default run every SMALL variant trains at dp2-tp1
     # (test_every_mesh_of_every_variant_trains_like_the_reference)
