@@ -197,6 +197,19 @@ def test_two_pools_started_at_once_do_not_collide():
     assert not any(is_alive(p) for p in pids_a + pids_b)
 
 
+def assert_orphans_exit(directory: str, *pids: str) -> None:
+    """The pool of an owner killed by SIGKILL (its ``directory``; its two ranks' and its
+    forkserver's ``pids``): every process exits on its own (within a second when idle; the
+    wait is a hang detector, 30x that, so a loaded machine cannot fail it). The directory is
+    removed here: a SIGKILLed owner cannot remove its pool's files."""
+    shutil.rmtree(directory)
+    assert len(pids) == 3
+    give_up = time.monotonic() + 30.0
+    while any(is_alive(int(p)) for p in pids) and time.monotonic() < give_up:
+        time.sleep(0.1)
+    assert not any(is_alive(int(p)) for p in pids)
+
+
 # 3 s, an interpreter of its own: the long run. The default run checks the same, a pool's
 # owner SIGKILLed and its forkserver and ranks exiting on their own, at the end of
 # test_pool_faults.py's test_a_killed_forkserver_is_named_not_blamed_on_rank_0_as_exit_code_255
@@ -214,13 +227,7 @@ def test_ranks_of_a_parent_killed_without_cleanup_exit_on_their_own():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == -signal.SIGKILL, out.stderr
-    directory, *pids = out.stdout.split()
-    shutil.rmtree(directory)  # a SIGKILLed owner cannot remove its pool's files
-    assert len(pids) == 3
-    give_up = time.monotonic() + 30.0
-    while any(is_alive(int(p)) for p in pids) and time.monotonic() < give_up:
-        time.sleep(0.1)
-    assert not any(is_alive(int(p)) for p in pids)
+    assert_orphans_exit(*out.stdout.split())
 
 
 # -- faults, each with its bound

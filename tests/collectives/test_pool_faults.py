@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.collectives.test_gloo_pool import assert_orphans_exit
 from weight_sync_bench.check.forwards import run_phase1b
 from weight_sync_bench.collectives.gloo.breadcrumbs import Fault
 from weight_sync_bench.collectives.gloo.pool import RankPool, is_alive, shared_pool
@@ -166,13 +166,7 @@ def test_a_killed_forkserver_is_named_not_blamed_on_rank_0_as_exit_code_255():
     # gone and exits, and each rank, finding itself orphaned, exits on its own (within a
     # second when idle; the wait below is a hang detector, 30x that)
     (orphans,) = [line.split()[1:] for line in out.splitlines() if line.startswith("ORPHANS ")]
-    directory, *pids = orphans
-    shutil.rmtree(directory)  # a SIGKILLed owner cannot remove its pool's files
-    assert len(pids) == 3
-    give_up = time.monotonic() + 30.0
-    while any(is_alive(int(p)) for p in pids) and time.monotonic() < give_up:
-        time.sleep(0.1)
-    assert not any(is_alive(int(p)) for p in pids)
+    assert_orphans_exit(*orphans)
 
 
 # 4 s, a process of its own: the long run. By default the twin is test_gloo_pool.py's
