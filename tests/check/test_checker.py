@@ -4,9 +4,7 @@ import pytest
 import torch
 
 from tests.breadth import breadth
-
-from weight_sync_bench.errors import ModifiedInput
-
+from tests.check.narrow import THRESHOLD, narrowed
 from weight_sync_bench import (
     TOY,
     TOY_KV4,
@@ -22,6 +20,7 @@ from weight_sync_bench import (
 from weight_sync_bench.check.diagnosis import format_indices
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
+from weight_sync_bench.errors import ModifiedInput
 
 LAYOUT = layout_for(TOY)
 
@@ -113,7 +112,7 @@ def test_non_finite_logits_never_pass_even_with_declared_bytes():
 # The two tests below run on TOY over a 512-word vocabulary (a fifth of its weights:
 # what they check does not depend on the vocabulary, every shape a message names is TOY's),
 # judged by an explicit threshold, 100x what its declared shards deviate by (1e-6).
-NARROW = TOY.replace(name="toy_vocab512", vocab=512)
+NARROW = narrowed(TOY)
 NARROW_LAYOUT = layout_for(NARROW)
 
 
@@ -134,13 +133,13 @@ def test_malformed_shards_raise_a_typed_error_naming_rank_and_parameter(corrupt,
         return shards
 
     with pytest.raises(InvalidShards, match=message):
-        check_split(bad_split, NARROW, 2, threshold=1e-4)
+        check_split(bad_split, NARROW, 2, threshold=THRESHOLD)
 
 
 def test_the_user_function_cannot_corrupt_the_harness_copy_of_the_weights():
     """It gets copies (the reference is never touched), and writing into them is named:
     in a weight sync the input is the trainer's weights (``user_code.call``)."""
-    checker = Checker(NARROW, threshold=1e-4)
+    checker = Checker(NARROW, threshold=THRESHOLD)
     before = {n: t.clone() for n, t in checker.full.items()}
 
     def destructive(full, degree):
@@ -150,10 +149,11 @@ def test_the_user_function_cannot_corrupt_the_harness_copy_of_the_weights():
         return shards
 
     with pytest.raises(ModifiedInput, match="modified in place `tok_embeddings.weight`"):
-        check_split(destructive, NARROW, 2, threshold=1e-4)
-    assert all(torch.equal(before[n], t) for n, t in Checker(NARROW, threshold=1e-4).full.items())
+        check_split(destructive, NARROW, 2, threshold=THRESHOLD)
+    fresh = Checker(NARROW, threshold=THRESHOLD).full
+    assert all(torch.equal(before[n], t) for n, t in fresh.items())
     assert check_split(lambda full, degree: split(full, NARROW_LAYOUT, degree), NARROW, 2,
-                       threshold=1e-4).passed  # the twin
+                       threshold=THRESHOLD).passed  # the twin
 
 
 def test_diagnosis_round_trips_through_gather():

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.check.narrow import THRESHOLD, narrowed
 from weight_sync_bench import TOY, TOY_KV4, ModelConfig
 from weight_sync_bench.check.conversion import (
     conversion_checker,
@@ -32,8 +33,7 @@ from weight_sync_bench.tolerance.rules import Floor
 # TOY over a 512-word vocabulary, where what is checked does not read TOY's committed floor:
 # a fifth of the weights to draw and convert (the embedding and head are most of TOY's),
 # judged by an explicit threshold, 100x what its declared shards deviate by (1e-6).
-NARROW = TOY.replace(name="toy_vocab512", vocab=512)
-THRESHOLD = 1e-4
+NARROW = narrowed(TOY)
 
 
 def test_one_checker_judges_each_destination_by_its_own_declared_shards_and_error():

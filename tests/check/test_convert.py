@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.breadth import breadth
+from tests.check.narrow import THRESHOLD, narrowed
 from weight_sync_bench import (
     TOY,
     TOY_KV4,
@@ -179,7 +180,7 @@ def test_the_same_check_passes_the_harness_converter_for_each_of_those_pairs():
 # The malformed outputs below are refused before any forward runs: on TOY over a 512-word
 # vocabulary (a fifth of the weights to draw; every shape a message names is TOY's) with an
 # explicit threshold, as no floor is committed for it.
-NARROW = TOY.replace(name="toy_vocab512", vocab=512)
+NARROW = narrowed(TOY)
 
 
 def _drop(name):
@@ -221,7 +222,7 @@ def _edit(rank, name, value):
 ])
 def test_malformed_output_is_a_typed_error_naming_convention_rank_and_name(fn, error, message):
     with pytest.raises(error) as info:
-        check_convert(fn, NARROW, "hf", "vllm:2", threshold=1e-4)
+        check_convert(fn, NARROW, "hf", "vllm:2", threshold=THRESHOLD)
     assert str(info.value) == message
 
 
@@ -231,7 +232,7 @@ def test_a_tied_config_names_why_an_output_layer_is_unexpected():
         out = convert(shards, "hf", "vllm:2", tied)
         return [{**r, "lm_head.weight": r["model.embed_tokens.weight"]} for r in out]
     with pytest.raises(InvalidShards, match=r"unexpected lm_head.weight \(tied embeddings"):
-        check_convert(with_head, tied, "hf", "vllm:2", threshold=1e-4)
+        check_convert(with_head, tied, "hf", "vllm:2", threshold=THRESHOLD)
 
 
 @pytest.mark.parametrize("src, dst, error, message", [

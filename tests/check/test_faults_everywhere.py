@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.breadth import breadth
+from tests.check.narrow import THRESHOLD, narrowed
 from weight_sync_bench import TOY, TOY_KV4, check_reshard, check_split, layout_for
 from weight_sync_bench.check import diagnosis
 from weight_sync_bench.check.diagnosis import bit_equal
@@ -25,8 +26,7 @@ NAME = "layers.1.down.weight"  # a row-parallel weight every rank holds a piece 
 # TOY and TOY_KV4 over a 512-word vocabulary (a fifth of the cost: their 32000-word embedding
 # and head are most of their weights), judged by an explicit threshold: no floor is committed
 # for them, and the fault is in the bytes, which no threshold excuses.
-NARROW, NARROW_KV4 = (c.replace(name=f"{c.name}_vocab512", vocab=512) for c in (TOY, TOY_KV4))
-THRESHOLD = 1e-4  # 100x what the declared shards deviate by at either (1e-6)
+NARROW, NARROW_KV4 = narrowed(TOY), narrowed(TOY_KV4)
 
 
 def flip_low_bit(shards, rank, name):

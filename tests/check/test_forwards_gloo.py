@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from tests.breadth import breadth
+from tests.check.narrow import narrowed
 from weight_sync_bench.check import forwards as phase1b
 from weight_sync_bench.check.checker import check_split
 from weight_sync_bench.check.forwards import (
@@ -151,7 +152,7 @@ def _fingerprint_of(name, code, monkeypatch):
 
 
 # TOY over a 512-word vocabulary where no floor is read (a fifth of the bytes to scatter)
-NARROW = TOY.replace(name="toy_vocab512", vocab=512)
+NARROW = narrowed(TOY)
 
 
 def test_a_split_fn_runs_on_rank_0_and_matches_the_declared_split():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.breadth import breadth
+from tests.check.narrow import narrowed
 from weight_sync_bench import check_convert
 from weight_sync_bench.check.fp8 import fp8_kill_matrix
 from weight_sync_bench.conventions import endpoint
@@ -59,7 +60,7 @@ def fused_quantized(shards, degree, *, config, source, target, **_):
 
 
 # TOY_KV4 over a 512-word vocabulary: its MLP's partial blocks, a fifth of its weights
-TOY_KV4_NARROW = TOY_KV4.replace(name="toy_kv4_vocab512", vocab=512)
+TOY_KV4_NARROW = narrowed(TOY_KV4)
 # By default: each scheme on TOY, block on an MoE and an HF destination (TOY_KV4's partial
 # blocks over a narrower vocabulary, its threshold measured here); the reduced Qwen3-8B, the
 # HF cell on TOY_KV4 itself (judged by its committed FP8 floor: committed FP8 floors judge

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.breadth import breadth
+from tests.check.narrow import narrowed
 from weight_sync_bench import check_convert
 from weight_sync_bench.check.checker import Checker
 from weight_sync_bench.check.convert import measure_threshold, stage_convert
@@ -130,7 +131,7 @@ def test_an_moe_destination_runs_over_gloo_one_process_per_rank():
 def test_a_gloo_forward_of_an_endpoint_with_data_parallel_replicas_is_refused():
     # megatron:tp=2,ep=4 holds four replicas of the TP-2 dense layers: no gloo forward yet
     # (TOY_MOE over a 512-word vocabulary: the refusal does not depend on it)
-    narrow = TOY_MOE.replace(name="toy_moe_vocab512", vocab=512)
+    narrow = narrowed(TOY_MOE)
     with pytest.raises(UnsupportedLayout, match="4 data-parallel replicas of TP 2 .* in process"):
         check_convert(stage_convert("hf", "megatron:tp=2,ep=4", narrow), narrow, "hf",
                       "megatron:tp=2,ep=4", backend="gloo", threshold=math.inf)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.breadth import breadth
+from tests.check.narrow import THRESHOLD, narrowed
 from weight_sync_bench import TOY, TOY_KV4, check_reshard, check_split, layout_for
 from weight_sync_bench.check import streaming
 from weight_sync_bench.check.convert import stage_convert, stream_convert
@@ -29,8 +30,7 @@ VARIANT = TOY.replace(name="variant", vocab=500, d_model=64, n_layers=2, ffn=96,
 # TOY and TOY_KV4 over a 512-word vocabulary, for what does not read their committed floors
 # (a fifth of the cost: their 32000-word embedding and head are most of their weights); an
 # explicit threshold judges them, 100x what their declared shards deviate by (1e-6).
-NARROW, NARROW_KV4 = (c.replace(name=f"{c.name}_vocab512", vocab=512) for c in (TOY, TOY_KV4))
-THRESHOLD = 1e-4
+NARROW, NARROW_KV4 = narrowed(TOY), narrowed(TOY_KV4)
 
 
 def per_stage_split(config):

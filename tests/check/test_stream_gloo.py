@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.check.narrow import THRESHOLD, narrowed
 from weight_sync_bench import TOY
 from weight_sync_bench.check.checker import check_split
 from weight_sync_bench.check.stream import stage_split, stream_check, stream_run
@@ -21,9 +22,8 @@ SPLIT = stage_split(layout_for(TOY))
 # TOY over a 512-word vocabulary, for the checks that do not read TOY's committed floor or
 # weigh its memory: a fifth of the bytes to draw, scatter and compare; an explicit
 # threshold judges it (100x what its declared shards deviate by over gloo, 1e-6).
-NARROW = TOY.replace(name="toy_vocab512", vocab=512)
+NARROW = narrowed(TOY)
 NARROW_SPLIT = stage_split(layout_for(NARROW))
-THRESHOLD = 1e-4
 
 
 def _touch(ctx, *, nbytes):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.check.narrow import THRESHOLD, narrowed
 from weight_sync_bench import TOY
 from weight_sync_bench.check.stream import stage_reshard, stage_split, stream_check
 from weight_sync_bench.collectives.gloo.pool import shared_pool
@@ -18,8 +19,7 @@ from weight_sync_bench.model.plan import layout_for
 # 0 names) does not depend on the width of the vocabulary, whose embedding and head are most
 # of TOY's bytes. No floor is committed for it: an explicit threshold judges it, 100x what its
 # declared shards deviate by over gloo (1e-6); 1e-3 for bf16 weights, as for TOY.
-NARROW = TOY.replace(name="toy_vocab512", vocab=512)
-THRESHOLD = 1e-4
+NARROW = narrowed(TOY)
 SPLIT, RESHARD = stage_split(layout_for(NARROW)), stage_reshard(layout_for(NARROW))
 
 

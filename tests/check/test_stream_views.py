@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.check.narrow import narrowed
 from weight_sync_bench import TOY
 from weight_sync_bench.check.convert import check_convert, stage_convert
 from weight_sync_bench.check.stream import stream_check
@@ -82,7 +83,7 @@ def test_a_declared_slice_is_compared_range_by_range():
 
 
 def test_a_streamed_split_sees_one_wrong_element_of_a_fused_slice_and_its_twin_passes():
-    narrow = TOY.replace(name="toy_vocab512", vocab=512)  # a fifth of TOY's weights to draw
+    narrow = narrowed(TOY)  # a fifth of TOY's weights to draw
     layout = layout_for(narrow)
     from weight_sync_bench.check.stream import stage_split
     split = stage_split(layout)

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from tests.check.narrow import THRESHOLD, narrowed
 from weight_sync_bench import TOY, layout_for
 from weight_sync_bench.check import streaming
 from weight_sync_bench.check.naming import NONE, layout_naming
@@ -156,7 +157,7 @@ def test_a_streamed_bf16_check_names_only_what_its_own_dtypes_catalogue_holds():
     does not depend on them), judged by explicit thresholds: no floor is committed for it."""
     from weight_sync_bench import check_split
 
-    narrow = TOY.replace(name="toy_vocab512", vocab=512)
+    narrow = narrowed(TOY)
     split = streaming.stage_split(layout_for(narrow))
 
     def via_fp16(full, degree):
@@ -166,7 +167,7 @@ def test_a_streamed_bf16_check_names_only_what_its_own_dtypes_catalogue_holds():
     streamed = check_split(via_fp16, narrow, 2, dtype="bf16", threshold=1e-3, stream="layer")
     assert not whole.passed and not streamed.passed  # TOY's draws hold values below 2^-17
     assert streamed.named_mutation == whole.named_mutation != "fp16_round_trip"
-    fp32 = check_split(via_fp16, narrow, 2, threshold=1e-4, stream="layer")
+    fp32 = check_split(via_fp16, narrow, 2, threshold=THRESHOLD, stream="layer")
     assert fp32.named_mutation == "fp16_round_trip"  # the twin: fp32 weights' catalogue
 
 

@@ -5,13 +5,13 @@ find, and tells a module that is not there (bad input) from one that raises (the
 
 from __future__ import annotations
 
-import re
-
 import os
+import re
 import sys
 
 import pytest
 
+from tests.check.narrow import THRESHOLD, narrowed
 from weight_sync_bench import TOY, TOY_KV4, check_convert, check_reshard, check_split
 from weight_sync_bench.check.convert import stage_convert
 from weight_sync_bench.check.stream import stage_reshard, stage_split
@@ -28,8 +28,7 @@ from weight_sync_bench.model.plan import layout_for
 # stage of it (a streamed check's call). Checked at KV4 (TOY_KV4's 4 KV heads over a 512-word
 # vocabulary: a fifth of the cost, judged by an explicit threshold, as no floor is committed
 # for it), they pass only if the check passes KV4 as ``config``.
-KV4 = TOY_KV4.replace(name="toy_kv4_vocab512", vocab=512)
-THRESHOLD = 1e-4  # 100x what the declared shards deviate by at KV4 (1e-6)
+KV4 = narrowed(TOY_KV4)
 SEEN: list[tuple[str, object]] = []
 
 
