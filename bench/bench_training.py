@@ -85,7 +85,7 @@ def wrapped(phases: Phases) -> Phases:
     phases.wrap(torch.optim.AdamW, "step", "{scope}: AdamW step")
     phases.wrap(s, "moments", "{scope}: AdamW moment copies")
     phases.wrap(s, "split", "{scope}: split to TP shards")
-    phases.wrap(s, "gather", "{scope}: gathers to global positions")
+    phases.wrap(s, "held", "{scope}: the shards held for the comparisons")
     phases.wrap(s.TrainStep, "__call__", "{scope}: step bookkeeping, gradient copies")
     phases.wrap(s, "group_backward", "{scope}: model setup, targets")
     for name in ("reduce_replicated", "reduce_over_context", "_reduce_over_dp"):

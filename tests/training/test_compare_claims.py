@@ -10,7 +10,7 @@ import torch
 
 from weight_sync_bench.model.config import TOY
 from weight_sync_bench.tolerance.training import QUANTITIES
-from weight_sync_bench.training.compare import EXACT, Trace, deviations
+from weight_sync_bench.training.compare import EXACT, Shards, Trace, deviations
 from weight_sync_bench.training.floor import SMALL_VARIANTS
 from weight_sync_bench.training.mesh import Mesh
 from weight_sync_bench.training.mutations import training_mutation
@@ -27,10 +27,16 @@ def padded_case():
 
 
 def _with_padding_gradient(trace: Trace, value: float) -> Trace:
+    """The sharded run's trace with one element of the last padded row set to ``value``:
+    in the last TP rank's shard, which holds that row (compared where it lies, not
+    gathered)."""
     grads = dict(trace.grads)
-    table = grads["tok_embeddings.weight"].clone()
-    table[PADDED.padded_vocab - 1, 0] = value  # the last padded row, one element
-    grads["tok_embeddings.weight"] = table
+    table = grads["tok_embeddings.weight"]
+    assert isinstance(table, Shards)
+    last = table.tensors[-1].clone()
+    last[-1, 0] = value
+    grads["tok_embeddings.weight"] = Shards(table.tensors[:-1] + (last,), table.spec)
+    assert grads["tok_embeddings.weight"].gather()[PADDED.padded_vocab - 1, 0] == value
     return Trace(trace.losses, trace.input_grad, grads, trace.params, trace.replica_spread,
                  trace.exp_avg, trace.exp_avg_sq, trace.hyperparameters)
 

@@ -1,8 +1,9 @@
 """The comparison's blockwise kernels return, bit for bit, what the plain whole-tensor
 expressions they replace return (``training.compare``): the fp64 ``max |got - want|``
 through an fp32 pass that recomputes in fp64 only the blocks reaching the largest fp32
-value, ``max |x|`` from ``aminmax``, a same-dtype ``max |x - y|``, and the L2 norm of a
-difference in a reused fp64 scratch. Each case is built so that a shortcut that is not exact
+value, ``max |x|`` from ``aminmax`` and a same-dtype ``max |x - y|``; and the L2 norm of a
+difference, summed a block at a time in a reused fp64 scratch, within a few fp64 ulps of
+the whole-tensor one (a reordered sum, not bit for bit). Each case is built so that a shortcut that is not exact
 would show: fp32 ties whose fp64 values differ, NaN, overflow, signed zeros, subnormals,
 fp64 inputs (which must not be modified), broadcasting and non-contiguous views."""
 
@@ -14,6 +15,7 @@ import torch
 from weight_sync_bench.training.compare import (
     BLOCK,
     _absmax,
+    difference_and_magnitude,
     max_abs_difference,
     max_abs_difference_in_dtype,
     update_deviation,
@@ -92,6 +94,37 @@ def test_max_abs_difference_is_the_plain_fp64_expression_to_the_bit(name, got, w
     assert unchanged(got, before[0]) and unchanged(want, before[1])
 
 
+def _magnitude_cases() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """_cases plus references whose largest magnitude lies in the last, partial block, as
+    a negative value, or is NaN or infinite past the first block."""
+    out = _cases()
+    for where, value in (("largest in the last partial block", 50.0),
+                         ("largest negative, last block", -50.0),
+                         ("NaN in the reference, block 2", float("nan")),
+                         ("-inf in the reference, block 1", float("-inf"))):
+        got, want = noisy_pair(seed=11)
+        got, want = torch.cat([got, got[:5]]), torch.cat([want, want[:5]])
+        at = {50.0: -1, -50.0: -2}.get(value, 2 * BLOCK + 1 if value != value else BLOCK + 2)
+        want[at] = value
+        out.append((where, got, want))
+    return out
+
+
+@pytest.mark.parametrize("name, got, want", _magnitude_cases(),
+                         ids=[c[0] for c in _magnitude_cases()])
+def test_the_difference_and_the_references_magnitude_in_one_pass_are_each_to_the_bit(
+        name, got, want):
+    """``difference_and_magnitude``: ``max_abs_difference`` and ``_absmax`` of the
+    reference, each to the bit, wherever the largest of either lies (the magnitude only
+    where the difference is not NaN: then the deviation is infinite whatever the scale)."""
+    if not got.numel():
+        return
+    difference, magnitude = difference_and_magnitude(got, want)
+    assert same(difference, plain(got, want)), name
+    if not math.isnan(difference):
+        assert same(magnitude, float(want.double().abs().max())), name
+
+
 def unchanged(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0))
 
@@ -122,15 +155,23 @@ def test_a_copy_compared_with_itself_reads_zero_unless_it_is_not_finite(poison):
     assert same(max_abs_difference_in_dtype(x, x), float((x - x).abs().max()))
 
 
-def test_the_norm_in_a_reused_scratch_is_the_fresh_tensor_norm_to_the_bit():
+def test_the_blockwise_norm_is_the_fresh_tensor_norm_within_fp64_rounding():
+    """Summed a block at a time in the scratch, or whole without one (non-contiguous views,
+    short tensors, no scratch): both within 1e-12 of ``torch.norm`` of the fresh fp64
+    difference, its reordered sum; NaN anywhere is infinite, exactly 0 stays 0."""
     got, want = noisy_pair(blocks=5, seed=9)
     start = want - 1e-3
-    scratch = torch.empty(5 * BLOCK, dtype=torch.float64)
+    scratch = torch.full((2 * BLOCK,), 7.0, dtype=torch.float64)
     table = got.view(-1, 64)
-    for args in ((got, want, start), (table, want.view(-1, 64), start.view(-1, 64)),
-                 (table.t(), want.view(-1, 64).t(), start.view(-1, 64).t()),  # falls back
-                 (got[:77], want[:77], start[:77])):
-        assert same(update_deviation(*args, scratch), update_deviation(*args))
+    for a, b, c in ((got, want, start), (table, want.view(-1, 64), start.view(-1, 64)),
+                    (table.t(), want.view(-1, 64).t(), start.view(-1, 64).t()),  # falls back
+                    (got[:77], want[:77], start[:77])):
+        fresh = (float((a.double() - b.double()).norm())
+                 / float((b.double() - c.double()).norm()))
+        for s in (scratch, None):
+            assert update_deviation(a, b, c, s) == pytest.approx(fresh, rel=1e-12, abs=0)
+    assert not torch.all(scratch == 7.0)  # the blocks ran in it
+    assert update_deviation(want.clone(), want, start, scratch) == 0.0  # the twin
     nan = got.clone()
     nan[3 * BLOCK] = float("nan")
     assert update_deviation(nan, want, start, scratch) == float("inf")

@@ -58,18 +58,33 @@ def gather_tensor(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     A replicated parameter is taken from rank 0 (replicas that disagree are a layout
     violation that ``check`` reports; gather does not guess which copy is right).
     """
-    degree = len(shards)
     _check_local_shapes(shards, spec)
     if isinstance(spec.placement, Replicate):
         return shards[0].clone()
     full = torch.empty(spec.shape, dtype=shards[0].dtype)
+    for piece, index in declared_pieces(shards, spec):
+        full[index].copy_(piece)
+    return full
+
+
+def declared_pieces(shards: Sequence[torch.Tensor], spec: ShardSpec
+                    ) -> list[tuple[torch.Tensor, tuple[slice, ...]]]:
+    """Each rank's shard cut into ``(view of the shard, index of the global tensor)``: the
+    view holds ``full[index]`` of the full tensor it was split from, so a comparison reads
+    every shard against its declared slice of a global tensor without assembling one. In
+    ``gather_tensor``'s order, which copies each view to its index; a replicated parameter is
+    rank 0's copy against the whole tensor, as ``gather_tensor`` takes it."""
+    if isinstance(spec.placement, Replicate):
+        return [(shards[0], ())]
+    out = []
     for rank, shard in enumerate(shards):
-        dim, ranges = spec.ranges(degree, rank)
+        dim, ranges = spec.ranges(len(shards), rank)
         offset = 0
         for start, stop in ranges:
-            full.narrow(dim, start, stop - start).copy_(shard.narrow(dim, offset, stop - start))
+            index = (slice(None),) * dim + (slice(start, stop),)
+            out.append((shard.narrow(dim, offset, stop - start), index))
             offset += stop - start
-    return full
+    return out
 
 
 def split(full: Mapping[str, torch.Tensor], layout: LayoutTable, degree: int) -> list[Params]:

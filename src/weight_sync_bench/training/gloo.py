@@ -16,7 +16,7 @@ collective a real ``torch.distributed`` call whose backward is the forward's adj
 
 Every rank holds the whole batch, so the global valid-token denominator is counted from
 every DP rank's rows on every rank (the recipe's own ``count`` over all of them, as in
-process), with no collective. The parent gathers the results through the declared layout
+process), with no collective. The parent reads the results through the declared layout
 and compares them with the dense reference exactly as in process, against the phase 1b
 training floor (``training_tolerance --phase 1b``): gloo sums in an order of its own, so the
 in-process floor is not reused.
@@ -35,9 +35,9 @@ from weight_sync_bench.collectives.gloo.rank import RankContext
 from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.errors import InvalidMesh
 from weight_sync_bench.layout.placements import Replicate
-from weight_sync_bench.layout.reshard import gather, split
+from weight_sync_bench.layout.reshard import split
 from weight_sync_bench.model.plan import layout_for
-from weight_sync_bench.training.compare import Trace
+from weight_sync_bench.training.compare import Trace, held
 from weight_sync_bench.training.mesh import Mesh
 from weight_sync_bench.training.mutations import (
     TRAINING_MUTATIONS,
@@ -191,13 +191,13 @@ def train_gloo(case: TrainingCase, pool: RankPool, recipe: Recipe = CORRECT) -> 
     return Trace(losses=[sum(r["losses"][k] for r in results if r["coordinates"][2] == 0)
                          for k in range(len(case.batches))],
                  input_grad=_input_grad(results, mesh),
-                 grads=gather([r["grads"] for r in first], layout),
-                 params=[gather([r["params"][k] for r in first], layout)
+                 grads=held([r["grads"] for r in first], layout),
+                 params=[held([r["params"][k] for r in first], layout)
                          for k in range(len(case.batches))],
                  replica_spread=_spread(results, layout, mesh),
-                 exp_avg=[gather([r["moments"][k][0] for r in first], layout)
+                 exp_avg=[held([r["moments"][k][0] for r in first], layout)
                           for k in range(len(case.batches))],
-                 exp_avg_sq=[gather([r["moments"][k][1] for r in first], layout)
+                 exp_avg_sq=[held([r["moments"][k][1] for r in first], layout)
                              for k in range(len(case.batches))],
                  hyperparameters=[r["hyperparameters"] for r in results])
 

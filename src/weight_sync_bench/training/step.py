@@ -6,13 +6,15 @@ same parameters on the same data and compares, each with its own measured thresh
 
 - ``loss``: the printed global loss of the first step;
 - ``input_grad``: the gradient with respect to the embedding output, every token;
-- ``param_grad``: every parameter's gradient in its global position, gathered through the
-  declared layout (``reshard.gather``), after every reduction;
+- ``param_grad``: every parameter's gradient after every reduction, each rank's shard
+  against its declared slice of the reference's (``compare.Shards``);
 - ``kv_grad``: the K and V rows of every qkv gradient, which GQA shares between heads;
 - ``params_step1`` / ``params_final``: the parameters after one AdamW step from identical
   state, and after ``steps`` steps on fresh batches;
 - ``replicas``: copies that must be identical (replicated gradients across TP ranks after
   their reduction, every parameter across DP replicas after each step), compared exactly;
+  in process the DP replicas are one storage (the all-reduce hands them one gradient, so
+  one optimizer steps them all), over gloo each rank's own;
 - ``padding_grad``: the gradient of the padded vocab rows, which must be exactly zero.
 
 The mesh runs in process. Each data-parallel rank holds different rows of the batch, so a
@@ -64,7 +66,7 @@ import torch.nn.functional as F
 from weight_sync_bench.collectives.inprocess import InProcessCollective
 from weight_sync_bench.errors import InvalidMesh
 from weight_sync_bench.layout.placements import Replicate
-from weight_sync_bench.layout.reshard import gather, split
+from weight_sync_bench.layout.reshard import split
 from weight_sync_bench.model.config import ModelConfig, init_params
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
@@ -79,9 +81,11 @@ from weight_sync_bench.training.batches import (
 from weight_sync_bench.training.compare import (
     EXACT,
     Comparison,
+    Held,
     Trace,
     TrainingReport,
     deviations,
+    held,
     max_abs_difference_in_dtype,
 )
 from weight_sync_bench.training.loss import (
@@ -199,25 +203,32 @@ def train_reference(config: ModelConfig, params: Params, batches: Sequence[Train
 def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBatch],
                   mesh: Mesh, recipe: Recipe = CORRECT, adamw: AdamW = AdamW(),
                   collective: Callable[[int], Collective] = InProcessCollective) -> Trace:
-    """The sharded model on the DP x TP mesh: split, replicate over DP, train, gather.
+    """The sharded model on the DP x TP mesh: split, replicate over DP, train; the trace
+    holds the TP ranks' shards of DP replica 0 (``compare.Shards``).
 
     ``collective(t)`` makes each TP group's collective (every rank in this process); any
     whose backward is its forward's adjoint trains the same."""
     mesh.validate(config, batches[0].spec.rows, batches[0].spec.seq_len)
     layout = layout_for(config)
     declared = split(params, layout, mesh.tp)  # fresh tensors, aliasing nothing
-    # replicas[d][e]: DP rank d, flat position e (CP rank e // tp, TP rank e % tp), its own
-    # leaf tensors (a tied table is one leaf): the split's own tensors for the first copy
-    # of each TP rank's shards, a clone for every other
-    replicas = [[{n: (s if d == 0 and e < mesh.tp else s.detach().clone()).requires_grad_(True)
-                  for n, s in declared[e % mesh.tp].items()}
-                 for e in range(mesh.replica_size)] for d in range(mesh.dp)]
+    # replicas[0][e]: DP replica 0, flat position e (CP rank e // tp, TP rank e % tp), its
+    # own leaf tensors (a tied table is one leaf): the split's own tensors for the first
+    # copy of each TP rank's shards, a clone for every other. Every other DP replica d holds
+    # leaves of its own (its own gradients) over replica 0's storage: in process the DP
+    # all-reduce hands every replica one tensor, so their gradients, their optimizer states
+    # and their steps are one, and one optimizer steps the storage (``TrainStep``);
+    # stepping each replica's copy apart cost the check as much as the reference step.
+    first = [{n: (s if e < mesh.tp else s.detach().clone()).requires_grad_(True)
+              for n, s in declared[e % mesh.tp].items()} for e in range(mesh.replica_size)]
+    replicas = [first] + [[{n: p.detach().requires_grad_(True) for n, p in local.items()}
+                           for local in first] for _ in range(mesh.dp - 1)]
     step = TrainStep(config, replicas, mesh, recipe, adamw,
                      groups=lambda: mesh_groups(mesh, collective), dp=collective(mesh.dp))
     losses, after, spread = [], [], 0.0
-    exp_avg: list[Params] = []
-    exp_avg_sq: list[Params] = []
+    exp_avg: list[Held] = []
+    exp_avg_sq: list[Held] = []
     input_grad, grads = torch.empty(0), {}
+    last = len(batches) - 1
     for k, batch in enumerate(batches):
         result = step(batch, range(mesh.dp), keep_grads=k == 0)
         # the group's share: one copy per context chunk (its TP rank 0's)
@@ -227,18 +238,19 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
             input_grad = torch.cat([_assemble(h, where, part.tokens.shape) for h, where, part
                                     in zip(result.embedded, result.positions, result.parts)],
                                    dim=0)
-            grads = gather([{n: g for n, g in local.items()}
-                            for local in result.grads[0][:mesh.tp]], layout)
+            grads = held(result.grads[0][:mesh.tp], layout)  # kept: no step writes them
             spread = max(spread, _spread(result.grads, step.replicated, mesh.tp, lambda g: g))
         spread = max(spread, _spread(replicas, step.replicated, mesh.tp, lambda p: p))
-        after.append(gather([{n: p.detach() for n, p in local.items()}
-                             for local in replicas[0][:mesh.tp]], layout))
-        state = [moments(optim, local, copy=False)  # gather copies them
+        # the TP ranks' shards, compared in place (``Shards``): a copy of each step's but
+        # the last, which nothing steps again
+        after.append(held([{n: p.detach() if k == last else p.detach().clone()
+                            for n, p in local.items()} for local in replicas[0][:mesh.tp]],
+                          layout))
+        state = [moments(optim, local, copy=k != last)
                  for optim, local in zip(step.optims[0][:mesh.tp], replicas[0][:mesh.tp])]
-        exp_avg.append(gather([first for first, _ in state], layout))
-        exp_avg_sq.append(gather([second for _, second in state], layout))
-    return Trace(losses, input_grad.detach(), {n: g.detach() for n, g in grads.items()}, after,
-                 spread, exp_avg, exp_avg_sq,
+        exp_avg.append(held([first for first, _ in state], layout))
+        exp_avg_sq.append(held([second for _, second in state], layout))
+    return Trace(losses, input_grad.detach(), grads, after, spread, exp_avg, exp_avg_sq,
                  [hyperparameters(o) for group in step.optims for o in group])
 
 
@@ -276,6 +288,12 @@ class TrainStep:
         self.groups, self.dp = groups, dp
         self.optims = [[recipe.optimizer(adamw).make(list(local.values())) for local in group]
                        for group in replicas]
+        # the optimizers that step: all but those of a replica over replica 0's storage
+        # (``train_sharded`` in process), which would step it a second time; they still
+        # zero their own leaves' gradients, and their hyperparameters are compared
+        self.stepping = [optim for group, optims in zip(replicas, self.optims)
+                         for local, first, optim in zip(group, replicas[0], optims)
+                         if local is first or not _aliases(local, first)]
         self.replicated = [spec.name for spec in layout_for(config)
                            if isinstance(spec.placement, Replicate)]
 
@@ -309,10 +327,20 @@ class TrainStep:
         # kept, not copied: AdamW only reads a gradient and the next zero_grad drops it
         grads = [[{n: _grad(p).detach() for n, p in local.items()} for local in group]
                  for group in self.replicas] if keep_grads else []
-        for group in self.optims:
-            for optim in group:
-                optim.step()
+        for optim in self.stepping:
+            optim.step()
         return StepResult(parts, objectives, ranks, embedded, positions, grads)
+
+
+def _aliases(local: Params, first: Params) -> bool:
+    """Whether every parameter of ``local`` is a view of ``first``'s storage, at the same
+    place: the same values, stepped once by ``first``'s optimizer."""
+    return all(_same_memory(p, first[n]) for n, p in local.items())
+
+
+def _same_memory(p: torch.Tensor, q: torch.Tensor) -> bool:
+    return (p.data_ptr() == q.data_ptr() and p.shape == q.shape and p.stride() == q.stride()
+            and p.dtype == q.dtype)
 
 
 def _assemble(embedded: Tensors, positions: list[tuple[int, int]], shape: torch.Size
@@ -409,6 +437,8 @@ def _spread(replicas: list[list[Params]], replicated: list[str], tp: int,
                     [group[e - r][name]] if r and name in replicated else []) + (
                     [group[r][name]] if e >= tp else [])
                 for q in peers:
+                    if _same_memory(get(p), get(q)):  # one tensor: equal by construction
+                        continue
                     diff = max_abs_difference_in_dtype(get(p), get(q))
                     worst = max(worst, diff if diff == diff else float("inf"))
     return worst

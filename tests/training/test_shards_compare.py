@@ -1,0 +1,190 @@
+"""A sharded run is compared shard by shard against the reference's declared slices
+(``training.compare.Shards``), not gathered first, and its DP replicas share replica 0's
+storage, stepped by one optimizer (``training.step.train_sharded``). Both are speed-ups
+(issue 33): these tests pin that neither changes a value or a verdict. The pieces tile the
+global tensor exactly once, under every placement of the training layout; every deviation
+of a sharded trace is the one of its gathered trace (to the bit, or within the norm's fp64
+rounding); a fault on the last rank's shard is found where it lies; and the shared replicas
+train to the bits that separate replicas stepped one by one reach."""
+
+import math
+
+import pytest
+import torch
+
+from weight_sync_bench.layout.reshard import declared_pieces, split
+from weight_sync_bench.layout.table import LayoutTable
+from weight_sync_bench.model.config import init_params
+from weight_sync_bench.model.plan import layout_for
+from weight_sync_bench.tolerance.training import QUANTITIES
+from weight_sync_bench.training.compare import (
+    Shards,
+    deviations,
+    gathered,
+    relative_deviation,
+    update_deviation,
+)
+from weight_sync_bench.training.floor import SMALL, SMALL_VARIANTS
+from weight_sync_bench.training.mesh import Mesh, mesh_groups
+from weight_sync_bench.training.optimizer import AdamW
+from weight_sync_bench.training.step import CORRECT, TrainingCase, TrainStep
+
+GQA = SMALL_VARIANTS[2]  # two KV heads, biases: HeadPartitioned with K/V rows apart
+
+
+def _sharded(config, degree, seed=0):
+    full = init_params(config, seed)
+    layout = layout_for(config)
+    ranks = split(full, layout, degree)
+    return full, {spec.name: Shards(tuple(r[spec.name] for r in ranks), spec)
+                  for spec in layout}
+
+
+@pytest.mark.parametrize("degree", [1, 2])
+def test_the_pieces_tile_every_global_tensor_exactly_once_and_hold_its_bytes(degree):
+    full, held = _sharded(GQA, degree)
+    kinds = set()
+    for name, shards in held.items():
+        kinds.add(type(shards.spec.placement).__name__)
+        covered = torch.zeros(shards.shape, dtype=torch.int64)
+        for piece, index in shards.pieces():
+            covered[index] += 1
+            assert torch.equal(piece, full[name][index]), name
+        assert torch.all(covered == 1), name  # every element once: none missed, none twice
+        assert torch.equal(shards.gather(), full[name])
+    assert {"Shard", "Replicate", "HeadPartitioned", "FusedPaired"} <= kinds
+
+
+@pytest.mark.parametrize("rows", [(0, 1), (5, 40), (40, 52), (51, 52)])
+def test_pieces_within_rows_tile_those_rows_of_dim_0_only(rows):
+    full, held = _sharded(GQA, 2)
+    lo, hi = rows
+    for name, shards in held.items():
+        if shards.shape[0] < hi:
+            continue
+        covered = torch.zeros(shards.shape, dtype=torch.int64)
+        for piece, index in shards.pieces(rows):
+            covered[index] += 1
+            assert torch.equal(piece, full[name][index]), name
+        assert torch.all(covered[lo:hi] == 1) and not covered[:lo].any() \
+            and not covered[hi:].any(), name
+
+
+def test_a_replicated_parameter_is_rank_0s_copy_as_gather_takes_it():
+    _, held = _sharded(SMALL, 2)
+    norm = held["norm.weight"]
+    (piece, index), = declared_pieces(norm.tensors, norm.spec)
+    assert piece is norm.tensors[0] and index == ()
+
+
+@pytest.mark.parametrize("name", ["tok_embeddings.weight", "layers.1.qkv.weight",
+                                  "layers.0.o_proj.weight", "layers.1.gate_up.weight"])
+def test_one_element_off_on_the_last_ranks_shard_is_the_gathered_deviation(name):
+    """Each placement, the fault on the last rank's last element: the shard comparison finds
+    what the gathered one finds, to the bit; the twin, no fault, is 0."""
+    full, held = _sharded(GQA, 2)
+    shards = held[name]
+    assert relative_deviation(shards, full[name]) == 0.0  # the twin
+    last = shards.tensors[-1].clone()
+    last.view(-1)[-1] += 0.25
+    wrong = Shards(shards.tensors[:-1] + (last,), shards.spec)
+    found = relative_deviation(wrong, full[name])
+    assert found > 0.0
+    assert found == relative_deviation(wrong.gather(), full[name])
+    nan = last.clone()
+    nan.view(-1)[-1] = math.nan
+    assert relative_deviation(Shards(shards.tensors[:-1] + (nan,), shards.spec),
+                              full[name]) == math.inf
+
+
+def test_the_k_and_v_rows_alone_see_a_fault_in_k_and_not_one_in_q():
+    full, held = _sharded(GQA, 2)
+    name = "layers.0.qkv.weight"
+    kv = (GQA.q_rows, full[name].shape[0])
+    wrong_q, wrong_k = full[name].clone(), full[name].clone()
+    wrong_q[GQA.q_rows - 1, 0] += 1.0  # the last Q row
+    wrong_k[GQA.q_rows, 0] += 1.0  # the first K row
+    layout = {spec.name: spec for spec in layout_for(GQA)}
+    for wrong, seen in ((wrong_q, False), (wrong_k, True)):
+        ranks = split({name: wrong}, LayoutTable((layout[name],)), 2)
+        shards = Shards(tuple(r[name] for r in ranks), layout[name])
+        assert (relative_deviation(shards, full[name], kv) > 0) is seen
+        assert relative_deviation(shards, full[name]) > 0
+
+
+def test_a_sharded_traces_deviations_are_its_gathered_traces():
+    """Every quantity of a real dp 2 x tp 2 run: the max-based ones to the bit, the
+    parameter norms within their fp64 rounding."""
+    case = TrainingCase(GQA, Mesh(2, 2), steps=2)
+    ref, got = case.reference(), case.sharded()
+    assert isinstance(got.params[1]["layers.0.qkv.weight"], Shards)
+    by_shards = deviations(GQA, case.params, ref, got)
+    by_gather = deviations(GQA, case.params, ref, gathered(got))
+    for quantity, (value, where) in by_gather.items():
+        if quantity.startswith("params_"):
+            assert by_shards[quantity][1] == where
+            assert by_shards[quantity][0] == pytest.approx(value, rel=1e-12, abs=0)
+        else:
+            assert by_shards[quantity] == (value, where), quantity
+    assert by_gather["param_grad"][0] > 0.0  # not vacuous: the two runs round differently
+
+
+def test_update_deviation_of_shards_is_the_gathered_one():
+    full, held = _sharded(GQA, 2)
+    start = {n: x - 1e-3 for n, x in full.items()}
+    for name, shards in held.items():
+        moved = Shards(tuple(t + 1e-6 for t in shards.tensors), shards.spec)
+        want = update_deviation(moved.gather(), full[name], start[name])
+        assert update_deviation(moved, full[name], start[name]) == pytest.approx(
+            want, rel=1e-12, abs=0)
+        assert want > 0.0
+
+
+def _replicas(config, mesh, shared):
+    """DP replicas as ``train_sharded`` builds them (``shared``: views of replica 0's
+    storage) or as separate copies, each stepped by its own optimizer."""
+    declared = split(init_params(config, 3), layout_for(config), mesh.tp)
+    first = [{n: s.detach().clone().requires_grad_(True) for n, s in declared[e].items()}
+             for e in range(mesh.tp)]
+    make = (lambda p: p.detach()) if shared else (lambda p: p.detach().clone())
+    return [first] + [[{n: make(p).requires_grad_(True) for n, p in local.items()}
+                       for local in first] for _ in range(mesh.dp - 1)]
+
+
+def test_shared_replicas_step_once_and_train_to_the_bits_of_separate_ones():
+    case = TrainingCase(GQA, Mesh(2, 2), steps=3)
+    mesh = case.mesh
+    runs = {}
+    for shared in (True, False):
+        replicas = _replicas(GQA, mesh, shared)
+        step = TrainStep(GQA, replicas, mesh, CORRECT, AdamW(),
+                         groups=lambda: mesh_groups(mesh), dp=mesh_groups(Mesh(1, 2))[0])
+        stepped = {id(o) for o in step.stepping}
+        assert stepped == {id(o) for o in (step.optims[0] if shared else
+                                           [o for g in step.optims for o in g])}
+        for batch in case.batches:
+            step(batch, range(mesh.dp))
+        runs[shared] = replicas
+    for e in range(mesh.tp):
+        for name, p in runs[False][0][e].items():
+            assert torch.equal(runs[True][0][e][name], p), name
+            assert torch.equal(runs[False][1][e][name], p), name  # separate ones agree
+            assert runs[True][1][e][name].data_ptr() == runs[True][0][e][name].data_ptr()
+
+
+def test_the_twin_stepping_a_shared_replica_again_moves_its_parameters_twice(monkeypatch):
+    """Were every optimizer to step the shared storage, the update would be applied dp
+    times: the check fails on the parameters (the sharing is not hiding a step)."""
+    case = TrainingCase(GQA, Mesh(2, 2), steps=1)
+    ref = case.reference()
+    thresholds = dict.fromkeys(QUANTITIES, 1e-3)
+    assert case.check(thresholds, reference=ref).passed
+    original = TrainStep.__init__
+
+    def every_optimizer_steps(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.stepping = [o for group in self.optims for o in group]
+
+    monkeypatch.setattr(TrainStep, "__init__", every_optimizer_steps)
+    report = case.check(thresholds, reference=ref)
+    assert not report.passed and report["params_step1"].deviation > 0.5
