@@ -1,17 +1,24 @@
 """Throughput of the fuzzed invariant against the bare forward cost of the same examples.
 
-    python bench/bench_fuzz.py [--examples N] [--toy-examples N] [--no-suite] [--cprofile N]
+    python bench/bench_fuzz.py [--examples N] [--toy-examples N] [--rounds N] [--no-suite]
+                               [--cprofile N]
 
 "property" runs the invariant property through Hypothesis (generation, the threshold rule,
 reshard, byte comparison, diagnosis-free verdict): checked cases per second. An example
 checks every degree pair of its drawn geometry (``case.run_pairs``), each pair a case.
 "bare" then replays the very cases the property ran, doing only what any check of them
 must: per geometry and seed, build the weights and tokens from the seed and run one
-reference forward; per destination degree, the declared split and one sharded forward.
+reference forward; per destination degree, the declared split and one sharded forward. Every
+timed part starts with ``init_params``'s kept draws forgotten, so each draws its weights
+(otherwise the bare replay, run after the property, cloned the property's draws: a tenth of
+the bare work in the fuzz domain charged to the property alone).
 Overhead = property time / bare time, for TOY (the floor's token shape), for geometries
 drawn from the fuzz domain, and for the same draws checking their drawn pair only (the
 design before 2026-12-03, so the two throughputs stand side by side in one run), with the
-property's two halves apart: Hypothesis alone and the runner alone (``measure``). Last, the wall time of the
+property's two halves apart: Hypothesis alone and the runner alone (``measure``). ``--rounds``
+rounds are interleaved (each row once per round, the rows in turn), so that a change in the
+machine's speed hits every row alike; the table shows each figure's median over the rounds,
+and a line per round gives the fuzz domain's overhead in CPU time. Last, the wall time of the
 default test run (``pytest -n auto``, what ``make test`` runs) under the default profile.
 
 Then where the time goes: the property once more and the bare replay once more, with the
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -47,7 +55,7 @@ from weight_sync_bench.fuzz.runner import Tally, run_property
 from weight_sync_bench.layout.reshard import split
 from weight_sync_bench.layout.table import LayoutTable
 from weight_sync_bench.model import plan as plan_module
-from weight_sync_bench.model.config import TOY
+from weight_sync_bench.model.config import TOY, clear_kept_params
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
@@ -96,8 +104,8 @@ def one_pair(case: Case, **kwargs: object) -> list[Outcome]:
     return [run_case(case, **kwargs)]
 
 
-def measure(label: str, strategy: st.SearchStrategy[Case], examples: int,
-            runner: Callable[..., list[Outcome]] = run_pairs) -> list[str]:
+def measure(strategy: st.SearchStrategy[Case], examples: int,
+            runner: Callable[..., list[Outcome]] = run_pairs) -> dict[str, float]:
     """The property, its bare replay, and the property's two halves apart: Hypothesis alone
     (the same run with each case's outcome replayed from a dict: derandomized, it draws the
     same examples) and ``runner`` (``run_pairs``) alone over the same examples. Each timed in wall time and in
@@ -111,6 +119,7 @@ def measure(label: str, strategy: st.SearchStrategy[Case], examples: int,
         return outcomes[case]
 
     def timed(work: Callable[[], object]) -> tuple[float, float]:
+        clear_kept_params()  # each part draws its weights: none finds the last part's kept
         wall, cpu = time.perf_counter(), time.process_time()
         work()
         return time.perf_counter() - wall, time.process_time() - cpu
@@ -123,11 +132,31 @@ def measure(label: str, strategy: st.SearchStrategy[Case], examples: int,
         "invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
         strategy=strategy, case_runner=lambda case, **_: outcomes[case], threshold_rule=rule))
     alone = timed(lambda: [runner(case, threshold_rule=rule) for case in outcomes])
-    n = len(tally.cases)
-    return [label, f"{len(outcomes)} ({n} pairs)", f"{n / prop[0]:.1f}", f"{n / base[0]:.1f}",
-            *(f"{part[0] / base[0]:.2f}x / {part[1] / base[1]:.2f}x"
-              for part in (prop, engine, alone)),
-            f"{(engine[1] + alone[1]) / base[1]:.2f}x", f"{tally.max_ratio:.3g}"]
+    figures = {"examples": len(outcomes), "pairs": len(tally.cases),
+               "max_ratio": tally.max_ratio}
+    for name, (wall, cpu) in {"prop": prop, "base": base, "engine": engine,
+                              "alone": alone}.items():
+        figures[f"{name}_wall"], figures[f"{name}_cpu"] = wall, cpu
+    return figures
+
+
+def row(label: str, rounds: list[dict[str, float]]) -> list[str]:
+    """One table row: the median over ``rounds`` of each figure, each ratio taken within
+    its round (against that round's bare replay) before the median."""
+    def median(figure: Callable[[dict[str, float]], float]) -> float:
+        return statistics.median(figure(r) for r in rounds)
+
+    def ratio(part: str, clock: str) -> float:
+        return median(lambda r: r[f"{part}_{clock}"] / r[f"base_{clock}"])
+
+    first = rounds[0]
+    return [label, f"{first['examples']:.0f} ({first['pairs']:.0f} pairs)",
+            f"{median(lambda r: r['pairs'] / r['prop_wall']):.1f}",
+            f"{median(lambda r: r['pairs'] / r['base_wall']):.1f}",
+            *(f"{ratio(part, 'wall'):.2f}x / {ratio(part, 'cpu'):.2f}x"
+              for part in ("prop", "engine", "alone")),
+            f"{median(lambda r: (r['engine_cpu'] + r['alone_cpu']) / r['base_cpu']):.2f}x",
+            f"{first['max_ratio']:.3g}"]
 
 
 def wrapped(phases: Phases) -> Phases:
@@ -169,6 +198,7 @@ def breakdown(label: str, strategy: st.SearchStrategy[Case], examples: int
               ) -> list[tuple[str, float, float, dict[str, float]]]:
     """The property and its bare replay, each once more with the phases wrapped."""
     rule = fuzz_threshold_rule("1a")
+    clear_kept_params()  # as in measure: each side draws its weights
     with wrapped(Phases(time.thread_time)).active() as prop:
         runner = prop.wrap_fn(run_pairs, "run_pairs' and run_case's own lines")
         timed_rule = prop.wrap_fn(rule, "threshold rule")
@@ -178,6 +208,7 @@ def breakdown(label: str, strategy: st.SearchStrategy[Case], examples: int
                      corpus=False, strategy=strategy, tally=tally, case_runner=runner,
                      threshold_rule=timed_rule)
         prop_total = time.thread_time() - start
+    clear_kept_params()
     with wrapped(Phases(time.thread_time)).active() as base:
         start = time.thread_time()
         bare(tally.cases)
@@ -190,21 +221,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--examples", type=int, default=300, help="fuzz-domain examples")
     parser.add_argument("--toy-examples", type=int, default=12, help="TOY examples")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     parser.add_argument("--no-suite", action="store_true", help="skip timing the test run")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="also print cProfile's N hottest functions of the fuzz-domain run")
     args = parser.parse_args()
     torch.set_num_threads(1)
     run_property("invariant", None, profile="wsb-test", max_examples=5, corpus=False)  # warm-up
-    rows = [measure("TOY (19.2M params)", toy_cases(), args.toy_examples),
-            measure("fuzz domain", cases(), args.examples),
-            measure("fuzz domain, one pair an example", cases(), args.examples, one_pair)]
+    kinds = {"TOY (19.2M params)": (toy_cases(), args.toy_examples, run_pairs),
+             "fuzz domain": (cases(), args.examples, run_pairs),
+             "fuzz domain, one pair an example": (cases(), args.examples, one_pair)}
+    rounds: dict[str, list[dict[str, float]]] = {label: [] for label in kinds}
+    for _ in range(args.rounds):  # interleaved: each row once per round
+        for label, (strategy, examples, runner) in kinds.items():
+            rounds[label].append(measure(strategy, examples, runner))
+    rows = [row(label, done) for label, done in rounds.items()]
     print(table([["geometries", "examples", "property pairs/s", "bare pairs/s",
                   "overhead wall / CPU", "Hypothesis alone wall / CPU",
                   "runner alone wall / CPU", "the two halves, CPU", "max ratio"], *rows]))
-    print("(x the bare replay of the same cases, in wall time / in this process's CPU time; "
-          "'the two halves': Hypothesis alone + the runner alone, in CPU time, against the "
-          "overhead's CPU figure: what the interaction of the two leaves)")
+    print(f"(medians of {args.rounds} interleaved rounds; x the bare replay of the same cases, "
+          "in wall time / in this process's CPU time; 'the two halves': Hypothesis alone + the "
+          "runner alone, in CPU time, against the overhead's CPU figure: what the interaction of "
+          "the two leaves)")
+    print("fuzz domain, overhead in CPU time, round by round: " + ", ".join(
+        f"{r['prop_cpu'] / r['base_cpu']:.2f}x" for r in rounds["fuzz domain"]))
     columns = (breakdown("TOY", toy_cases(), args.toy_examples)
                + breakdown("fuzz domain", cases(), args.examples))
     print("\nwhere the time goes (exclusive CPU time, x the bare replay of the same examples; "
