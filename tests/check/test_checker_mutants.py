@@ -452,6 +452,85 @@ def test_resolve_floor_measures_only_when_asked_and_then_reads_the_cache(monkeyp
     assert resolve_floor(TOY, "1a", "fp32", measure=False) == ("floor", "toy", "1a", "fp32")
 
 
+def _planted(module, monkeypatch, change, name="lm_head.weight"):
+    """The streamed reshard under test with ``change(rank, tensor)`` applied to the shards of
+    ``name`` (a tensor, or None to leave that rank out)."""
+    real = module.reshard_tensor
+
+    def reshard_tensor(pieces, spec, dst):
+        out = real(pieces, spec, dst)
+        if spec.name != name:
+            return out
+        return [t for t in (change(rank, x.clone()) for rank, x in enumerate(out))
+                if t is not None]
+
+    monkeypatch.setattr(module, "reshard_tensor", reshard_tensor)
+
+
+# (the declared element, what the planted reshard writes in its place), as int32 bytes:
+# equal values with other bytes, and one low bit
+VALUE_EQUAL = {"+0.0 / -0.0": (0x00000000, -0x80000000),  # -0.0: the sign bit alone
+               "NaN payloads": (0x7FC00000, 0x7FC00001),
+               "one low bit": (None, None)}
+
+
+@pytest.mark.parametrize("name", ["lm_head.weight", "norm.weight"])  # 64 Ki elements; 256
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("what", list(VALUE_EQUAL))
+def test_the_streamed_reshard_comparison_sees_a_value_equal_byte_difference_on_any_rank(
+        monkeypatch, what, rank, name):
+    """``reshard_matches`` compares bytes, not values: where the declared shard holds +0.0
+    or a NaN, a reshard that writes -0.0 or another NaN payload there, or flips a low bit,
+    on either rank, of a vocab-split lm_head or a replicated norm (both sizes of
+    ``bit_equal``: numpy's slab and one ``torch.equal``), does not match (the twin: the
+    untouched reshard does). A False sends ``reshard_verdict`` and the fuzz to the whole
+    check, its own forward and its diagnosis."""
+    import weight_sync_bench.check.checker as module
+    from tests.check.narrow import THRESHOLD, narrowed
+    from weight_sync_bench.model.config import init_params
+
+    config = narrowed(TOY)
+    params = init_params(config, 0)
+    declared, written = VALUE_EQUAL[what]
+    rows = params[name].shape[0]
+    for first_row in {0, rows // 2 if name == "lm_head.weight" else 0}:  # each rank's first
+        if declared is not None:
+            params[name][first_row].view(-1).view(torch.int32)[0] = declared
+    checker = Checker(config, threshold=THRESHOLD, params=params)
+    assert checker.reshard_matches(1, 2) and checker.reshard_matches(2, 2)  # the twin
+
+    def change(at, x):
+        if at == rank:
+            flat = x.view(-1).view(torch.int32)
+            assert declared is None or flat[0] == declared
+            flat[0] = written if written is not None else flat[0] ^ 1
+        return x
+
+    _planted(module, monkeypatch, change, name)
+    assert not checker.reshard_matches(1, 2) and not checker.reshard_matches(2, 2)
+
+
+def test_a_reshard_that_drops_or_adds_a_rank_of_one_parameter_never_matches(checker,
+                                                                           monkeypatch):
+    """The ranks are compared pairwise: a reshard that leaves out the last rank's lm_head
+    (or makes one too many) must not pass on the ranks both have (the twin: all ranks)."""
+    import weight_sync_bench.check.checker as module
+
+    _planted(module, monkeypatch, lambda rank, x: x)
+    assert checker.reshard_matches(1, 2)  # the twin: the plant itself changes nothing
+    _planted(module, monkeypatch, lambda rank, x: None if rank == 1 else x)
+    assert not checker.reshard_matches(1, 2)
+    monkeypatch.undo()
+    real = module.reshard_tensor
+
+    def one_too_many(pieces, spec, dst):
+        out = real(pieces, spec, dst)
+        return [*out, out[-1]] if spec.name == "lm_head.weight" else out
+
+    monkeypatch.setattr(module, "reshard_tensor", one_too_many)
+    assert not checker.reshard_matches(1, 2)
+
+
 def test_a_passing_reshard_verdict_never_reshards_the_whole_model(checker, monkeypatch):
     import weight_sync_bench.check.checker as module
 

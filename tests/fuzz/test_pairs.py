@@ -166,3 +166,21 @@ def test_a_kill_is_steered_toward_its_smallest_ratio_and_its_identity_examples_o
     assert {c.dst for c in drawn} == {1, 2}  # an identity destination and a live one
     assert events == [f"t=2->{c.dst}" + (" identity" if c.dst == 1 else "") for c in drawn]
     assert targets == [(-run_case(c).ratio, "-ratio") for c in drawn if c.dst == 2]
+
+
+@pytest.mark.parametrize("bug", [None, (1, 2)])
+def test_a_pair_is_judged_as_its_reshard_verdict_judges_it(bug, monkeypatch):
+    """``run_case`` builds no ``Verdict`` for a pair whose reshard matches the declared
+    split, yet decides what ``reshard_verdict`` decides: deviation, threshold and bytes, on a
+    pair that passes and on one whose reshard is wrong (one bit at 1 -> 2: its own forward)."""
+    from weight_sync_bench.fuzz.case import make_checker
+
+    if bug is not None:
+        _corrupt_one_pair(monkeypatch, *bug)
+    case = Case(CONFIG, src=1, dst=2, seed=7)
+    checker = make_checker(CONFIG, 7)
+    verdict = checker.reshard_verdict(1, 2)
+    outcome = run_case(case, make_checker(CONFIG, 7))
+    assert (outcome.deviation, outcome.threshold, outcome.shards_differ) == (
+        verdict.max_abs_error, verdict.threshold, verdict.first_mismatch is not None)
+    assert outcome.shards_differ == (bug is not None)

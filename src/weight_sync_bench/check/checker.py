@@ -206,16 +206,28 @@ class Checker:
                        named_mutation=named.mutation, named_meaning=named.meaning, **common)
 
 
-    def reshard_verdict(self, src: int, dst: int) -> Verdict:
-        """``reshard(declared(src), dst)`` checked, streamed: each parameter is resharded and
-        compared with the declared split at once, while its bytes are still in cache, and
-        dropped (3x faster than resharding the whole model, then comparing). Only a shard
-        set that differs is resharded whole, for its own forward and diagnosis."""
+    def reshard_matches(self, src: int, dst: int) -> bool:
+        """Whether ``reshard(declared(src), dst)`` is the declared split at ``dst`` byte for
+        byte, streamed: each parameter is resharded and compared with the declared split at
+        once, while its bytes are still in cache, and dropped (3x faster than resharding the
+        whole model, then comparing); the first parameter that differs ends it, and so does
+        one resharded to another number of ranks than ``dst``."""
         source, declared = self.declared(src), self.declared(dst)
         for spec in self.layout:
-            out = reshard_tensor([params[spec.name] for params in source], spec, dst)
-            if not all(bit_equal(o, d[spec.name]) for o, d in zip(out, declared)):
-                return self.verdict(reshard(source, self.layout, dst), src=src, dst=dst)
+            name = spec.name
+            out = reshard_tensor([params[name] for params in source], spec, dst)
+            if len(out) != len(declared):  # zip would read the ranks both have, and pass
+                return False
+            for mine, theirs in zip(out, declared):
+                if not bit_equal(mine, theirs[name]):
+                    return False
+        return True
+
+    def reshard_verdict(self, src: int, dst: int) -> Verdict:
+        """``reshard(declared(src), dst)`` checked, streamed (``reshard_matches``). Only a
+        shard set that differs is resharded whole, for its own forward and diagnosis."""
+        if not self.reshard_matches(src, dst):
+            return self.verdict(reshard(self.declared(src), self.layout, dst), src=src, dst=dst)
         assert self.threshold is not None
         return Verdict(config=self.config.name, src=src, dst=dst, threshold=self.threshold,
                        phase=self.phase, max_abs_error=self.declared_error(dst),

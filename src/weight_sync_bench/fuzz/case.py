@@ -164,8 +164,14 @@ def run_case(case: Case, checker: Checker | None = None, *,
         return run_conversion_case(case, threshold_rule=threshold_rule)
     checker = checker or make_checker(case.config, case.seed, phase=case.phase,
                                       forward=forward, threshold_rule=threshold_rule)
-    if case.mutation is None:  # each parameter resharded and compared at once, the same verdict
-        verdict = checker.reshard_verdict(case.src, case.dst)
+    if case.mutation is None:  # each parameter resharded and compared at once
+        if checker.reshard_matches(case.src, case.dst):
+            # what reshard_verdict says of a match, without building its Verdict: the
+            # declared split's forward judges bytes equal to it
+            assert checker.threshold is not None
+            return Outcome(case, checker.declared_error(case.dst), checker.threshold,
+                           shards_differ=False)
+        verdict = checker.reshard_verdict(case.src, case.dst)  # whole: its own forward
     else:
         shards = reshard(checker.declared(case.src), checker.layout, case.dst)
         shards = mutation_by_name(case.mutation).apply(shards, checker.layout, case.config)
