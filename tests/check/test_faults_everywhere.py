@@ -100,6 +100,21 @@ def test_bit_equal_sees_value_equal_differences_on_both_paths(monkeypatch, size,
         assert bit_equal(a, a.clone()), what  # the twin: the same bytes (NaN included)
 
 
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_bit_equal_sees_value_equal_differences_in_a_strided_view(where):
+    """A column slice is compared through its integer view in place (no contiguous copy):
+    a -0.0, another NaN payload or a low bit in it is a difference; the same bytes in
+    another strided slice are not (the twin)."""
+    x = torch.randn(40, 17)  # a column slice of it: 40 rows of 16, stride 17
+    at = 0 if where == "first" else 40 * 16 - 1
+    for what, a, b in value_equal_variants(x[:, 1:].contiguous(), at):
+        wide_a, wide_b = torch.randn(40, 17), torch.randn(40, 17)
+        wide_a[:, 1:], wide_b[:, 1:] = a, b
+        assert not wide_a[:, 1:].is_contiguous()
+        assert not bit_equal(wide_a[:, 1:], wide_b[:, 1:]), what
+        assert bit_equal(wide_a[:, 1:], wide_a.clone()[:, 1:]), what  # the twin
+
+
 def test_a_deviation_is_never_zero_for_a_nan_or_inf_difference():
     want = torch.randn(300)
     for poison in (float("nan"), float("inf"), float("-inf")):

@@ -73,7 +73,10 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _equal_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() <= _SMALL:  # torch.equal's call costs a quarter of numpy's round trip
-        return torch.equal(raw(a), raw(b))
+        # the integer views of the same width, whatever the strides: no copy, no detach
+        # (torch.equal reads a strided view in place, and no gradient flows through it)
+        as_int = _SAME_WIDTH_INT[a.element_size()]
+        return torch.equal(a.view(as_int), b.view(as_int))
     x, y = (raw(t).numpy() for t in (a, b))
     return bool(np.array_equal(x, y))  # 2-4x faster than torch.equal from 64 Ki elements
 
