@@ -48,7 +48,7 @@ import weight_sync_bench.check.checker as checker_module
 import weight_sync_bench.fuzz.case as case_module
 import weight_sync_bench.fuzz.runner as runner_module
 from weight_sync_bench.check.forwards import inprocess_forward
-from weight_sync_bench.fuzz.case import Case, Outcome, run_case, run_pairs
+from weight_sync_bench.fuzz.case import Case, Outcome, keeping_checkers, run_case, run_pairs
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
 from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.fuzz.runner import Tally, run_property
@@ -108,7 +108,8 @@ def measure(strategy: st.SearchStrategy[Case], examples: int,
             runner: Callable[..., list[Outcome]] = run_pairs) -> dict[str, float]:
     """The property, its bare replay, and the property's two halves apart: Hypothesis alone
     (the same run with each case's outcome replayed from a dict: derandomized, it draws the
-    same examples) and ``runner`` (``run_pairs``) alone over the same examples. Each timed in wall time and in
+    same examples) and ``runner`` (``run_pairs``) alone over the same examples, keeping checkers
+    across them as ``run_property`` does. Each timed in wall time and in
     this process's CPU time: on a loaded machine the wall ratios carry the other processes'
     share of the cores (one thread here, so CPU time is this run's own work)."""
     tally, outcomes = Recording(), {}
@@ -131,7 +132,13 @@ def measure(strategy: st.SearchStrategy[Case], examples: int,
     engine = timed(lambda: run_property(
         "invariant", None, profile="wsb-test", max_examples=examples, corpus=False,
         strategy=strategy, case_runner=lambda case, **_: outcomes[case], threshold_rule=rule))
-    alone = timed(lambda: [runner(case, threshold_rule=rule) for case in outcomes])
+
+    def runner_alone() -> None:
+        with keeping_checkers():  # as run_property runs it
+            for case in outcomes:
+                runner(case, threshold_rule=rule)
+
+    alone = timed(runner_alone)
     figures = {"examples": len(outcomes), "pairs": len(tally.cases),
                "max_ratio": tally.max_ratio}
     for name, (wall, cpu) in {"prop": prop, "base": base, "engine": engine,
@@ -184,6 +191,9 @@ def wrapped(phases: Phases) -> Phases:
     phases.wrap(k, "computing", "upcast to the computing dtype")
     phases.wrap(k.Checker, "verdict", "verdict construction")
     phases.wrap(k.Checker, "reshard_verdict", "verdict construction")
+    phases.wrap(k.Checker, "reshard_matches", "the streamed comparison's own lines")
+    phases.wrap(case_module.KeptCheckers, "find", "keeping checkers across examples")
+    phases.wrap(case_module.KeptCheckers, "keep", "keeping checkers across examples")
     phases.wrap(k.Checker, "deviation", "logit comparison")
     phases.wrap(Tally, "add", "tally")
     phases.wrap(r, "event", "Hypothesis event() and target() calls")

@@ -531,6 +531,23 @@ def test_a_reshard_that_drops_or_adds_a_rank_of_one_parameter_never_matches(chec
     assert not checker.reshard_matches(1, 2)
 
 
+def test_a_checkers_bytes_are_its_parameters_reference_scratch_and_each_declared_split():
+    """What ``fuzz.case.KeptCheckers`` budgets: every tensor the checker keeps, counted once,
+    a split's replicated norms once per rank."""
+    from tests.check.narrow import THRESHOLD, narrowed
+
+    checker = Checker(narrowed(TOY), threshold=THRESHOLD)
+    params = sum(x.nbytes for x in checker.full.values())
+    logits = checker.reference.nbytes
+    assert checker.nbytes == params + 2 * logits  # the reference and its scratch
+    shards = checker.declared(2)
+    assert checker.nbytes == params + 2 * logits + sum(
+        x.nbytes for p in shards for x in p.values())
+    replicated = sum(checker.full[s.name].nbytes for s in checker.layout
+                     if str(s.placement) == "R")
+    assert replicated and sum(x.nbytes for p in shards for x in p.values()) == params + replicated
+
+
 def test_a_passing_reshard_verdict_never_reshards_the_whole_model(checker, monkeypatch):
     import weight_sync_bench.check.checker as module
 

@@ -184,3 +184,133 @@ def test_a_pair_is_judged_as_its_reshard_verdict_judges_it(bug, monkeypatch):
     assert (outcome.deviation, outcome.threshold, outcome.shards_differ) == (
         verdict.max_abs_error, verdict.threshold, verdict.first_mismatch is not None)
     assert outcome.shards_differ == (bug is not None)
+
+
+def _counting_checkers(monkeypatch) -> list[tuple]:
+    """Every checker ``run_pairs`` makes, as (geometry, seed, phase)."""
+    import weight_sync_bench.fuzz.case as case_module
+
+    made: list[tuple] = []
+    real = case_module.make_checker
+
+    def make_checker(config, seed, **kwargs):
+        made.append((config, seed, kwargs.get("phase", "1a")))
+        return real(config, seed, **kwargs)
+
+    monkeypatch.setattr(case_module, "make_checker", make_checker)
+    return made
+
+
+def test_an_example_drawn_again_in_a_run_reuses_its_checker_and_reshards_every_pair_anew(
+        monkeypatch):
+    """Hypothesis draws a geometry and seed again with another pair: within the run, that
+    example reuses the first one's checker (weights, reference, declared splits and their
+    forwards), while every one of its pairs is still resharded and compared."""
+    made = _counting_checkers(monkeypatch)
+    resharded: list[tuple[int, int]] = []
+    real = checker_module.reshard_tensor
+
+    def reshard_tensor(shards, spec, dst):
+        if spec.name == "lm_head.weight":
+            resharded.append((len(shards), dst))
+        return real(shards, spec, dst)
+
+    monkeypatch.setattr(checker_module, "reshard_tensor", reshard_tensor)
+    drawn: list[Case] = []
+    strategy = st.builds(Case, config=st.just(CONFIG), src=st.sampled_from(DEGREES),
+                         dst=st.sampled_from(DEGREES), seed=st.integers(0, 1)
+                         ).map(lambda case: drawn.append(case) or case)
+    tally = run_property("invariant", None, max_examples=8, corpus=False, strategy=strategy)
+    seeds = {case.seed for case in drawn}
+    assert len(drawn) > len(seeds)  # some seed was drawn again
+    assert sorted(made) == sorted((CONFIG, seed, "1a") for seed in seeds)
+    assert tally.examples == len(resharded) == len(drawn) * len(DEGREES) ** 2
+
+
+def test_nothing_is_kept_from_one_run_to_the_next_nor_outside_a_run(monkeypatch):
+    """Each property run makes its own checkers (a test that plants a bug between two runs
+    sees it in the second); outside a run every call makes one (the twins of the reuse)."""
+    made = _counting_checkers(monkeypatch)
+    strategy = st.builds(Case, config=st.just(CONFIG), src=st.just(1), dst=st.just(1),
+                         seed=st.just(0))
+    for _ in range(2):
+        run_property("invariant", None, max_examples=2, corpus=False, strategy=strategy)
+    assert made == [(CONFIG, 0, "1a")] * 2
+    made.clear()
+    run_pairs(Case(CONFIG, src=1, dst=2, seed=0))
+    run_pairs(Case(CONFIG, src=2, dst=1, seed=0))
+    assert made == [(CONFIG, 0, "1a")] * 2
+
+
+def test_a_kept_checker_is_found_only_for_the_same_geometry_seed_phase_forward_and_rule():
+    from weight_sync_bench.check.forwards import inprocess_forward
+    from weight_sync_bench.fuzz.case import KeptCheckers, keeping_checkers, make_checker
+
+    def rule(config, reference):
+        return 0.25
+
+    checker = make_checker(CONFIG, 0, threshold_rule=rule)
+    case = Case(CONFIG, src=1, dst=1, seed=0)
+    with keeping_checkers(KeptCheckers()) as kept:
+        kept.keep(case, inprocess_forward, rule, checker)
+        assert kept.find(Case(CONFIG, src=4, dst=2, seed=0), inprocess_forward, rule) is checker
+        for other in (Case(CONFIG, 1, 1, seed=1), Case(CONFIG, 1, 1, seed=0, phase="1b"),
+                      Case(CONFIG.replace(seq_len=5), 1, 1, seed=0)):
+            assert kept.find(other, inprocess_forward, rule) is None, other
+        assert kept.find(case, lambda *a, **k: None, rule) is None
+        assert kept.find(case, inprocess_forward, lambda config, reference: 0.25) is None
+
+
+class _Held:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+def test_kept_checkers_stay_within_their_count_and_bytes_the_oldest_leaving_first():
+    from weight_sync_bench.fuzz.case import KeptCheckers
+
+    def case(seed):
+        return Case(CONFIG, src=1, dst=1, seed=seed)
+
+    def seeds(kept):
+        return [key[1] for key in kept.kept]
+
+    kept = KeptCheckers(budget=100, size=3)
+    for seed in range(3):
+        kept.keep(case(seed), None, None, _Held(30))
+    assert seeds(kept) == [0, 1, 2] and kept.nbytes == 90  # the twin: within both
+    kept.find(case(0), None, None)  # used: the most recent now
+    kept.keep(case(3), None, None, _Held(5))  # a fourth: the least recently used leaves
+    assert seeds(kept) == [2, 0, 3]
+    kept.keep(case(4), None, None, _Held(50))  # over the bytes: the oldest leave till within
+    assert seeds(kept) == [0, 3, 4] and kept.nbytes == 85
+    kept.keep(case(5), None, None, _Held(101))  # alone over the budget: nothing is kept
+    assert seeds(kept) == [] and kept.nbytes == 0
+
+
+def test_keeping_checkers_changes_nothing_a_run_decides(monkeypatch):
+    """The same examples, tallied alike, with and without keeping checkers: the invariant
+    (every pair, the ratio extremes and where) and a kill property (killed, identity, the
+    smallest kill ratio), as the campaign judges them."""
+    from contextlib import nullcontext
+
+    import weight_sync_bench.fuzz.runner as runner_module
+
+    strategy = st.builds(Case, config=st.just(CONFIG), src=st.sampled_from(DEGREES),
+                         dst=st.sampled_from(DEGREES), seed=st.integers(0, 2))
+    killing = st.builds(Case, config=st.just(CONFIG), src=st.sampled_from(DEGREES),
+                        dst=st.sampled_from([2, 4]), seed=st.integers(0, 2),
+                        mutation=st.just("kv_swapped"))
+
+    def decided():
+        out = []
+        for prop, mutation, drawn in (("invariant", None, strategy),
+                                      ("kill", "kv_swapped", killing)):
+            t = run_property(prop, mutation, max_examples=8, corpus=False, strategy=drawn)
+            out.append((t.examples, t.identity, t.killed, t.failures, t.min_ratio, t.min_at,
+                        t.max_ratio, t.max_at, t.max_passing_ratio, t.min_kill_ratio))
+        return out
+
+    kept = decided()
+    monkeypatch.setattr(runner_module, "keeping_checkers", nullcontext)
+    assert decided() == kept

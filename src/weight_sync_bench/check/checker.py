@@ -150,6 +150,14 @@ class Checker:
         assert self.params is not None
         return self.params
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of the tensors it keeps: the parameters, the reference logits (and the
+        scratch of their shape), and each declared split made so far."""
+        kept = [*self.full.values(), self.reference, self._scratch,
+                *(x for shards in self._declared.values() for p in shards for x in p.values())]
+        return sum(x.nbytes for x in kept)
+
     def declared(self, degree: int) -> list[Params]:
         """The declared layout's split at ``degree`` (cached)."""
         if degree not in self._declared:

@@ -27,14 +27,23 @@ reference's choice), which the runner tallies.
 
 What running a case costs is ``model.footprint``'s estimate of its geometry, so that a
 replay can refuse a case before allocating it.
+
+Within one property run (``keeping_checkers``, which ``runner.run_property`` opens), an
+example whose geometry, seed and phase an earlier example drew (Hypothesis draws them again
+with another degree pair, or with another mutation's destination) reuses that example's
+``Checker``: its weights, tokens, reference forward, declared splits and their forwards. Each
+pair is still resharded and compared anew; nothing is kept from one run to the next.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from weight_sync_bench.check.checker import Checker, Forward, ThresholdRule
@@ -180,22 +189,87 @@ def run_case(case: Case, checker: Checker | None = None, *,
                    shards_differ=verdict.first_mismatch is not None)
 
 
+@dataclass
+class KeptCheckers:
+    """The checkers of one property run, the most recently used last, while there are at
+    most ``size`` of them holding at most ``budget`` bytes (``Checker.nbytes``) together: a
+    checker over the budget alone is not kept. A checker is found again only for the same
+    geometry, seed and phase under the same forward and threshold rule (the same objects)."""
+
+    budget: int = 64 * 2**20  # a few of the fuzz domain's largest (~11 MiB each at t=1, 2, 4)
+    size: int = 8
+    # (geometry, seed, phase) -> (forward, threshold rule, checker, its bytes when kept)
+    kept: OrderedDict[tuple[ModelConfig, int, str],
+                      tuple[Forward, ThresholdRule | None, Checker, int]] = field(
+        default_factory=OrderedDict)
+
+    def find(self, case: Case, forward: Forward, threshold_rule: ThresholdRule | None
+             ) -> Checker | None:
+        key = (case.config, case.seed, case.phase)
+        found = self.kept.get(key)
+        if found is None or found[0] is not forward or found[1] is not threshold_rule:
+            return None
+        self.kept.move_to_end(key)
+        return found[2]
+
+    def keep(self, case: Case, forward: Forward, threshold_rule: ThresholdRule | None,
+             checker: Checker) -> None:
+        key = (case.config, case.seed, case.phase)
+        self.kept.pop(key, None)
+        self.kept[key] = (forward, threshold_rule, checker, checker.nbytes)
+        held = sum(entry[3] for entry in self.kept.values())
+        while self.kept and (len(self.kept) > self.size or held > self.budget):
+            held -= self.kept.popitem(last=False)[1][3]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry[3] for entry in self.kept.values())
+
+
+_KEPT: ContextVar[KeptCheckers | None] = ContextVar("kept_checkers", default=None)
+
+
+@contextmanager
+def keeping_checkers(kept: KeptCheckers | None = None) -> Iterator[KeptCheckers]:
+    """For the length of the block (one property run), ``run_pairs`` reuses the checker of an
+    earlier example of the same geometry, seed and phase (``KeptCheckers``); after it,
+    nothing is kept."""
+    kept = kept if kept is not None else KeptCheckers()
+    token = _KEPT.set(kept)
+    try:
+        yield kept
+    finally:
+        _KEPT.reset(token)
+
+
 def run_pairs(case: Case | ConversionCase, *, forward: Forward = inprocess_forward,
               threshold_rule: ThresholdRule | None = None) -> list[Outcome]:
     """The invariant at every ordered degree pair of ``case``'s geometry and seed, ``case``'s
     own pair first: what does not depend on the pair (parameters, tokens, the reference
     forward, the layout table) is made once, each degree's declared split and forward once
-    (``Checker``), and each pair costs its reshard and byte comparison. Each outcome names
-    its pair, so a failure (and its corpus entry) is the pair that failed. A case with a
-    mutation, or a conversion, is its one pair (``run_case``)."""
-    if isinstance(case, ConversionCase) or case.mutation is not None:
+    (``Checker``; inside ``keeping_checkers``, once for every example of the same geometry
+    and seed), and each pair costs its reshard and byte comparison. Each outcome names its
+    pair, so a failure (and its corpus entry) is the pair that failed. A case with a
+    mutation is its one pair (``run_case``, with the kept checker too); a conversion is its
+    one pair, never kept."""
+    if isinstance(case, ConversionCase):
         return [run_case(case, forward=forward, threshold_rule=threshold_rule)]
-    checker = make_checker(case.config, case.seed, phase=case.phase, forward=forward,
-                           threshold_rule=threshold_rule)
-    degrees = checker.layout.supported_degrees()
-    pairs = [(case.src, case.dst), *((s, d) for s in degrees for d in degrees
-                                     if (s, d) != (case.src, case.dst))]
-    return [run_case(dataclasses.replace(case, src=s, dst=d), checker) for s, d in pairs]
+    kept = _KEPT.get()
+    checker = kept.find(case, forward, threshold_rule) if kept is not None else None
+    if checker is None:
+        checker = make_checker(case.config, case.seed, phase=case.phase, forward=forward,
+                               threshold_rule=threshold_rule)
+    if case.mutation is not None:
+        outcomes = [run_case(case, checker)]
+    else:
+        degrees = checker.layout.supported_degrees()
+        pairs = [(case.src, case.dst), *((s, d) for s in degrees for d in degrees
+                                         if (s, d) != (case.src, case.dst))]
+        outcomes = [run_case(dataclasses.replace(case, src=s, dst=d), checker)
+                    for s, d in pairs]
+    if kept is not None:
+        kept.keep(case, forward, threshold_rule, checker)
+    return outcomes
 
 
 @dataclass(frozen=True)

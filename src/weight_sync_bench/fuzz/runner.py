@@ -53,6 +53,7 @@ from weight_sync_bench.fuzz.case import (
     Case,
     ConversionCase,
     Outcome,
+    keeping_checkers,
     run_pairs,
 )
 from weight_sync_bench.fuzz.corpus import load_corpus, make_entry, save_entry, writable_corpus
@@ -300,7 +301,8 @@ def run_property(prop: str, mutation: str | None = None, *, profile: str | None 
         test = hypothesis.seed(seed)(test)
     test = settings(PROFILES[name], **overrides)(test)
     try:
-        test()
+        with keeping_checkers():  # an example drawn again reuses its checker, in this run only
+            test()
     except HarnessAbort as abort:
         tally.faults.append(HarnessFault(tally.label, abort.case, abort.error))
         abort.error.add_note(f"a harness fault during {tally.label} on {abort.case}: not a "
