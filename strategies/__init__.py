@@ -68,6 +68,16 @@ def seeds(domain: FuzzDomain = DOMAIN) -> st.SearchStrategy[int]:
     return in_range(domain.seed)
 
 
+@functools.cache  # built once per domain and per list of degrees, as ``in_range`` is
+def _geometries_of(domain: FuzzDomain) -> st.SearchStrategy[ModelConfig]:
+    return geometries(domain)
+
+
+@functools.cache
+def _one_of(degrees: tuple[int, ...]) -> st.SearchStrategy[int]:
+    return st.sampled_from(degrees)
+
+
 @st.composite
 def cases(draw: st.DrawFn, mutation: str | None = None, phase: str = "1a",
           domain: FuzzDomain = DOMAIN) -> Case:
@@ -78,15 +88,15 @@ def cases(draw: st.DrawFn, mutation: str | None = None, phase: str = "1a",
 
     Shrinks as ``geometries`` does, then toward ``(1, 1)`` and seed 0.
     """
-    config = draw(geometries(domain))
-    supported = layout_for(config).supported_degrees()
+    config = draw(_geometries_of(domain))
+    supported = tuple(layout_for(config).supported_degrees())
     dsts = supported
     if mutation is not None:
         identity = mutation_by_name(mutation).identity_reason
-        live = [t for t in supported if identity(config, t) is None]
+        live = tuple(t for t in supported if identity(config, t) is None)
         dsts = live or supported
-    src = draw(st.sampled_from(supported))
-    dst = draw(st.sampled_from(dsts))
+    src = draw(_one_of(supported))
+    dst = draw(_one_of(dsts))
     return Case(config=config, src=src, dst=dst, seed=draw(seeds(domain)), mutation=mutation,
                 phase=phase)
 

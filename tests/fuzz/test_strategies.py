@@ -56,6 +56,46 @@ def test_cases_draw_ordered_pairs_of_supported_degrees(case):
     assert case.src in degrees and case.dst in degrees
 
 
+@pytest.mark.parametrize("mutation", [None, "lm_head_reversed"])
+def test_cases_draw_what_they_drew_when_every_draw_built_its_strategies(mutation):
+    """``cases`` builds its geometry and degree strategies once (per domain, per degree
+    list) instead of per draw: the same choices give the same cases, examples for
+    examples, so a derandomized run draws what it drew before."""
+    from hypothesis import seed as hypothesis_seed
+    from hypothesis import strategies as st
+
+    from weight_sync_bench.check.mutations import mutation_by_name
+    from weight_sync_bench.fuzz.case import Case
+
+    @st.composite
+    def built_per_draw(draw):  # cases() before its strategies were kept
+        config = draw(geometries(DOMAIN))
+        supported = layout_for(config).supported_degrees()
+        dsts = supported
+        if mutation is not None:
+            identity = mutation_by_name(mutation).identity_reason
+            dsts = [t for t in supported if identity(config, t) is None] or supported
+        src = draw(st.sampled_from(supported))
+        dst = draw(st.sampled_from(dsts))
+        return Case(config=config, src=src, dst=dst, seed=draw(seeds(DOMAIN)),
+                    mutation=mutation)
+
+    def drawn(strategy):
+        out = []
+
+        @hypothesis_seed(20261204)
+        @settings(max_examples=40, database=None, derandomize=False)
+        @given(case=strategy)
+        def collect(case):
+            out.append(case)
+
+        collect()
+        return out
+
+    kept = drawn(cases(mutation=mutation))
+    assert len(kept) == 40 and kept == drawn(built_per_draw())
+
+
 def test_geometries_shrink_to_the_smallest_geometry_of_the_domain():
     assert find(geometries(), lambda c: True) == DOMAIN.smallest()
 
