@@ -5,8 +5,9 @@
 "bare" is what any such check must do at least once: the dense reference's forward,
 backward and AdamW step on the full batch (``train_reference``), from parameters already
 drawn. "check" is ``TrainingCase.check``: the same reference, plus the sharded model on
-the DP x TP mesh (split, one copy per DP replica, forward, vocab-parallel loss, backward,
-TP and DP gradient reductions, AdamW on every shard, gathers) and the comparisons. The
+the DP x TP mesh (split, DP replicas over one storage, forward, vocab-parallel loss,
+backward, TP and DP gradient reductions, AdamW on every TP rank's shards) and the
+comparisons, each shard against its declared slice of the reference. The
 "sharded" column is ``train_sharded`` alone. Rounds are interleaved (bare, sharded, check,
 bare, ...) so machine noise hits all alike; medians shown.
 
@@ -74,7 +75,7 @@ def wrapped(phases: Phases) -> Phases:
     s, c = step_module, compare_module
     phases.wrap(s, "train_reference", "reference: parameter, gradient and state copies",
                 scope="reference")
-    phases.wrap(s, "train_sharded", "sharded: replicas (one copy per DP rank), traces",
+    phases.wrap(s, "train_sharded", "sharded: replicas, trace copies",
                 scope="sharded")
     phases.wrap(ReferenceModel, "__call__", "{scope}: forward")
     phases.wrap(ShardedModel, "__call__", "{scope}: forward")

@@ -125,6 +125,14 @@ def test_the_difference_and_the_references_magnitude_in_one_pass_are_each_to_the
         assert same(magnitude, float(want.double().abs().max())), name
 
 
+def test_the_one_pass_pair_broadcasts_past_one_block_as_the_plain_expressions_do():
+    g = torch.Generator().manual_seed(12)
+    got, row = torch.randn(8, BLOCK // 4, generator=g), torch.randn(BLOCK // 4, generator=g)
+    assert got.numel() > BLOCK  # past the one-block shortcut
+    assert difference_and_magnitude(got, row) == (plain(got, row),
+                                                  float(row.double().abs().max()))
+
+
 def unchanged(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0))
 

@@ -64,6 +64,7 @@ def test_pieces_within_rows_tile_those_rows_of_dim_0_only(rows):
             continue
         covered = torch.zeros(shards.shape, dtype=torch.int64)
         for piece, index in shards.pieces(rows):
+            assert piece.numel(), name  # a piece outside the rows is left out, not empty
             covered[index] += 1
             assert torch.equal(piece, full[name][index]), name
         assert torch.all(covered[lo:hi] == 1) and not covered[:lo].any() \
@@ -97,6 +98,14 @@ def test_one_element_off_on_the_last_ranks_shard_is_the_gathered_deviation(name)
                               full[name]) == math.inf
 
 
+def test_nothing_to_compare_deviates_by_nothing():
+    """Empty tensors (and rows holding none): deviation 0, not an error, not infinite."""
+    empty = torch.empty(0, 4)
+    assert relative_deviation(empty, empty) == 0.0
+    assert relative_deviation(torch.ones(3, 4), torch.ones(3, 4), (2, 2)) == 0.0
+    assert relative_deviation(torch.ones(3, 4), torch.zeros(3, 4), (2, 3)) == math.inf  # twin
+
+
 def test_the_k_and_v_rows_alone_see_a_fault_in_k_and_not_one_in_q():
     full, held = _sharded(GQA, 2)
     name = "layers.0.qkv.weight"
@@ -127,6 +136,23 @@ def test_a_sharded_traces_deviations_are_its_gathered_traces():
         else:
             assert by_shards[quantity] == (value, where), quantity
     assert by_gather["param_grad"][0] > 0.0  # not vacuous: the two runs round differently
+
+
+def test_a_sharded_trace_as_the_reference_is_gathered_first():
+    """Two sharded runs compared (the reference a sharded trace): every field gathered to
+    its global tensor, so a run against itself deviates by nothing."""
+    case = TrainingCase(SMALL, Mesh(2, 2), steps=2)
+    got = case.sharded()
+    whole = gathered(got)
+    for before, after in ((got.grads, whole.grads), *zip(got.params, whole.params),
+                          *zip(got.exp_avg, whole.exp_avg),
+                          *zip(got.exp_avg_sq, whole.exp_avg_sq)):
+        assert before.keys() == after.keys()
+        for name, shards in before.items():
+            assert type(after[name]) is torch.Tensor
+            assert torch.equal(after[name], shards.gather()), name
+    found = deviations(SMALL, case.params, got, got)
+    assert all(value == 0.0 for value, _ in found.values()), found
 
 
 def test_update_deviation_of_shards_is_the_gathered_one():

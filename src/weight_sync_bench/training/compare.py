@@ -131,14 +131,9 @@ class Trace:
     hyperparameters: list[dict[str, float]] = field(default_factory=list)
 
 
-def deviation(got: torch.Tensor | Shards, want: torch.Tensor, scale: float,
-              rows: tuple[int, int] | None = None) -> float:
-    """``max |got - want| / scale`` (over global rows ``[lo, hi)`` of dim 0 only, with
-    ``rows``); NaN anywhere reads as infinite; scale 0 demands equality. ``got`` as shards:
-    each against its declared slice of ``want``, the same maximum."""
-    diff = _largest(max_abs_difference(g, w) if g.numel() else 0.0
-                    for g, w in _pairs(got, want, rows))
-    return _relative(diff, scale)
+def deviation(got: torch.Tensor, want: torch.Tensor, scale: float) -> float:
+    """``max |got - want| / scale``; NaN anywhere reads as infinite; scale 0 demands equality."""
+    return _relative(max_abs_difference(got, want) if got.numel() else 0.0, scale)
 
 
 def relative_deviation(got: torch.Tensor | Shards, want: torch.Tensor,
