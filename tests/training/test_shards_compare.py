@@ -12,12 +12,15 @@ import math
 import pytest
 import torch
 
-from weight_sync_bench.layout.reshard import declared_pieces, split
-from weight_sync_bench.layout.table import LayoutTable
+from weight_sync_bench.collectives.inprocess import InProcessCollective
+from weight_sync_bench.layout.placements import HeadReplicated
+from weight_sync_bench.layout.reshard import declared_pieces, split, split_tensor
+from weight_sync_bench.layout.table import LayoutTable, ShardSpec
 from weight_sync_bench.model.config import init_params
 from weight_sync_bench.model.plan import layout_for
 from weight_sync_bench.tolerance.training import QUANTITIES
 from weight_sync_bench.training.compare import (
+    BLOCK,
     Shards,
     deviations,
     gathered,
@@ -121,10 +124,11 @@ def test_the_k_and_v_rows_alone_see_a_fault_in_k_and_not_one_in_q():
         assert relative_deviation(shards, full[name]) > 0
 
 
-def test_a_sharded_traces_deviations_are_its_gathered_traces():
-    """Every quantity of a real dp 2 x tp 2 run: the max-based ones to the bit, the
-    parameter norms within their fp64 rounding."""
-    case = TrainingCase(GQA, Mesh(2, 2), steps=2)
+@pytest.mark.parametrize("mesh", [Mesh(2, 2), Mesh(1, 2, sp=True, cp=2)], ids=str)
+def test_a_sharded_traces_deviations_are_its_gathered_traces(mesh):
+    """Every quantity of a real dp 2 x tp 2 run and a tp 2 x sp x cp 2 one: the max-based
+    ones to the bit, the parameter norms within their fp64 rounding."""
+    case = TrainingCase(GQA, mesh, steps=2)
     ref, got = case.reference(), case.sharded()
     assert isinstance(got.params[1]["layers.0.qkv.weight"], Shards)
     by_shards = deviations(GQA, case.params, ref, got)
@@ -153,6 +157,45 @@ def test_a_sharded_trace_as_the_reference_is_gathered_first():
             assert torch.equal(after[name], shards.gather()), name
     found = deviations(SMALL, case.params, got, got)
     assert all(value == 0.0 for value, _ in found.values()), found
+
+
+def test_replicated_kv_heads_count_once_in_a_norm_and_every_copy_in_a_maximum():
+    """HeadReplicated: two ranks hold each KV head. The norm sums each global row once (the
+    last copy, as gather keeps it), so it is the gathered norm; a maximum reads every copy,
+    so a fault in the copy gather drops is still found."""
+    spec = ShardSpec("qkv.weight", ((8 + 2 * 2) * 4, 8), HeadReplicated(8, 2, 4))
+    full = torch.randn(spec.shape, generator=torch.Generator().manual_seed(7))
+    start = full - 1e-3
+    shards = Shards(tuple(split_tensor(full, spec, 4)), spec)
+    assert sum(p.numel() for p, _ in shards.pieces()) > full.numel()  # copies overlap
+    moved = Shards(tuple(t + 1e-6 * (1 + i) for i, t in enumerate(shards.tensors)), spec)
+    want = update_deviation(moved.gather(), full, start)
+    assert update_deviation(moved, full, start) == pytest.approx(want, rel=1e-12, abs=0)
+    first = shards.tensors[0].clone()
+    first[-1, 0] += 1.0  # rank 0's copy of KV head 0's last V row: rank 1's is gathered
+    dropped = Shards((first,) + shards.tensors[1:], spec)
+    assert relative_deviation(dropped.gather(), full) == 0.0
+    assert relative_deviation(dropped, full) > 0.0
+
+
+def test_pieces_that_do_not_cover_the_tensor_once_are_refused_for_a_norm(monkeypatch):
+    full, held = _sharded(SMALL, 2)
+    shards = held["layers.0.o_proj.weight"]
+    assert shards.once()  # the twin
+    pieces = shards.pieces()
+    monkeypatch.setattr(Shards, "pieces", lambda self, rows=None: pieces[:1])
+    with pytest.raises(ValueError, match="do not cover the tensor once"):
+        update_deviation(shards, full["layers.0.o_proj.weight"], full["layers.0.o_proj.weight"])
+
+
+def test_a_norm_of_broadcast_tensors_past_one_block_is_the_plain_expression():
+    g = torch.Generator().manual_seed(13)
+    row = torch.randn(BLOCK // 4, generator=g)
+    got, start = row + 1e-4 * torch.randn(8, BLOCK // 4, generator=g), row - 1e-3
+    plain = float((got.double() - row.double()).norm()) / float(
+        (row.double() - start.double()).norm())
+    scratch = torch.empty(2 * BLOCK, dtype=torch.float64)
+    assert update_deviation(got, row, start, scratch) == pytest.approx(plain, rel=1e-12, abs=0)
 
 
 def test_update_deviation_of_shards_is_the_gathered_one():
@@ -214,3 +257,40 @@ def test_the_twin_stepping_a_shared_replica_again_moves_its_parameters_twice(mon
     monkeypatch.setattr(TrainStep, "__init__", every_optimizer_steps)
     report = case.check(thresholds, reference=ref)
     assert not report.passed and report["params_step1"].deviation > 0.5
+
+
+class StaleDP:
+    """A DP all-reduce whose replicas past the first receive the previous step's sum for the
+    same tag (a stale bucket buffer): replica 0 steps right, the others with old gradients."""
+
+    def __init__(self, degree):
+        self.inner = InProcessCollective(degree)
+        self.degree, self.ranks = degree, tuple(range(degree))
+        self.previous = {}
+
+    def all_reduce(self, xs, *, tag):
+        out = self.inner.all_reduce(xs, tag=tag)
+        if self.degree == 1 or torch.is_grad_enabled():  # the TP forward's, not DP's
+            return out
+        stale = self.previous.get(tag, out[0])
+        self.previous[tag] = out[0].clone()
+        return [out[0]] + [stale.clone() for _ in range(self.degree - 1)]
+
+    def all_gather(self, xs, dim, *, tag):
+        return self.inner.all_gather(xs, dim, tag=tag)
+
+
+def test_a_dp_replica_handed_another_gradient_is_found_though_the_replicas_share_storage():
+    """The in-process DP replicas share their parameters, so a replica stepping with another
+    gradient cannot diverge from replica 0: its gradient is compared at every step instead
+    (from step 2 here, where the stale sum first differs); the twin, one-tensor-per-rank
+    collectives that sum right, passes."""
+    from tests.training.test_step import PerRankCollective
+
+    case = TrainingCase(SMALL, Mesh(2, 1), steps=2)
+    ref = case.reference()
+    thresholds = dict.fromkeys(QUANTITIES, 1e-2)
+    assert case.check(thresholds, reference=ref).passed
+    assert case.check(thresholds, reference=ref, collective=PerRankCollective).passed
+    stale = case.check(thresholds, reference=ref, collective=StaleDP)
+    assert not stale.passed and stale["replicas"].deviation > 0.0

@@ -35,7 +35,7 @@ Params = dict[str, torch.Tensor]
 EXACT = ("replicas", "padding_grad", "hyperparameters")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Shards:
     """One parameter's tensor as the TP ranks hold it (``tensors[r]``: rank r's shard) with
     its declared spec: compared with the reference's global tensor slice by slice
@@ -68,6 +68,18 @@ class Shards:
             else:  # replicated, or cut along another dim: every row of dim 0
                 out.append((piece.narrow(0, lo, hi - lo), (slice(lo, hi),) + index[1:]))
         return out
+
+    def once(self) -> list[tuple[torch.Tensor, tuple[slice, ...]]]:
+        """``pieces()`` with each global slice once: where ranks hold copies of one slice
+        (replicated KV heads), the last rank's, as ``gather_tensor`` keeps it. For a sum
+        over the tensor (a norm), which copies would count twice; a maximum reads them all.
+        Refused (``ValueError``) unless the pieces then cover the tensor's elements once."""
+        last = {tuple((s.start, s.stop) for s in index): (piece, index)
+                for piece, index in self.pieces()}
+        if sum(piece.numel() for piece, _ in last.values()) != math.prod(self.spec.shape):
+            raise ValueError(f"{self.spec.name}: the declared pieces of {self.spec.placement} "
+                             "do not cover the tensor once")
+        return list(last.values())
 
     def pairs(self, full: torch.Tensor, rows: tuple[int, int] | None = None
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -140,7 +152,8 @@ def relative_deviation(got: torch.Tensor | Shards, want: torch.Tensor,
                        rows: tuple[int, int] | None = None) -> float:
     """``deviation(got, want, max |want|)`` (``max |want|`` over ``rows`` with them), to the
     bit, each block of ``want`` read once for both (``difference_and_magnitude``); as
-    shards, the pieces tile ``want`` (or its rows), so its largest magnitude is theirs."""
+    shards, the pieces cover ``want`` (or its rows), so its largest magnitude is theirs, and
+    every copy a rank holds is compared."""
     diff, scale = 0.0, 0.0
     for g, w in _pairs(got, want, rows):
         d, m = difference_and_magnitude(g, w) if g.numel() else (0.0, 0.0)
@@ -357,11 +370,11 @@ def update_deviation(got: torch.Tensor | Shards, want: torch.Tensor, start: torc
     ``lr * sign(g)``: an element whose gradient sits at the floor (|g| near the rounding
     error of a reordered sum) may flip its whole step, and over millions of elements some
     do, so an elementwise maximum measures that tail rather than the update. ``got`` as
-    shards: each against its declared slices of ``want`` and ``start``, which they tile.
+    shards: each slice once (``Shards.once``) against its slices of ``want`` and ``start``.
     ``scratch`` (fp64, ``2 * BLOCK`` elements or more) holds each block's differences
     instead of fresh tensors."""
     if isinstance(got, Shards):
-        triples = [(piece, want[index], start[index]) for piece, index in got.pieces()]
+        triples = [(piece, want[index], start[index]) for piece, index in got.once()]
     else:
         triples = [(got, want, start)]
     diff, scale = _norms_of_differences(triples, scratch)

@@ -131,7 +131,7 @@ def train_rank_task(ctx: RankContext, *, config: ModelConfig, shards: Params,
     and position (``mesh``; default one TP group of the task's degree, SP if ``sp``).
     Returns the losses, the first step's input-gradient share and the positions it holds,
     the gradients, and the parameters after every step; the moments after every step only
-    on DP replica 0's CP rank 0, whose TP ranks hold the model ``train_gloo`` gathers (the
+    on DP replica 0's CP rank 0, whose TP ranks hold the model ``train_gloo`` compares (the
     other ranks' copies are compared through their gradients and parameters, ``_spread``):
     moments nobody reads made a TOY rank's result 2.5x larger, and ran the phase 1b
     sequence floor's TOY meshes out of this 23 GB machine's memory."""

@@ -44,8 +44,8 @@ def moments(optim: torch.optim.Optimizer, params: Params, *, copy: bool = True
             ) -> tuple[Params, Params]:
     """Copies of AdamW's first and second moments (``exp_avg``, ``exp_avg_sq``) of each named
     parameter, as the optimizer holds them; zeros for a parameter it has not stepped.
-    ``copy=False``: the optimizer's own tensors, for a caller that copies them anyway
-    (``gather`` returns fresh tensors) or whose optimizer steps no more."""
+    ``copy=False``: the optimizer's own tensors, for a caller whose optimizer steps no more
+    (the last step's moments)."""
     first, second = {}, {}
     for name, p in params.items():
         state = optim.state.get(p, {})

@@ -12,9 +12,10 @@ same parameters on the same data and compares, each with its own measured thresh
 - ``params_step1`` / ``params_final``: the parameters after one AdamW step from identical
   state, and after ``steps`` steps on fresh batches;
 - ``replicas``: copies that must be identical (replicated gradients across TP ranks after
-  their reduction, every parameter across DP replicas after each step), compared exactly;
-  in process the DP replicas are one storage (the all-reduce hands them one gradient, so
-  one optimizer steps them all), over gloo each rank's own;
+  their reduction, every gradient and parameter across DP replicas after each step),
+  compared exactly. In process the DP replicas' parameters are one storage, stepped once
+  (a correct DP all-reduce gives them one gradient, so their steps are one step), and their
+  gradients are compared at every step; over gloo each rank steps its own copy;
 - ``padding_grad``: the gradient of the padded vocab rows, which must be exactly zero.
 
 The mesh runs in process. Each data-parallel rank holds different rows of the batch, so a
@@ -214,10 +215,11 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
     # replicas[0][e]: DP replica 0, flat position e (CP rank e // tp, TP rank e % tp), its
     # own leaf tensors (a tied table is one leaf): the split's own tensors for the first
     # copy of each TP rank's shards, a clone for every other. Every other DP replica d holds
-    # leaves of its own (its own gradients) over replica 0's storage: in process the DP
-    # all-reduce hands every replica one tensor, so their gradients, their optimizer states
-    # and their steps are one, and one optimizer steps the storage (``TrainStep``);
-    # stepping each replica's copy apart cost the check as much as the reference step.
+    # leaves of its own (its own gradients) over replica 0's storage, stepped once by
+    # replica 0's optimizers (``TrainStep``): replicas whose reduced gradients are equal,
+    # bit for bit (compared at every step, ``_spread``), from equal parameters and states
+    # step to equal parameters. Stepping each replica's copy apart cost the check as much as
+    # the reference step.
     first = [{n: (s if e < mesh.tp else s.detach().clone()).requires_grad_(True)
               for n, s in declared[e % mesh.tp].items()} for e in range(mesh.replica_size)]
     replicas = [first] + [[{n: p.detach().requires_grad_(True) for n, p in local.items()}
@@ -230,7 +232,10 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
     input_grad, grads = torch.empty(0), {}
     last = len(batches) - 1
     for k, batch in enumerate(batches):
-        result = step(batch, range(mesh.dp), keep_grads=k == 0)
+        # every step's reduced gradients (kept, not copied) for their spread: the DP replicas
+        # share their parameters, so a replica whose gradient differs (a DP reduction that
+        # hands one replica another sum) shows there, before the one step of their storage
+        result = step(batch, range(mesh.dp), keep_grads=True)
         # the group's share: one copy per context chunk (its TP rank 0's)
         losses.append(sum(o.item() for objective, ranks in zip(result.objectives, result.ranks)
                           for o, r in zip(objective, ranks) if r == 0))
@@ -239,8 +244,8 @@ def train_sharded(config: ModelConfig, params: Params, batches: Sequence[TrainBa
                                     in zip(result.embedded, result.positions, result.parts)],
                                    dim=0)
             grads = held(result.grads[0][:mesh.tp], layout)  # kept: no step writes them
-            spread = max(spread, _spread(result.grads, step.replicated, mesh.tp, lambda g: g))
-        spread = max(spread, _spread(replicas, step.replicated, mesh.tp, lambda p: p))
+        spread = max(spread, _spread(result.grads, step.replicated, mesh.tp, lambda g: g),
+                     _spread(replicas, step.replicated, mesh.tp, lambda p: p))
         # the TP ranks' shards, compared in place (``Shards``): a copy of each step's but
         # the last, which nothing steps again
         after.append(held([{n: p.detach() if k == last else p.detach().clone()
