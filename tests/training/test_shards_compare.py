@@ -184,8 +184,10 @@ def test_pieces_that_do_not_cover_the_tensor_once_are_refused_for_a_norm(monkeyp
     assert shards.once()  # the twin
     pieces = shards.pieces()
     monkeypatch.setattr(Shards, "pieces", lambda self, rows=None: pieces[:1])
-    with pytest.raises(ValueError, match="do not cover the tensor once"):
+    with pytest.raises(ValueError) as refused:
         update_deviation(shards, full["layers.0.o_proj.weight"], full["layers.0.o_proj.weight"])
+    assert str(refused.value) == ("layers.0.o_proj.weight: the declared pieces of "
+                                  f"{shards.spec.placement} do not cover the tensor once")
 
 
 def test_a_norm_of_broadcast_tensors_past_one_block_is_the_plain_expression():
@@ -294,3 +296,42 @@ def test_a_dp_replica_handed_another_gradient_is_found_though_the_replicas_share
     assert case.check(thresholds, reference=ref, collective=PerRankCollective).passed
     stale = case.check(thresholds, reference=ref, collective=StaleDP)
     assert not stale.passed and stale["replicas"].deviation > 0.0
+
+
+class FirstStepDP(StaleDP):
+    """A DP all-reduce that hands the replicas past the first a sum one ulp off at the first
+    step only, and the right sum after: the replicas' gradients differ at step 1 alone."""
+
+    def all_reduce(self, xs, *, tag):
+        out = self.inner.all_reduce(xs, tag=tag)
+        if self.degree == 1 or torch.is_grad_enabled() or tag in self.previous:
+            return out
+        self.previous[tag] = True
+        return [out[0]] + [torch.nextafter(out[0], torch.full_like(out[0], math.inf))
+                           for _ in range(self.degree - 1)]
+
+
+def test_a_replica_spread_at_an_early_step_is_kept_to_the_verdict():
+    case = TrainingCase(SMALL, Mesh(2, 1), steps=2)
+    ref = case.reference()
+    report = case.check(dict.fromkeys(QUANTITIES, math.inf), reference=ref,
+                        collective=FirstStepDP)
+    assert not report.passed and report["replicas"].deviation > 0.0
+
+
+def test_tp_copies_that_step_apart_are_replicas_that_differ(monkeypatch):
+    """A TP rank whose optimizer does not step: its copy of every replicated parameter
+    stays where it started while rank 0's moves. The gradients agree, the parameters do
+    not: 'replicas' reads the parameters too."""
+    original = TrainStep.__init__
+
+    def rank_1_never_steps(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.stepping = [o for o in self.stepping if o is not self.optims[0][1]]
+
+    case = TrainingCase(SMALL, Mesh(1, 2), steps=1)
+    ref = case.reference()
+    assert case.check(dict.fromkeys(QUANTITIES, math.inf), reference=ref).passed  # the twin
+    monkeypatch.setattr(TrainStep, "__init__", rank_1_never_steps)
+    report = case.check(dict.fromkeys(QUANTITIES, math.inf), reference=ref)
+    assert report["replicas"].deviation > 0.0 and not report.passed
