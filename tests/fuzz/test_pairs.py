@@ -286,6 +286,25 @@ def test_kept_checkers_stay_within_their_count_and_bytes_the_oldest_leaving_firs
     assert seeds(kept) == [0, 3, 4] and kept.nbytes == 85
     kept.keep(case(5), None, None, _Held(101))  # alone over the budget: nothing is kept
     assert seeds(kept) == [] and kept.nbytes == 0
+    kept.keep(case(6), None, None, _Held(100))  # exactly the budget: kept
+    assert seeds(kept) == [6] and kept.nbytes == 100
+
+
+def test_a_checker_kept_again_replaces_its_entry_as_the_most_recent():
+    """Kept again (under another forward, say): one entry, its old bytes gone, and the most
+    recently used, so the next one over the count evicts another."""
+    from weight_sync_bench.fuzz.case import KeptCheckers
+
+    def case(seed):
+        return Case(CONFIG, src=1, dst=1, seed=seed)
+
+    kept = KeptCheckers(budget=100, size=2)
+    kept.keep(case(0), None, None, _Held(10))
+    kept.keep(case(1), None, None, _Held(10))
+    kept.keep(case(0), "another forward", None, _Held(20))
+    assert [key[1] for key in kept.kept] == [1, 0] and kept.nbytes == 30
+    kept.keep(case(2), None, None, _Held(10))
+    assert [key[1] for key in kept.kept] == [0, 2]
 
 
 def test_keeping_checkers_changes_nothing_a_run_decides(monkeypatch):
