@@ -706,3 +706,19 @@ def test_the_public_checks_defaults_are_seed_0_fp32_in_process_and_no_measuring(
         check_reshard(lambda shards, t: split(gather(shards, LAYOUT), LAYOUT, t), TOY, 2, 1)
     assert made == [{"seed": 0, "threshold": None, "backend": "inprocess", "dtype": torch.float32,
                          "measure_floor": False}]
+
+
+def test_a_matching_reshard_verdict_of_an_moe_model_carries_its_routing_figures():
+    """The streamed path's verdict (bytes matched, no forward of its own) says what the
+    whole check's does about routing: the near ties and the bound, as for the declared
+    split; the twin, a dense model's, has none."""
+    from tests.check.narrow import THRESHOLD, narrowed
+    from weight_sync_bench.model.config import TOY_MOE
+
+    checker = Checker(narrowed(TOY_MOE), threshold=THRESHOLD)
+    streamed = checker.reshard_verdict(1, 2)
+    whole = checker.verdict(checker.declared(2), src=1, dst=2)
+    assert streamed.first_mismatch is None and streamed.route_bound is not None
+    assert (streamed.near_ties, streamed.route_bound) == (whole.near_ties, whole.route_bound)
+    dense = Checker(narrowed(TOY), threshold=THRESHOLD).reshard_verdict(1, 2)
+    assert dense.route_bound is None
