@@ -333,3 +333,25 @@ def test_keeping_checkers_changes_nothing_a_run_decides(monkeypatch):
     kept = decided()
     monkeypatch.setattr(runner_module, "keeping_checkers", nullcontext)
     assert decided() == kept
+
+
+@pytest.mark.parametrize("mutation", [None, "o_proj_reversed"])
+def test_a_case_without_a_checker_runs_its_forwards_over_the_forward_it_is_given(mutation):
+    """run_case builds its checker over ``forward`` (phase 1b hands it gloo's): every
+    sharded forward of the case goes through it; the twin, a checker given, uses that
+    checker's forward instead."""
+    from weight_sync_bench.check.forwards import inprocess_forward
+    from weight_sync_bench.fuzz.case import make_checker
+
+    calls = []
+
+    def spy(config, shards, tokens, guard=None):
+        calls.append(len(shards))
+        return inprocess_forward(config, shards, tokens, guard)
+
+    case = Case(CONFIG, src=2, dst=4, seed=0, mutation=mutation)
+    run_case(case, forward=spy)
+    assert 4 in calls  # the destination's forward ran through it
+    calls.clear()
+    run_case(case, make_checker(CONFIG, 0), forward=spy)
+    assert calls == []
