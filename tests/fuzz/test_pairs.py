@@ -355,3 +355,12 @@ def test_a_case_without_a_checker_runs_its_forwards_over_the_forward_it_is_given
     calls.clear()
     run_case(case, make_checker(CONFIG, 0), forward=spy)
     assert calls == []
+
+
+def test_a_case_without_a_checker_is_judged_by_the_threshold_rule_it_is_given():
+    """The checker run_case builds takes ``threshold_rule`` (a user's fuzz passes its own);
+    the twin, no rule, is the fuzz domain's."""
+    judged = run_case(Case(CONFIG, src=2, dst=4, seed=0),
+                      threshold_rule=lambda config, reference: 0.125)
+    assert judged.threshold == 0.125
+    assert run_case(Case(CONFIG, src=2, dst=4, seed=0)).threshold != 0.125
