@@ -217,7 +217,7 @@ class KeptCheckers:
         key = (case.config, case.seed, case.phase)
         self.kept.pop(key, None)
         self.kept[key] = (forward, threshold_rule, checker, checker.nbytes)
-        held = sum(entry[3] for entry in self.kept.values())
+        held = self.nbytes
         while self.kept and (len(self.kept) > self.size or held > self.budget):
             held -= self.kept.popitem(last=False)[1][3]
 
