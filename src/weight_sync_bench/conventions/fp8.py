@@ -123,12 +123,20 @@ def quantize_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize(w: torch.Tensor, scheme: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` quantized by ``scheme``: FP8 weights and their scale."""
-    return quantize_blocks(w) if scheme == "block128" else quantize_tensor(w)
+    return quantize_blocks(w) if _block(scheme) else quantize_tensor(w)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: str) -> torch.Tensor:
     """One part's FP8 weights times its scale: per block, or the one per-tensor scale."""
-    return dequantize_blocks(q, scale) if scheme == "block128" else q.float() * scale
+    return dequantize_blocks(q, scale) if _block(scheme) else q.float() * scale
+
+
+def _block(scheme: str) -> bool:
+    """Whether ``scheme`` is the block one; a name that is neither scheme is refused (it
+    would otherwise read as per tensor)."""
+    if scheme not in SCALE_SUFFIXES:
+        raise ValueError(f"FP8 scheme {scheme!r}: expected one of {sorted(SCALE_SUFFIXES)}")
+    return scheme == "block128"
 
 
 def expand(scale: torch.Tensor, n: int, k: int, block: int = BLOCK) -> torch.Tensor:
