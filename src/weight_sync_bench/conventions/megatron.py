@@ -44,7 +44,7 @@ Mixture-of-Experts (Megatron-LM d98e8a64, core 0.20.0; Megatron-Bridge 067f987d,
   "tp-cp-ep-dp-pp", TP fastest): a world of ``lcm(tp, ep * etp)`` ranks, rank g attention TP
   rank ``g % tp`` (its data-parallel replica ``g // tp``), expert-TP rank ``g % etp``, EP rank
   ``(g // etp) % ep``. ``megatron:tp=2,ep=4`` is 8 ranks (etp 2: ranks 2k, 2k+1 hold EP rank k);
-  ``megatron:tp=2,ep=4,etp=1`` too (EP rank ``g % 4``, expert-DP 2);
+  ``megatron:tp=2,ep=4,etp=1`` is ``lcm(2, 4) = 4`` (EP rank ``g % 4``, expert-DP 1);
 - router ``mlp.router.weight`` ``[E, d]`` replicated, DeepSeek's selection bias
   ``mlp.router.expert_bias`` a persistent fp32 **buffer** (``router.py::TopKRouter``): not a
   parameter, still in the state dict, so it must be moved;
