@@ -903,17 +903,22 @@ class MegatronObject:
 def _safe_globals() -> list[Any]:
     """What a Megatron legacy checkpoint's pickle may name besides tensors, as Megatron's own
     ``safe_globals.SAFE_GLOBALS`` allows: stdlib and numpy types, under both numpy 1's and
-    numpy 2's names of the array reconstructor."""
+    numpy 2's names of the array reconstructor. A ``Path`` pickles as its concrete class,
+    ``PosixPath`` here, which is the name Megatron allows (megatron/core/safe_globals.py,
+    2025: ``SimpleNamespace, PosixPath, _reconstruct, ndarray, dtype, UInt32DType,
+    Namespace`` and its own enums)."""
     import argparse
     import io
+    import pathlib
     import signal
     import types
 
     import numpy
     from numpy.core.multiarray import _reconstruct
 
-    return [argparse.Namespace, types.SimpleNamespace, Path, io.BytesIO, signal.Signals,
-            torch._C.Generator, numpy.ndarray, numpy.dtype, type(numpy.dtype("uint32")),
+    return [argparse.Namespace, types.SimpleNamespace, Path, pathlib.PosixPath, io.BytesIO,
+            signal.Signals, torch._C.Generator, numpy.ndarray, numpy.dtype,
+            type(numpy.dtype("uint32")),
             (_reconstruct, "numpy.core.multiarray._reconstruct"),
             (_reconstruct, "numpy._core.multiarray._reconstruct")]
 
