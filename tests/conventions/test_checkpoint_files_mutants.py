@@ -16,6 +16,7 @@ import io
 import json
 import os
 import pickle
+import re
 import signal
 import types
 from pathlib import Path
@@ -197,6 +198,9 @@ def test_a_truncated_torch_checkpoint_is_named_not_loaded(tmp_path):
     e = error(lambda: K._megatron_pickle(cut, tmp_path / "shown.pt"))
     assert str(e).startswith(f"{tmp_path / 'shown.pt'}: not a readable torch checkpoint, "
                              "truncated or corrupt (")
+    # the exception's type and torch's own reason, not a placeholder
+    assert re.search(r"corrupt \((RuntimeError|EOFError|OSError|ValueError): \w", str(e)), e
+    assert not str(e).endswith("None)")
     assert e.path == str(tmp_path / "shown.pt")
     assert K._megatron_pickle(io.BytesIO(whole), cut)["w"].tolist() == [0.0, 1.0, 2.0]
 
@@ -214,6 +218,9 @@ def test_a_refused_pickle_is_said_by_what_it_calls_without_torchs_advice():
     plain = RuntimeError("PytorchStreamReader failed reading zip archive\nweights_only stuff\n"
                          "   \nsee the documentation")
     assert K._refused_pickle(plain) == "PytorchStreamReader failed reading zip archive"
+    advice = RuntimeError("first reason\nThis file can still be loaded, in two ways\n"
+                          "only if you trust the source\nsecond reason")
+    assert K._refused_pickle(advice) == "first reason; second reason"
     assert K._refused_pickle(EOFError()) == "EOFError"
 
 
@@ -285,3 +292,77 @@ def test_an_array_pickled_under_numpy_1s_name_of_its_reconstructor_loads(tmp_pat
     for data in (new, old):
         got = K._megatron_pickle(io.BytesIO(data), tmp_path / "rank.pt")
         assert got["rng"].tolist() == [0, 1, 2]
+
+
+def test_an_environment_that_forces_unsafe_loads_still_runs_nothing(tmp_path, monkeypatch):
+    """``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns torch's default to unsafe loads; the
+    harness asks for ``weights_only=True`` itself, so a pickle's code still never runs."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    RAN.clear()
+    e = error(lambda: K._megatron_pickle(saved({"x": Evil()}), tmp_path / "r.pt"))
+    assert "Unsupported global" in str(e) and RAN == []
+    # the twin: torch's own default under that environment would have run it
+    buf = saved({"x": Evil()})
+    buf.seek(0)
+    with pytest.warns(UserWarning, match="forcing weights_only=False"):
+        torch.load(buf, map_location="cpu")
+    assert RAN == [("evil",)]
+
+
+def many_megatron_classes(n: int) -> io.BytesIO:
+    """A pickle naming ``n`` distinct classes of Megatron's (``megatron.fake.C{i}``)."""
+    import sys
+
+    mods = ("megatron", "megatron.fake")
+    added = [m for m in mods if m not in sys.modules]
+    for m in added:
+        sys.modules[m] = types.ModuleType(m)
+    try:
+        objs = []
+        for i in range(n):
+            cls = type(f"C{i}", (), {"__module__": "megatron.fake"})
+            setattr(sys.modules["megatron.fake"], f"C{i}", cls)
+            objs.append(cls())
+        return saved(objs)
+    finally:
+        for m in added:
+            del sys.modules[m]
+
+
+def test_at_most_65_of_megatrons_classes_are_stood_in_for(tmp_path):
+    """Each class Megatron's pickle names costs one more load; a file naming more than 65
+    is refused rather than loaded again and again."""
+    got = K._megatron_pickle(many_megatron_classes(65), tmp_path / "r.pt")
+    assert len(got) == 65 and all(type(x) is K.MegatronObject for x in got)
+    e = error(lambda: K._megatron_pickle(many_megatron_classes(66), tmp_path / "r.pt"))
+    assert "Unsupported global: GLOBAL megatron.fake.C65" in str(e)
+
+
+
+_AS_CUDA = [False]
+
+
+def _cuda_tag(obj):  # while set, a CPU storage is saved as torch tags a CUDA one
+    return "cuda:0" if _AS_CUDA[0] and getattr(obj, "device", None) == torch.device("cpu") \
+        else None
+
+
+def test_a_checkpoint_saved_from_gpus_loads_on_a_machine_without_one(tmp_path):
+    """Megatron saves from GPUs: each storage tagged ``cuda:N``. Loaded onto the CPU
+    (``map_location``), it reads here; torch's default would ask for a GPU."""
+    from torch import serialization
+
+    if not getattr(serialization, "_wsb_cuda_tag", False):
+        serialization.register_package(1, _cuda_tag, lambda obj, location: None)
+        serialization._wsb_cuda_tag = True
+    _AS_CUDA[0] = True
+    try:
+        buf = saved({"w": torch.arange(3.0)})
+    finally:
+        _AS_CUDA[0] = False
+    assert b"cuda:0" in buf.getvalue()
+    assert K._megatron_pickle(buf, tmp_path / "r.pt")["w"].tolist() == [0.0, 1.0, 2.0]
+    if not torch.cuda.is_available():  # the twin: torch's default location needs the GPU
+        buf.seek(0)
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(buf, weights_only=True)
