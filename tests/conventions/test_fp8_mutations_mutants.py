@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.check.test_fp8_convert import MOE_FP8, TOY_FP8
 from weight_sync_bench.conventions import endpoint
 from weight_sync_bench.conventions.fp8 import (
     E4M3_MAX,
@@ -26,14 +27,10 @@ from weight_sync_bench.conventions.fp8 import (
     shard_quantized,
 )
 from weight_sync_bench.conventions.fp8_mutations import FP8_MUTATIONS, mutated
-from weight_sync_bench.model.config import ModelConfig, init_params
+from weight_sync_bench.model.config import init_params
 
-# TOY_FP8 of tests/check/test_fp8_convert.py: 128-wide heads, so o_proj at TP 2 is a 2 x 2
-# grid of blocks (square, and not its own transpose), its MLP whole blocks
-TOY_FP8 = ModelConfig(name="toy_fp8", vocab=1000, d_model=256, n_layers=2, n_heads=4,
-                      n_kv_heads=2, head_dim=128, ffn=512)
-MOE_FP8 = TOY_FP8.replace(name="toy_fp8_moe", n_experts=4, top_k=2, expert_ffn=256,
-                          qk_norm=True)
+# TOY_FP8's heads are 128 wide: o_proj at TP 2 is a 2 x 2 grid of blocks (square, and not
+# its own transpose), its MLP whole blocks; MOE_FP8 is it with experts over EP
 O0 = "model.layers.0.self_attn.o_proj.weight"
 
 
@@ -145,7 +142,7 @@ def test_scale_other_rank_takes_rank_0s_first_scale_the_last_rank_holds_otherwis
 @pytest.mark.parametrize(("config", "dst"), [(MOE_FP8, "vllm:tp=2,ep=2,fp8=tensor"),
                                              (TOY_FP8, "vllm:tp=4,fp8=block128")])
 def test_scale_other_rank_gives_the_last_rank_rank_0s_first_differing_scale(config, dst):
-    good, bad, at, _ = run("scale_other_rank", config, dst)
+    good, bad, _, _ = run("scale_other_rank", config, dst)
     differing = [n for n in good[0] if n.endswith(("_scale", "_scale_inv")) and n in good[-1]
                  and not torch.equal(good[0][n], good[-1][n])]
     assert differing, "the per-tensor scales of EP ranks' experts differ"

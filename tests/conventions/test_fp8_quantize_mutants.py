@@ -116,7 +116,10 @@ def test_a_shared_experts_gate_and_up_and_each_experts_down_are_quantized_on_the
 def test_an_hf_fp8_checkpoints_quantization_config_per_block_and_per_tensor():
     """DeepSeek-V3's config.json (README_WEIGHTS.md) per block; vLLM's ``Fp8Config`` reads
     a config without ``weight_block_size`` as per tensor."""
-    from weight_sync_bench.conventions.fp8 import QUANTIZATION_CONFIG, quantization_config
+    from weight_sync_bench.conventions.fp8 import (
+        QUANTIZATION_CONFIG,
+        quantization_config,
+    )
 
     block = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
              "weight_block_size": [128, 128]}
