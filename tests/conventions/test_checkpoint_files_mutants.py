@@ -12,12 +12,14 @@ refusal beside its twin that reads."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
 import pickle
 import re
 import signal
+import sys
 import types
 from pathlib import Path
 
@@ -147,46 +149,51 @@ def test_a_megatron_pickle_loads_tensors_and_megatrons_allowed_types_as_they_are
     assert K._megatron_pickle(buf, tmp_path / "shown.pt")["args"] == ns
 
 
-class Record:  # stands for a Megatron class: pickled under a megatron.* name below
-    def __init__(self, value):
-        self.value = value
-
-
-def megatron_named(obj, module="megatron.core.enums", name="ModelType"):
-    """``obj`` pickled with ``Record`` named as Megatron's ``module.name``."""
-    import sys
-
+@contextlib.contextmanager
+def classes_named(module: str, *names: str):
+    """Classes importable as ``module.name`` (as pickling them by reference needs) while
+    inside: what Megatron's own classes are to a pickle, without Megatron."""
     parts = module.split(".")
-    names = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
-    added = [n for n in names if n not in sys.modules]
-    Record.__module__, Record.__qualname__, Record.__name__ = module, name, name
+    added = [m for m in (".".join(parts[:i]) for i in range(1, len(parts) + 1))
+             if m not in sys.modules]
+    for m in added:
+        sys.modules[m] = types.ModuleType(m)
+    made = [type(n, (), {"__module__": module, "__init__": _keep}) for n in names]
+    for cls in made:
+        setattr(sys.modules[module], cls.__name__, cls)
     try:
-        for n in added:
-            sys.modules[n] = types.ModuleType(n)
-        setattr(sys.modules[module], name, Record)
-        return saved(obj)
+        yield made
     finally:
-        for n in added:
-            del sys.modules[n]
-        Record.__module__, Record.__qualname__, Record.__name__ = __name__, "Record", "Record"
+        for m in added:
+            del sys.modules[m]
+
+
+def _keep(self, value=None):
+    self.value = value
 
 
 def test_megatrons_own_classes_become_inert_stand_ins_and_any_other_global_is_refused(tmp_path):
     shown = tmp_path / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
-    got = K._megatron_pickle(megatron_named({"kind": Record(7)}), shown)
+    with classes_named("megatron.core.enums", "ModelType") as (kind,):
+        got = K._megatron_pickle(saved({"kind": kind(7)}), shown)
     stand_in = got["kind"]
     assert type(stand_in) is K.MegatronObject and stand_in.state == {"value": 7}
-    # two of Megatron's classes, one after the other: each gets its stand-in
-    two = megatron_named({"a": Record(1)}, "megatron.core.enums", "ModelType")
-    assert type(K._megatron_pickle(two, shown)["a"]) is K.MegatronObject
+    # two of Megatron's classes in two modules: each gets its stand-in
+    with classes_named("megatron.core.enums", "ModelType") as (kind,), \
+            classes_named("megatron.core.transformer.enums", "AttnBackend") as (backend,):
+        two = saved({"a": kind(1), "b": backend(2)})
+    got = K._megatron_pickle(two, shown)
+    assert type(got["a"]) is type(got["b"]) is K.MegatronObject
+    assert got["b"].state == {"value": 2}
 
     RAN.clear()
     e = error(lambda: K._megatron_pickle(saved({"x": Evil()}), shown))
     assert str(e) == (f"{shown}: refused, its pickle holds more than tensors and Megatron's "
                       f"own records (Unsupported global: GLOBAL {__name__}.ran)")
     assert e.path == str(shown) and RAN == []  # nothing in it ran
-    e = error(lambda: K._megatron_pickle(megatron_named({"x": Record(1)}, "megatronx.evil",
-                                                        "Thing"), shown))
+    with classes_named("megatronx.evil", "Thing") as (thing,):
+        evil = saved({"x": thing(1)})
+    e = error(lambda: K._megatron_pickle(evil, shown))
     assert "Unsupported global: GLOBAL megatronx.evil.Thing" in str(e)
     assert "weights_only=False" not in str(e)  # torch's advice to run it is not repeated
 
@@ -311,22 +318,8 @@ def test_an_environment_that_forces_unsafe_loads_still_runs_nothing(tmp_path, mo
 
 def many_megatron_classes(n: int) -> io.BytesIO:
     """A pickle naming ``n`` distinct classes of Megatron's (``megatron.fake.C{i}``)."""
-    import sys
-
-    mods = ("megatron", "megatron.fake")
-    added = [m for m in mods if m not in sys.modules]
-    for m in added:
-        sys.modules[m] = types.ModuleType(m)
-    try:
-        objs = []
-        for i in range(n):
-            cls = type(f"C{i}", (), {"__module__": "megatron.fake"})
-            setattr(sys.modules["megatron.fake"], f"C{i}", cls)
-            objs.append(cls())
-        return saved(objs)
-    finally:
-        for m in added:
-            del sys.modules[m]
+    with classes_named("megatron.fake", *(f"C{i}" for i in range(n))) as made:
+        return saved([cls() for cls in made])
 
 
 def test_at_most_65_of_megatrons_classes_are_stood_in_for(tmp_path):
@@ -339,7 +332,7 @@ def test_at_most_65_of_megatrons_classes_are_stood_in_for(tmp_path):
 
 
 
-_AS_CUDA = [False]
+_AS_CUDA = [False, False]  # tagging now; the tagger registered
 
 
 def _cuda_tag(obj):  # while set, a CPU storage is saved as torch tags a CUDA one
@@ -352,9 +345,9 @@ def test_a_checkpoint_saved_from_gpus_loads_on_a_machine_without_one(tmp_path):
     (``map_location``), it reads here; torch's default would ask for a GPU."""
     from torch import serialization
 
-    if not getattr(serialization, "_wsb_cuda_tag", False):
+    if not _AS_CUDA[1]:  # once a process: torch keeps a registered package for good
         serialization.register_package(1, _cuda_tag, lambda obj, location: None)
-        serialization._wsb_cuda_tag = True
+        _AS_CUDA[1] = True
     _AS_CUDA[0] = True
     try:
         buf = saved({"w": torch.arange(3.0)})
