@@ -580,8 +580,8 @@ def calibrate(ctx: SyncContext, nbytes: int = 8 << 20, repeats: int = 3) -> floa
     best = float("inf")
     if ctx.rank < 2 and ctx.world >= 2:
         peer = 1 - ctx.rank
-        out = torch.ones(nbytes // ELEMENT_SIZE, device=ctx.device)
-        into = torch.empty(nbytes // ELEMENT_SIZE, device=ctx.device)
+        out = torch.ones(nbytes // ELEMENT_SIZE, dtype=torch.float32, device=ctx.device)
+        into = torch.empty(nbytes // ELEMENT_SIZE, dtype=torch.float32, device=ctx.device)
         probe = CountingP2P(ctx.group, ctx.rank, ctx.p2p.tracer)
         for _ in range(repeats + 1):  # the first exchange warms the pair's connection up
             started = time.perf_counter()
@@ -630,8 +630,8 @@ def calibrate_pattern(ctx: SyncContext, plan: Plan, repeats: int = 3) -> dict[st
               [[m.numel for m in g] for g in got])
              for step, to, frm, sent, got in schedule(plan, rank, bucket)]
     size = max([1] + [sum(map(sum, groups)) for *_, o, i in steps for groups in (o, i)])
-    source = torch.ones(size, device=ctx.device)
-    into = torch.zeros(size, device=ctx.device)  # touched: warm pages
+    source = torch.ones(size, dtype=torch.float32, device=ctx.device)  # ELEMENT_SIZE bytes
+    into = torch.zeros(size, dtype=torch.float32, device=ctx.device)  # touched: warm pages
     p2p = CountingP2P(ctx.group, rank, ctx.p2p.tracer)
     times = []
     for _ in range(repeats + 1):  # the first warms the connections up
