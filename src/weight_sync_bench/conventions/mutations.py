@@ -197,12 +197,15 @@ _FUSED = re.compile(r"layers\.\d+\.(qkv\.weight|qkv\.bias|gate_up\.weight)")
 def _tp_rank_zero(shards: list[Params], conversion: Conversion) -> list[Params]:
     """Every rank's fused column-parallel tensors (qkv, gate_up, or Meta's wq/wk/wv/w1/w3)
     are rank 0's (on a pipeline stage, its first rank's)."""
-    first: dict[str, int] = {}
+    # keyed by the global tensor too: a staged Megatron endpoint names each stage's layers
+    # from 0, so stage 1's "decoder.layers.0" is global layer n_layers / pp, whose first rank
+    # is its own stage's
+    first: dict[tuple[str, str], int] = {}
     for rank, pieces in enumerate(conversion.dst.pieces(conversion.config)):
         for name, piece in pieces.items():
             if _FUSED.fullmatch(piece.source):
-                first.setdefault(name, rank)
-                shards[rank][name] = shards[first[name]][name].clone()
+                holder = first.setdefault((name, piece.source), rank)
+                shards[rank][name] = shards[holder][name].clone()
     return shards
 
 
