@@ -44,24 +44,11 @@ from weight_sync_bench.model.footprint import GIB, Limits
 
 C = importlib.import_module("weight_sync_bench.cli.checkpoint")
 
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "num_hidden_layers": 4, "vocab_size": 512, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False}
 PASS = Verdict(config="tiny", src=1, dst=1, max_abs_error=1e-7, threshold=1e-3,
                first_mismatch=None, conventions=("hf", "vllm"))
 FAIL = Verdict(config="tiny", src=1, dst=2, max_abs_error=0.5, threshold=1e-3,
                first_mismatch="lm_head.weight", mismatches=("lm_head.weight",),
                conventions=("hf", "vllm"))
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    """A user's config.json, four layers deep (``--layers`` reduces it)."""
-    path = tmp_path / "tiny_llama" / "config.json"  # a geometry is named by its directory
-    path.parent.mkdir()
-    path.write_text(json.dumps(TINY))
-    return path
 
 
 def spy(monkeypatch, name, result=None, *, through=True):
@@ -187,10 +174,8 @@ def test_guard_names_the_fields_as_the_user_wrote_them(monkeypatch, tiny):
     assert calls[-1][0][1] == Limits(max_flops=1e13)
 
 
-def test_a_geometry_over_the_budget_is_refused_in_the_files_words(tmp_path, capsys):
-    wide = tmp_path / "wide" / "config.json"  # a vocabulary past every shipped config's
-    wide.parent.mkdir()
-    wide.write_text(json.dumps({**TINY, "vocab_size": 4_000_000}))
+def test_a_geometry_over_the_budget_is_refused_in_the_files_words(write_config, capsys):
+    wide = write_config("wide", vocab_size=4_000_000)  # past every shipped config's
     model = ["--hf-config", str(wide), "--layers", "1"]
     assert main(["verify", "--convention", "hf", *model, "--max-gib", "0.01", "d"]) == 2
     err = capsys.readouterr().err

@@ -38,10 +38,6 @@ from weight_sync_bench.sync.planner import plan_for
 
 S = importlib.import_module("weight_sync_bench.cli.sync")
 
-TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "num_hidden_layers": 4, "vocab_size": 512, "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0, "tie_word_embeddings": False}
 ROUTE = ["--from", "megatron:2", "--to", "vllm:1"]
 
 
@@ -157,14 +153,6 @@ def sync(monkeypatch):
     monkeypatch.setattr(S, "run_torchrun", run_torchrun)
     monkeypatch.setattr(S, "device_for", lambda *a: rec.devices.append(a))
     return rec
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    path = tmp_path / "tiny_llama" / "config.json"  # a geometry is named by its directory
-    path.parent.mkdir()
-    path.write_text(json.dumps(TINY))
-    return path
 
 
 # ---- the pool ---------------------------------------------------------------------------
