@@ -12,6 +12,13 @@ imports torch and the snapshot's package once, then forks per mutant: the child 
 with PYTEST_ARGS. First the unmutated code is run (it must pass), then each mutant; one line
 each: ``killed`` (a test failed), ``timeout`` (not done in ``--timeout`` seconds, default
 120: killed, as mutmut's CPU limit would) or ``SURVIVED``. Exit 0 when every mutant is killed.
+
+A function that runs while its module is imported (a factory building a module-level table,
+as ``conventions.mutations``' ``_only`` and ``_both`` build the conversion catalogue) ran
+unmutated in the parent, so its mutants would survive whatever the tests: ``--reload
+MODULE`` (repeatable) re-imports MODULE in each child after the mutant is set, so the table
+is built by the mutated code. Names other modules bound with ``from MODULE import X`` keep
+the parent's objects; tests that read ``MODULE.X`` see the new ones.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,15 +59,20 @@ def survivors(prefix: str) -> list[str]:
 TIMEOUT = -1  # run_one's code for a mutant that did not finish in --timeout seconds
 
 
-def run_one(mutant: str, pytest_args: list[str], timeout: float = 120.0) -> int:
+def run_one(mutant: str, pytest_args: list[str], timeout: float = 120.0,
+            reload: Sequence[str] = ()) -> int:
     """The child's exit code, or ``TIMEOUT`` after killing it (a mutant that loops forever
-    is a timeout, as under mutmut's CPU limit)."""
+    is a timeout, as under mutmut's CPU limit). ``reload``: modules re-imported in the
+    child once the mutant is set (``--reload``)."""
     import signal
     import time
 
     pid = os.fork()
     if pid == 0:
         os.environ["MUTANT_UNDER_TEST"] = mutant
+        import importlib
+        for module in reload:
+            importlib.reload(sys.modules[module])
         import pytest
         code = pytest.main(["-q", "-x", "-n", "0", "-p", "no:cacheprovider", "--no-header",
                             *pytest_args])
@@ -85,6 +98,9 @@ def main() -> int:
     parser.add_argument("--fresh", action="store_true")
     parser.add_argument("--timeout", type=float, default=120.0,
                         help="seconds per mutant before it counts as a timeout (killed)")
+    parser.add_argument("--reload", action="append", default=[], metavar="MODULE",
+                        help="re-import MODULE in each child once the mutant is set (its "
+                             "import-time code runs mutated); repeatable")
     parser.add_argument("mutants", nargs="+")
     args = parser.parse_args(argv[:split])
     pytest_args = argv[split + 1:]
@@ -115,12 +131,15 @@ def main() -> int:
     if not Path(weight_sync_bench.__file__).is_relative_to(args.snapshot):
         sys.exit(f"weight_sync_bench imported from {weight_sync_bench.__file__}, not the snapshot")
     os.chdir(ROOT)
-    if run_one("", pytest_args) != 0:
+    unknown = [m for m in args.reload if m not in sys.modules]
+    if unknown:
+        sys.exit(f"--reload: {', '.join(unknown)} is not a module of the snapshot's package")
+    if run_one("", pytest_args, reload=args.reload) != 0:
         print("the unmutated code fails these tests: fix them first")
         return 2
     alive = []
     for name in names:
-        code = run_one(name, pytest_args, args.timeout)
+        code = run_one(name, pytest_args, args.timeout, args.reload)
         verdict = "timeout" if code == TIMEOUT else "killed" if code != 0 else "SURVIVED"
         print(f"{verdict}  {name}", flush=True)
         if code == 0:
