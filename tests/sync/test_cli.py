@@ -14,14 +14,10 @@ from pathlib import Path
 import pytest
 
 from tests.breadth import breadth
+from tests.hf_configs import TINY_LLAMA
 from weight_sync_bench.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
-
-TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2,
-              "num_hidden_layers": 4, "vocab_size": 512, "rms_norm_eps": 1e-5,
-              "rope_theta": 10000.0, "tie_word_embeddings": False}
 
 
 @pytest.fixture
