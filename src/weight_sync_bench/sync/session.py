@@ -469,10 +469,18 @@ class InPlace:
                 not isinstance(out[n], torch.Tensor) or out[n].shape != x.shape
                 or out[n].dtype != x.dtype for n, x in storage.items()):
             return out
+        # Every tensor returned in a storage tensor's stead is read before any is written: one
+        # may be another storage tensor (two returned under each other's names) or a view of
+        # its own (a transpose), and copying into it first would overwrite what is still to
+        # be read, or refuse (torch will not copy between overlapping memory).
+        held = {x.untyped_storage().data_ptr() for x in storage.values()}
+        moved = {}
         for name, x in storage.items():
             y = out[name]
             if not (y.data_ptr() == x.data_ptr() and y.stride() == x.stride()):
-                x.copy_(y)
+                moved[name] = y.clone() if y.untyped_storage().data_ptr() in held else y
+        for name, y in moved.items():
+            storage[name].copy_(y)
         return dict(storage)
 
 
