@@ -35,11 +35,12 @@ from weight_sync_bench.sync.verify import ElementCheck, generated
 CONFIG = tiny(2)
 
 
-def plan(src="megatron:4", dst="vllm:2", mutation=None):
+def plan(src="megatron:4", dst="vllm:2", mutation=None, build_seconds=None):
     p = plan_for(sync_layout(CONFIG, src), sync_layout(CONFIG, dst))
-    if mutation is None:
+    if mutation is None and build_seconds is None:
         return p
-    return Plan(p.src, p.dst, p.transfers, p.build_seconds, mutation)
+    return Plan(p.src, p.dst, p.transfers,
+                p.build_seconds if build_seconds is None else build_seconds, mutation)
 
 
 def element(rank, checked=10, total=10, differ=(), lines=()):
@@ -65,7 +66,8 @@ def stored_bytes(layout, rank):
 def test_collect_sums_each_ranks_figures_and_keeps_the_destination_ranks_checks():
     p = plan()  # 4 source ranks, 2 destination ranks
     records = [record(r, elements=element(r) if r < 2 else None) for r in range(4)]
-    records[3]["elements"] = element(3)  # past the destination's world: not its check
+    records[2]["elements"] = element(2)  # past the destination's world: not its check
+    records[3]["elements"] = element(3)
     records[1]["elements"] = None
     verdict = SimpleNamespace(passed=True, notes=())
     result = S.collect(p, "fn name", records, verdict, ("n1",))
@@ -340,13 +342,18 @@ def test_in_place_without_storage_says_the_ranks_restarted(existing):
 
 # ---- the text of a result ----------------------------------------------------------------------
 
+GB = 1_000_000_000
+
+
 def result(p=None, **changes):
-    p = p or plan()
-    ranks = (S.RankFigures(0, 3_000_000, 1_000_000, 3, 0.002, 64, 8, 5000),
-             S.RankFigures(1, 1_000_000, 3_000_000, 2, 0.004, 0, 8, None))
-    fields = {"plan": p, "fn": "fname", "b_min": 2_000_000, "naive": 8_000_000,
-              "ranks": ranks, "elements": (element(0, 6, 8), element(1, 2, 8)),
-              "bandwidth": 1.5e9, "largest_param": 4096}
+    """A result whose figures print distinctly at the precision of the text: seconds and
+    bytes large enough that a unit off by 0.1% changes the digits shown."""
+    p = p or plan(build_seconds=1.25)
+    ranks = (S.RankFigures(0, 3 * GB, 1 * GB, 3, 0.5, 64, 8, 5000),
+             S.RankFigures(1, 1 * GB, 3 * GB, 2, 2.5, 0, 8, None))
+    fields = {"plan": p, "fn": "fname", "b_min": 2 * GB, "naive": 8 * GB, "ranks": ranks,
+              "elements": (element(0, 6, 8), element(1, 2, 8)), "bandwidth": 2.375e9,
+              "largest_param": 4096}
     return S.SyncResult(**{**fields, **changes})
 
 
@@ -355,27 +362,27 @@ def head(p, passed=True):
 
 
 RANK_TABLE = ["  rank  sent      received  messages  staging peak  RSS extra",
-              "  0     3000000   1000000   3         64            5000",
-              "  1     1000000   3000000   2         0             -"]
+              "  0     3000000000  1000000000  3         64            5000",
+              "  1     1000000000  3000000000  2         0             -"]
 
 
 def test_the_text_of_a_passing_calibrated_run():
     r = result(elements=(element(0, 8, 8), element(1, 8, 8)))
     p = r.plan
-    assert r.bound(2e8) == 3_000_000 / 2e8
+    assert r.bound(2e9) == 1.5 and r.t_min == 3 * GB / 2.375e9
     assert r.summary().split("\n") == [
         head(p) + ")",
-        ("  bytes between ranks 4000000 (counted at the transport), B_min 2000000: 2.000x; "
-         "naive gather-then-scatter 8000000 (4.00x B_min)"),
-        "  time 4.0 ms, T_min 2.0 ms (2.00x) at 1.50 GB/s calibrated gloo p2p",
-        f"  plan built in {p.build_seconds * 1e3:.2f} ms; bytes sent max/mean 1.500",
+        ("  bytes between ranks 4000000000 (counted at the transport), B_min 2000000000: "
+         "2.000x; naive gather-then-scatter 8000000000 (4.00x B_min)"),
+        "  time 2500.0 ms, T_min 1263.2 ms (1.98x) at 2.38 GB/s calibrated gloo p2p",
+        "  plan built in 1250.00 ms; bytes sent max/mean 1.500",
         "  largest full parameter 4096 bytes", *RANK_TABLE,
         "  element check: 16 elements on 2 destination ranks, 100% coverage, bit-exact"]
     assert str(r) == r.summary()
 
 
 def test_the_text_of_a_failing_uncalibrated_run_into_existing_storage():
-    p = plan(mutation="kv_swapped")
+    p = plan(mutation="kv_swapped", build_seconds=0.5)
     name = next(iter(p.dst.pieces[0]))
     verdict = S.judge(p, torch.zeros(2), torch.ones(2), 0.5,
                       [record(0, elements=element(0, 8, 8, (name,), ("why 1", "why 2")))],
@@ -386,10 +393,10 @@ def test_the_text_of_a_failing_uncalibrated_run_into_existing_storage():
     lines = r.summary().split("\n")
     assert lines[:8] == [
         head(p, passed=False) + ", mutation kv_swapped)",
-        ("  bytes between ranks 4000000 (counted at the transport), B_min 0: 0.000x; naive "
-         "gather-then-scatter 8000000 (0.00x B_min)"),
-        "  time 4.0 ms, into existing destination storage",
-        f"  plan built in {p.build_seconds * 1e3:.2f} ms; bytes sent max/mean 1.500",
+        ("  bytes between ranks 4000000000 (counted at the transport), B_min 0: 0.000x; "
+         "naive gather-then-scatter 8000000000 (0.00x B_min)"),
+        "  time 2500.0 ms, into existing destination storage",
+        "  plan built in 500.00 ms; bytes sent max/mean 1.500",
         "  largest full parameter 4096 bytes", *RANK_TABLE]
     assert lines[8:14] == [
         "  element check: 10 elements on 2 destination ranks, 62% coverage, DIFFERENT",
@@ -403,7 +410,7 @@ def test_the_text_when_nothing_is_sent_and_no_element_was_checked():
     r = result(ranks=ranks, elements=(), bandwidth=5e8, notes=("n",))
     lines = r.summary().split("\n")
     assert lines[2] == "  time 1.0 ms"  # T_min 0: nothing to time against
-    assert lines[3] == f"  plan built in {r.plan.build_seconds * 1e3:.2f} ms; nothing to send"
+    assert lines[3] == "  plan built in 1250.00 ms; nothing to send"
     assert lines[-2:] == ["  element check: not run (the forward alone)", "  note: n"]
     assert lines[0].startswith("FAIL")  # nothing was checked
 
