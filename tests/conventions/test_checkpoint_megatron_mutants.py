@@ -111,7 +111,10 @@ def test_the_args_state_the_degrees_and_the_sizes_under_megatrons_names():
         "expert_model_parallel_size": 2, "num_layers": 2, "hidden_size": 32,
         "num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 4,
         "kv_channels": 8, "ffn_hidden_size": 64, "num_experts": 4, "moe_ffn_hidden_size": 16,
-        "ckpt_format": "torch", "seed": 3}
+        "expert_tensor_parallel_size": 2, "virtual_pipeline_model_parallel_size": None,
+        "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+        "account_for_embedding_in_pipeline_split": False,
+        "account_for_loss_in_pipeline_split": False, "ckpt_format": "torch", "seed": 3}
     assert isinstance(args, argparse.Namespace)
     dense = vars(K.megatron_args(DENSE.replace(n_kv_heads=8), endpoint("megatron:2")))
     assert dense["group_query_attention"] is False and dense["num_query_groups"] == 8
@@ -1163,3 +1166,78 @@ def test_an_index_record_that_is_not_dcps_storage_info_is_read_as_one_and_refuse
     e = error(lambda: K._dist_load(f, name, {"w": torch.zeros(2)}))
     assert str(e).startswith(f"{step}: not a readable torch_dist checkpoint")
 
+
+# ---- three bugs the pass found, and the stage options the args did not record -------------
+
+def test_a_release_checkpoint_is_read_from_release(tmp_path):
+    """Megatron-LM ``training/checkpointing.py::read_metadata``: the tracker's text,
+    stripped, is an iteration or ``release`` (then the directory is ``release/``). It was
+    compared as bytes with the str "release", so every release checkpoint was refused
+    ("b'release' is neither an iteration nor 'release'")."""
+    at = endpoint("megatron:2")
+    step = K.write_megatron_legacy(tmp_path / "ckpt",
+                                   materialize(at.pieces(DENSE), init_params(DENSE, 0)),
+                                   at, DENSE)
+    step.rename(step.parent / "release")
+    (tmp_path / "ckpt" / K.MEGATRON_TRACKER).write_text("release\n")
+    back = K.megatron_weights(tmp_path / "ckpt", at, DENSE)
+    assert all(torch.equal(back[n], x) for n, x in init_params(DENSE, 0).items())
+    (tmp_path / "ckpt" / K.MEGATRON_TRACKER).write_text("relea5e\n")  # the twin
+    with pytest.raises(K.CheckpointError, match="'relea5e' is neither an iteration"):
+        K.megatron_weights(tmp_path / "ckpt", at, DENSE)
+
+
+def test_the_iteration_directory_is_traversable(tmp_path):
+    """Both writers' ``iter_*`` directory: it was given the file mode (0o644 under umask
+    022), with no x bit, so only root could open the files in it."""
+    at = endpoint("megatron:2")
+    old = os.umask(0o022)
+    try:
+        legacy = K.write_megatron_legacy(
+            tmp_path / "l", materialize(at.pieces(DENSE), init_params(DENSE, 0)), at, DENSE)
+        dist = K.write_megatron_dist(tmp_path / "d", init_params(DENSE, 0), at, DENSE)
+    finally:
+        os.umask(old)
+    assert oct(legacy.stat().st_mode & 0o777) == "0o755"
+    assert oct(dist.stat().st_mode & 0o777) == "0o755"
+    assert oct((tmp_path / "l" / K.MEGATRON_TRACKER).stat().st_mode & 0o777) == "0o644"
+
+
+def test_expert_tp_wider_than_tp_is_refused_in_the_legacy_format(tmp_path):
+    """``megatron:tp=1,ep=2,etp=2``: ranks 0 and 1 have one (TP, PP, EP) rank, hence one
+    ``mp_rank_00_000`` file, but hold different expert-TP halves. The writer kept rank 0's
+    file only and the reader handed it to rank 1 too: four expert parameters read back
+    wrong, with no error. Both now refuse the endpoint; data-parallel replicas (``tp=2,
+    ep=2,etp=1``: ranks sharing a file hold the same tensors) still write and read."""
+    at = endpoint("megatron:tp=1,ep=2,etp=2")
+    full = init_params(MOE, 0)
+    want = "ranks 0 and 1 hold different tensors, but Megatron's legacy format names both"
+    with pytest.raises(K.CheckpointError, match=want):
+        K.write_megatron_legacy(tmp_path / "c", materialize(at.pieces(MOE), full), at, MOE)
+    assert not (tmp_path / "c").exists()
+    ok = endpoint("megatron:2")
+    K.write_megatron_legacy(tmp_path / "ok", materialize(ok.pieces(MOE), full), ok, MOE)
+    with pytest.raises(K.CheckpointError, match=want):
+        K.megatron_weights(tmp_path / "ok", at, MOE)
+    replicas = endpoint("megatron:tp=2,ep=2,etp=1")
+    K.write_megatron_legacy(tmp_path / "r", materialize(replicas.pieces(MOE), full),
+                            replicas, MOE)
+    back = K.megatron_weights(tmp_path / "r", None, MOE)
+    assert all(torch.equal(back[n], x) for n, x in full.items())
+
+
+@pytest.mark.parametrize("where", ["megatron:tp=1,pp=2,vpp=2", "megatron:tp=2,ep=2,etp=1",
+                                   "megatron:tp=1,pp=2,pp_first=1",
+                                   "megatron:tp=1,pp=2,pp_account=both"])
+def test_a_harness_written_checkpoint_reads_back_at_the_degrees_it_states(tmp_path, where):
+    """The args record every option ``saved_at`` reads (Megatron's names): virtual stages,
+    an uneven first stage, the embedding and loss counted, expert-TP. Before, a checkpoint
+    written at ``vpp=2`` read back as saved at ``megatron:tp=1,pp=2`` and was refused."""
+    config = MOE if "ep=" in where else DENSE.replace(n_layers=4)
+    at = endpoint(where)
+    full = init_params(config, 0)
+    step = K.write_megatron_legacy(tmp_path / "c", materialize(at.pieces(config), full), at,
+                                   config)
+    assert endpoint(K.saved_at(K._Files(tmp_path / "c", ()), step.name)) == at
+    back = K.megatron_weights(tmp_path / "c", None, config)
+    assert all(torch.equal(back[n], x) for n, x in full.items())

@@ -282,9 +282,9 @@ def _staged(out: Path) -> Iterator[Path]:
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir()
         yield stage
-        mode = 0o666 & ~_umask()
-        for path in stage.iterdir():
-            path.chmod(mode)
+        umask = _umask()
+        for path in stage.iterdir():  # a directory (iter_*) keeps its x bits: traversable
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         os.rename(stage, out)
     except (OSError, SafetensorError) as exc:
         where = getattr(exc, "filename", None) or stage
@@ -702,6 +702,33 @@ def megatron_rank_dir(config: ModelConfig, where: Endpoint, rank: int) -> str:
             + (f"_{at.ep:03d}" if where.ep > 1 else ""))
 
 
+def _legacy_rank_dirs(config: ModelConfig, where: Endpoint, path: Path) -> list[str]:
+    """Each rank's legacy directory (``megatron_rank_dir``), refused where two ranks that hold
+    different tensors would share one: the legacy file is named by the TP, PP and EP ranks
+    only, so at an expert-TP degree above TP (``megatron:tp=1,ep=2,etp=2``) two expert-TP
+    ranks would write, and read, one file. Data-parallel replicas share theirs rightly."""
+    pieces = where.pieces(config)
+    first: dict[str, int] = {}
+    dirs = []
+    for rank in range(where.world):
+        name = megatron_rank_dir(config, where, rank)
+        other = first.setdefault(name, rank)
+        if not _same_pieces(pieces[other], pieces[rank]):
+            raise CheckpointError(
+                f"{where}: ranks {other} and {rank} hold different tensors, but Megatron's "
+                f"legacy format names both {name} (a file per TP, PP and EP rank; expert-TP "
+                f"{where.etp} is wider than TP {where.degree}): use the torch_dist format",
+                path=str(path))
+        dirs.append(name)
+    return dirs
+
+
+def _same_pieces(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        (x.source, x.dim, x.stack, x.keep) == (y.source, y.dim, y.stack, y.keep)
+        and torch.equal(x.idx, y.idx) for x, y in ((a[n], b[n]) for n in a))
+
+
 def _chunks(params: Mapping[str, torch.Tensor], where: Endpoint) -> dict[str, Params]:
     """A rank's stored tensors as Megatron's state dict holds them: ``model`` (or ``model{v}``
     per virtual stage, the ``model{v}.`` prefix of the harness's names taken off)."""
@@ -720,9 +747,19 @@ def megatron_args(config: ModelConfig, where: Endpoint, **extra: Any) -> Any:
     names), plus ``extra``."""
     import argparse
 
+    pipeline = where.pipeline
     return argparse.Namespace(
         tensor_model_parallel_size=where.degree, pipeline_model_parallel_size=where.pp,
-        expert_model_parallel_size=where.ep, num_layers=config.n_layers,
+        expert_model_parallel_size=where.ep,
+        # as validate_args leaves them: expert-TP defaults to TP; the rest None or False
+        # unless set (what saved_at reads back)
+        expert_tensor_parallel_size=where.etp or where.degree,
+        virtual_pipeline_model_parallel_size=where.vpp if where.vpp > 1 else None,
+        decoder_first_pipeline_num_layers=where.pp_first or None,
+        decoder_last_pipeline_num_layers=where.pp_last or None,
+        account_for_embedding_in_pipeline_split=pipeline.embedding,
+        account_for_loss_in_pipeline_split=pipeline.loss,
+        num_layers=config.n_layers,
         hidden_size=config.d_model, num_attention_heads=config.n_heads,
         group_query_attention=config.n_kv_heads != config.n_heads,
         num_query_groups=config.n_kv_heads, kv_channels=config.head_dim,
@@ -748,12 +785,13 @@ def write_megatron_legacy(directory: str | Path, shards: Sequence[Mapping[str, t
     if len(shards) != where.world:
         raise CheckpointError(f"{where}: {len(shards)} rank dicts to write, expected "
                               f"{where.world}", path=str(out))
+    dirs = _legacy_rank_dirs(config, where, out)
     args = megatron_args(config, where, ckpt_format="torch")
     step = f"iter_{iteration:07d}"
     with _staged(out) as stage:
         _write_text(stage / MEGATRON_TRACKER, str(iteration))
         for rank, params in enumerate(shards):
-            path = stage / step / megatron_rank_dir(config, where, rank) / MEGATRON_FILE
+            path = stage / step / dirs[rank] / MEGATRON_FILE
             if path.exists():
                 continue  # a data-parallel replica of a rank already written
             path.parent.mkdir(parents=True)
@@ -801,12 +839,12 @@ def megatron_weights(directory: str | Path, where: Endpoint | None, config: Mode
                                      config)
     if where is None:
         where = parse_endpoint(saved_at(files, step), {"megatron": MEGATRON})
+    dirs = _legacy_rank_dirs(config, where, root)
     shards: list[Params] = []
     found: list[dict[str, Path]] = []
     loaded: dict[str, Params] = {}
     for rank in range(where.world):
-        rel = "/".join(p for p in (step, megatron_rank_dir(config, where, rank), MEGATRON_FILE)
-                       if p)
+        rel = "/".join(p for p in (step, dirs[rank], MEGATRON_FILE) if p)
         if rel not in loaded:
             loaded[rel] = _megatron_model(files, rel, where, config)
         shards.append(loaded[rel])
@@ -879,7 +917,9 @@ def _megatron_step(files: _Files) -> str:
         raise CheckpointError(f"{root / MEGATRON_TRACKER}: missing (a Megatron checkpoint "
                               "directory has it, or is an iter_* directory holding mp_rank_*)",
                               path=str(root / MEGATRON_TRACKER))
-    said = read_bounded(files.checked(MEGATRON_TRACKER), shown=root / MEGATRON_TRACKER).strip()
+    # read as text, as Megatron-LM's training/checkpointing.py read_metadata reads it
+    said = read_bounded(files.checked(MEGATRON_TRACKER), shown=root / MEGATRON_TRACKER
+                        ).decode("utf-8", "replace").strip()
     if said == "release":
         return "release"
     if not said.isdigit():
