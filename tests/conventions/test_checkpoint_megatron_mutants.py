@@ -1185,6 +1185,9 @@ def test_a_release_checkpoint_is_read_from_release(tmp_path):
     (tmp_path / "ckpt" / K.MEGATRON_TRACKER).write_text("relea5e\n")  # the twin
     with pytest.raises(K.CheckpointError, match="'relea5e' is neither an iteration"):
         K.megatron_weights(tmp_path / "ckpt", at, DENSE)
+    (tmp_path / "ckpt" / K.MEGATRON_TRACKER).write_bytes(b"\xff7\n")  # not UTF-8: named
+    with pytest.raises(K.CheckpointError, match="'\ufffd7' is neither an iteration"):
+        K.megatron_weights(tmp_path / "ckpt", at, DENSE)
 
 
 def test_the_iteration_directory_is_traversable(tmp_path):
@@ -1212,13 +1215,15 @@ def test_expert_tp_wider_than_tp_is_refused_in_the_legacy_format(tmp_path):
     at = endpoint("megatron:tp=1,ep=2,etp=2")
     full = init_params(MOE, 0)
     want = "ranks 0 and 1 hold different tensors, but Megatron's legacy format names both"
-    with pytest.raises(K.CheckpointError, match=want):
+    with pytest.raises(K.CheckpointError, match=want) as info:
         K.write_megatron_legacy(tmp_path / "c", materialize(at.pieces(MOE), full), at, MOE)
+    assert info.value.path == str(tmp_path / "c")
     assert not (tmp_path / "c").exists()
     ok = endpoint("megatron:2")
     K.write_megatron_legacy(tmp_path / "ok", materialize(ok.pieces(MOE), full), ok, MOE)
-    with pytest.raises(K.CheckpointError, match=want):
+    with pytest.raises(K.CheckpointError, match=want) as info:
         K.megatron_weights(tmp_path / "ok", at, MOE)
+    assert info.value.path == str(tmp_path / "ok")
     replicas = endpoint("megatron:tp=2,ep=2,etp=1")
     K.write_megatron_legacy(tmp_path / "r", materialize(replicas.pieces(MOE), full),
                             replicas, MOE)
@@ -1228,6 +1233,7 @@ def test_expert_tp_wider_than_tp_is_refused_in_the_legacy_format(tmp_path):
 
 @pytest.mark.parametrize("where", ["megatron:tp=1,pp=2,vpp=2", "megatron:tp=2,ep=2,etp=1",
                                    "megatron:tp=1,pp=2,pp_first=1",
+                                   "megatron:tp=1,pp=2,pp_last=1",
                                    "megatron:tp=1,pp=2,pp_account=both"])
 def test_a_harness_written_checkpoint_reads_back_at_the_degrees_it_states(tmp_path, where):
     """The args record every option ``saved_at`` reads (Megatron's names): virtual stages,
