@@ -713,7 +713,7 @@ def _legacy_rank_dirs(config: ModelConfig, where: Endpoint, path: Path) -> list[
     for rank in range(where.world):
         name = megatron_rank_dir(config, where, rank)
         other = first.setdefault(name, rank)
-        if not _same_pieces(pieces[other], pieces[rank]):
+        if other != rank and not _same_pieces(pieces[other], pieces[rank]):
             raise CheckpointError(
                 f"{where}: ranks {other} and {rank} hold different tensors, but Megatron's "
                 f"legacy format names both {name} (a file per TP, PP and EP rank; expert-TP "
