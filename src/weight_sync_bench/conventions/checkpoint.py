@@ -269,8 +269,9 @@ def _stale_stages(out: Path) -> None:
 def _staged(out: Path) -> Iterator[Path]:
     """A new directory to write ``out``'s files into, renamed to ``out`` when the block
     completes (``out`` absent or an empty directory: rename(2) replaces an empty one) and
-    removed when it raises. File modes set to what the umask gives a new file; an
-    ``OSError`` (or safetensors' error) becomes a ``CheckpointError`` naming the path."""
+    removed when it raises. Every file's and directory's mode, at any depth, set to what the
+    umask gives a new one (a writer may have made some 0o600); an ``OSError`` (or
+    safetensors' error) becomes a ``CheckpointError`` naming the path."""
     import shutil
 
     from safetensors import SafetensorError
@@ -283,7 +284,7 @@ def _staged(out: Path) -> Iterator[Path]:
         stage.mkdir()
         yield stage
         umask = _umask()
-        for path in stage.iterdir():  # a directory (iter_*) keeps its x bits: traversable
+        for path in stage.rglob("*"):  # a directory (iter_*) keeps its x bits: traversable
             path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
         os.rename(stage, out)
     except (OSError, SafetensorError) as exc:
@@ -713,7 +714,8 @@ def _legacy_rank_dirs(config: ModelConfig, where: Endpoint, path: Path) -> list[
     for rank in range(where.world):
         name = megatron_rank_dir(config, where, rank)
         other = first.setdefault(name, rank)
-        if other != rank and not _same_pieces(pieces[other], pieces[rank]):
+        if other != rank and not (pieces[other].keys() == pieces[rank].keys() and all(
+                p.same_cut(pieces[rank][n]) for n, p in pieces[other].items())):
             raise CheckpointError(
                 f"{where}: ranks {other} and {rank} hold different tensors, but Megatron's "
                 f"legacy format names both {name} (a file per TP, PP and EP rank; expert-TP "
@@ -721,12 +723,6 @@ def _legacy_rank_dirs(config: ModelConfig, where: Endpoint, path: Path) -> list[
                 path=str(path))
         dirs.append(name)
     return dirs
-
-
-def _same_pieces(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(
-        (x.source, x.dim, x.stack, x.keep) == (y.source, y.dim, y.stack, y.keep)
-        and torch.equal(x.idx, y.idx) for x, y in ((a[n], b[n]) for n in a))
 
 
 def _chunks(params: Mapping[str, torch.Tensor], where: Endpoint) -> dict[str, Params]:
@@ -797,9 +793,6 @@ def write_megatron_legacy(directory: str | Path, shards: Sequence[Mapping[str, t
             path.parent.mkdir(parents=True)
             torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                         **_chunks(params, where)}, path)
-        mode = 0o666 & ~_umask()
-        for path in (stage / step).rglob("*"):
-            path.chmod(mode | (0o111 & ~_umask()) if path.is_dir() else mode)
     return out / step
 
 
@@ -1562,9 +1555,6 @@ def write_megatron_dist(directory: str | Path, params: Mapping[str, torch.Tensor
                      planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
         _write_text(stage / step / DIST_CONFIG,
                     json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
-        mode = 0o666 & ~_umask()
-        for path in (stage / step).rglob("*"):
-            path.chmod(mode | (0o111 & ~_umask()) if path.is_dir() else mode)
     return out / step
 
 
