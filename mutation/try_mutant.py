@@ -26,6 +26,11 @@ modules imported and collected once (1.5-2.5 s a mutant instead of 3-10 s, with
 would then answer a child without calling the mutated code, so a mutant that survives warm
 is run again the cold way, in a fresh ``try_mutant.py`` process: only its verdict there is
 printed.
+
+A mutant that writes into the snapshot's floors or corpus (a committed artifact's path,
+where its test passed ``--out``) would change what every later mutant's tests read, and
+kill them all: after each mutant they are compared with what they were, and copied again
+from ``mutants/`` where it changed them (a ``restored`` line names the files).
 """
 
 from __future__ import annotations
@@ -53,6 +58,30 @@ def snapshot(target: Path, fresh: bool) -> None:
         shutil.copytree(MUTANTS / name, target / name,
                         ignore=shutil.ignore_patterns("__pycache__", "*.meta", "*.spans"))
     shutil.copy(MUTANTS / "pyproject.toml", target / "pyproject.toml")
+
+
+KEPT = ("tolerance", "corpus")  # the snapshot's data beside the sources
+
+
+def data_state(target: Path) -> dict[str, tuple[int, int]]:
+    """(mtime, size) of every file of the snapshot's ``KEPT`` data: a mutant that writes
+    there (a committed artifact's path where a test passed ``--out``) changes it."""
+    return {str(p.relative_to(target)): (p.stat().st_mtime_ns, p.stat().st_size)
+            for name in KEPT for p in sorted((target / name).rglob("*")) if p.is_file()}
+
+
+def restore_data(target: Path, before: dict[str, tuple[int, int]]) -> list[str]:
+    """The files of ``KEPT`` a mutant changed, added or removed (none: []), the data
+    copied again from ``mutants/`` where there are any, so the next mutant's tests read
+    the committed floors and corpus, not what this one wrote."""
+    after = data_state(target)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:
+        for name in KEPT:
+            shutil.rmtree(target / name, ignore_errors=True)
+            shutil.copytree(MUTANTS / name, target / name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+    return changed
 
 
 def survivors(prefix: str) -> list[str]:
@@ -148,8 +177,14 @@ def main() -> int:
         print("the unmutated code fails these tests: fix them first")
         return 2
     alive = []
+    data = data_state(args.snapshot)
     for name in names:
         code = run_one(name, pytest_args, args.timeout, args.reload)
+        changed = restore_data(args.snapshot, data)
+        if changed:
+            print(f"restored  the snapshot's {', '.join(changed[:3])}"
+                  f"{' ...' if len(changed) > 3 else ''}: {name} wrote there", flush=True)
+            data = data_state(args.snapshot)
         verdict = "timeout" if code == TIMEOUT else "killed" if code != 0 else "SURVIVED"
         if code == 0 and args.warm:
             alive.append(name)  # printed once the cold run has judged it
