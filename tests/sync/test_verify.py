@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 
-import numpy as np
 import pytest
 import torch
 
@@ -24,7 +23,7 @@ from weight_sync_bench.sync import (
     gather_scatter,
     run_distributed_reshard,
 )
-from weight_sync_bench.sync.values import region_values, values
+from weight_sync_bench.sync.values import region_values
 
 
 def test_megatron_tp4_to_vllm_tp2_passes_with_no_full_tensor_on_any_rank(pool):
@@ -96,7 +95,7 @@ def test_generated_values_are_a_function_of_seed_parameter_and_index_alone():
     assert torch.equal(full[40:48, 8:9], part)
     assert not torch.equal(full, region_values(4, "layers.0.qkv.weight", (96, 32),
                                                ((0, 96), (0, 32))))
-    # pinned bits: the same on every machine (integer hash, one float32 rounding)
-    assert values(0, "norm.weight", np.arange(3)).view(torch.int32).tolist() == \
-        values(0, "norm.weight", np.arange(3)).view(torch.int32).tolist()
+    # the bits themselves (the same on every machine: an integer hash, one float32
+    # rounding) are pinned against SplitMix64's published outputs and a plain-Python
+    # recomputation in test_values_mutants.py
     assert abs(float(full.std()) - 0.02) < 0.002
