@@ -20,7 +20,6 @@ import pytest
 
 from weight_sync_bench.check import floor as phase_floor
 from weight_sync_bench.check import forwards
-from weight_sync_bench.cli import floor as F
 from weight_sync_bench.cli import floor_measure as M
 from weight_sync_bench.cli.output import EXIT_OK, Ticker
 from weight_sync_bench.errors import ArtifactProtected, FloorNotMeasured, InvalidConfig
@@ -39,25 +38,6 @@ COMMITTED = {name: (checkout() / "tolerance" / f"{name}.json").read_text()
 
 def committed(name: str) -> dict:
     return json.loads(COMMITTED[name])
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="wsb")
-    F.register(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["floor", *argv])
-
-
-class Line:
-    """A progress line that keeps what it was shown and when it was closed."""
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled, self.shown, self.events = enabled, [], []
-
-    def show(self, text: str) -> None:
-        self.shown.append(text)
-
-    def close(self) -> None:
-        self.events.append("closed")
 
 
 class Rig:
@@ -164,7 +144,7 @@ def test_each_kind_measures_in_process_with_its_default_repetitions(rig, tmp_pat
     assert old is None and over == {"force": False, "where": str(out)}
     assert written(out) == {**new, "over": True}
     assert new["repetitions"] == repetitions
-    assert line.events == ["closed"]
+    assert line.closed == 1
     printed = capsys.readouterr().out
     assert printed.rstrip().endswith(f"wrote {out}")
     assert ("max ULP" in printed) == (kind == "phase")
@@ -248,6 +228,7 @@ def test_write_goes_to_the_kinds_committed_artifact(rig, monkeypatch, tmp_path, 
     assert seen == [(phase, kind, dtype)] and target.is_file()
     from weight_sync_bench.tolerance.artifacts import artifact_path
     assert artifact_path(phase, kind=kind, dtype=dtype).name == name
+from tests.cli.floor_cli import Line, parse
 
 
 def test_a_larger_measurement_is_replaced_only_with_force(rig, tmp_path, capsys):
@@ -442,7 +423,7 @@ def test_an_unmeasured_geometry_is_measured_here_and_written(rig, tmp_path, caps
     assert isinstance(kwargs["progress"], Ticker)
     assert written(out)["over"] is True
     assert rig.calls["over"][0][1] == {"force": False, "where": str(out)}
-    assert line.events == ["closed"]
+    assert line.closed == 1
     printed = capsys.readouterr().out
     assert printed.startswith(
         f"measuring toy (d_model {TOY.d_model}, {TOY.n_layers} layers, {TOY.n_params:,} "

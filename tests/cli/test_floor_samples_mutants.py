@@ -12,13 +12,12 @@ merges ``tests/tolerance``'s; ``tests/cli/test_floor.py`` runs the command end t
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from weight_sync_bench.cli import floor as F
+from tests.cli.floor_cli import Line, parse
 from weight_sync_bench.cli import floor_report as report
 from weight_sync_bench.cli import floor_samples as S
 from weight_sync_bench.cli.output import EXIT_OK, Ticker
@@ -28,23 +27,6 @@ from weight_sync_bench.fuzz import runner
 from weight_sync_bench.fuzz.floor import SampleProgress
 from weight_sync_bench.model.config import TOY, TOY_KV4
 from weight_sync_bench.tolerance import kernels
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="wsb")
-    F.register(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["floor", *argv])
-
-
-class Line:
-    def __init__(self, enabled: bool = True) -> None:
-        self.enabled, self.shown, self.closed = enabled, [], 0
-
-    def show(self, text: str) -> None:
-        self.shown.append(text)
-
-    def close(self) -> None:
-        self.closed += 1
 
 
 class Rig:
