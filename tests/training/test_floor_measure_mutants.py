@@ -84,12 +84,8 @@ def test_meshes_are_every_tp_degree_with_dp_1_2_4_up_to_the_rows():
 def light_params(monkeypatch):
     """``init_params`` stood in (TOY's 19M parameters, drawn per spec and seed, would take
     seconds): each case's parameters name their config and seed."""
-    drawn = []
-
-    def params(config, seed):
-        drawn.append((config.name, seed))
-        return {"drawn": (config.name, seed)}
-    monkeypatch.setattr(floor, "init_params", params)
+    monkeypatch.setattr(floor, "init_params",
+                        lambda config, seed: {"drawn": (config.name, seed)})
     monkeypatch.setattr(floor.adversarial, "loud_biases",
                         lambda config, p: {**p, "loud": config.name})
     monkeypatch.setattr(floor.adversarial, "cancelling",
@@ -101,7 +97,6 @@ def light_params(monkeypatch):
         return far
     monkeypatch.setattr(floor.adversarial, "max_elsewhere", max_elsewhere)
     monkeypatch.setattr(floor_step, "batches_for", lambda *a: ["batches"])
-    return drawn
 
 
 def test_the_committed_domain_trains_every_config_spec_and_seed_on_every_mesh(light_params):
