@@ -49,14 +49,19 @@ def test_a_bf16_check_at_another_seed_over_gloo_is_the_in_process_one():
     """Two ranks sum two partials, in either order the same: the gloo forward's logits are
     the in-process ones, bit for bit, at the seed's tokens and in the synced dtype."""
     pool = shared_pool(4)
-    # no phase 1b floor of bf16 weights is committed: the threshold given
-    there = stream_check(NARROW, 2, fn=_split, per="layer", seed=3, dtype="bf16",
+
+    def here(seed: int):  # no phase 1b floor of bf16 weights is committed: the threshold given
+        return stream_check(NARROW, 2, fn=_split, per="layer", seed=seed, dtype="bf16",
+                            threshold=1e-3)
+
+    # a seed whose error is not seed 0's on this CPU (two seeds can round alike: on an AMD
+    # EPYC seeds 0 and 3 both give 5.96e-7), so a gloo run that drops the seed is seen
+    at_0 = here(0).max_abs_error
+    seed = next(s for s in range(3, 20) if here(s).max_abs_error != at_0)
+    there = stream_check(NARROW, 2, fn=_split, per="layer", seed=seed, dtype="bf16",
                          backend="gloo", pool=pool, threshold=1e-3)
-    here = stream_check(NARROW, 2, fn=_split, per="layer", seed=3, dtype="bf16", threshold=1e-3)
     assert there.passed and there.dtype == "bf16"
-    assert there.max_abs_error == here.max_abs_error
-    assert here.max_abs_error != stream_check(NARROW, 2, fn=_split, dtype="bf16",
-                                              threshold=1e-3).max_abs_error
+    assert there.max_abs_error == here(seed).max_abs_error != at_0
 
 
 def test_per_parameter_over_gloo_hands_fn_one_parameter_and_per_layer_a_stage():
