@@ -9,6 +9,7 @@ artifacts are read in place; a test that writes one writes under ``tmp_path``. `
 fails if a run leaves ``git status --porcelain`` non-empty.
 """
 
+import gc
 import json
 import os
 import shutil
@@ -25,6 +26,11 @@ from weight_sync_bench.paths import corpus_dir
 
 torch.set_num_threads(1)
 settings.load_profile(profile_name())
+# The objects of torch, Hypothesis and pytest, alive for the whole session, leave the cyclic
+# garbage collector's scans: otherwise every collection of the oldest generation walks them
+# all, and collecting the suite (each xdist worker rewrites the asserts of every test module,
+# allocating millions of AST nodes) spent more time in the collector than in the rewriting.
+gc.freeze()
 
 CHECKOUT_TOLERANCE = Path(__file__).resolve().parents[1] / "tolerance"
 _SET: dict[str, str] = {}  # what this session put into os.environ, to take out at its end
@@ -48,7 +54,25 @@ def pytest_configure(config):
         os.environ["WSB_FLOOR_CACHE"] = _SET["WSB_FLOOR_CACHE"] = str(scratch / "floors")
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session):
+    """Collecting rewrites the asserts of every test module (each xdist worker, again: no
+    bytecode is cached under ``PYTHONDONTWRITEBYTECODE``), millions of short-lived AST nodes
+    that set off a collection every 700 allocations: collected with the collector rarely
+    run, 7 s a worker instead of 13 here. The collected items, alive until the session ends,
+    then leave its scans too, and the tests run under the default thresholds."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100_000, 50, 1000)
+    try:
+        return (yield)
+    finally:
+        gc.set_threshold(*thresholds)
+        gc.collect()
+        gc.freeze()
+
+
 def pytest_unconfigure(config):
+    gc.unfreeze()  # mutmut runs several sessions a process: each one's items collectable after it
     for name in ("WSB_CORPUS_DIR", "WSB_FUZZ_DIR", "WSB_FLOOR_CACHE"):
         value = _SET.pop(name, None)
         if value is not None and os.environ.get(name) == value:
