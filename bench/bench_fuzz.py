@@ -25,8 +25,11 @@ Then where the time goes: the property once more and the bare replay once more, 
 phases wrapped (``phases.py``: exclusive time of each function, this thread's CPU time),
 each as a ratio to the bare replay's time, property and bare side by side. What no wrapper
 covers of the property is Hypothesis's own work: generation, the target phase's
-bookkeeping, shrinking, the database. ``--cprofile N`` adds cProfile's N hottest functions
-(by own time) of the fuzz-domain property run.
+bookkeeping, shrinking, the database. Last, the floor no change to the harness's checking
+can go below, beside the property: the bare work, the code under test (the reshard), reading
+once every byte the byte comparisons compare (``read_floor``), and Hypothesis's own work.
+``--cprofile N`` adds cProfile's N hottest functions (by own time) of the fuzz-domain property
+run.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from weight_sync_bench.fuzz.case import Case, Outcome, keeping_checkers, run_cas
 from weight_sync_bench.fuzz.domain import fuzz_params, fuzz_tokens
 from weight_sync_bench.fuzz.floor import fuzz_threshold_rule
 from weight_sync_bench.fuzz.runner import Tally, run_property
-from weight_sync_bench.layout.reshard import split
+from weight_sync_bench.layout.reshard import reshard, split
 from weight_sync_bench.layout.table import LayoutTable
 from weight_sync_bench.model import plan as plan_module
 from weight_sync_bench.model.config import TOY, clear_kept_params
@@ -166,6 +169,9 @@ def row(label: str, rounds: list[dict[str, float]]) -> list[str]:
             f"{first['max_ratio']:.3g}"]
 
 
+RESHARD = "reshard (the code under test)"
+
+
 def wrapped(phases: Phases) -> Phases:
     """The phases of the property and of the bare replay (the same functions, where both
     run them), each in its own bucket."""
@@ -182,9 +188,9 @@ def wrapped(phases: Phases) -> Phases:
     phases.wrap(k, "inprocess_forward", "sharded forward")
     for module in (k, sys.modules[__name__]):
         phases.wrap(module, "split", "declared split (src and dst)")
-    phases.wrap(c, "reshard", "reshard (the code under test)")
-    phases.wrap(k, "reshard", "reshard (the code under test)")
-    phases.wrap(k, "reshard_tensor", "reshard (the code under test)")
+    phases.wrap(c, "reshard", RESHARD)
+    phases.wrap(k, "reshard", RESHARD)
+    phases.wrap(k, "reshard_tensor", RESHARD)
     phases.wrap(k, "validate_shards", "shard validation")
     phases.wrap(k, "mismatching", "byte comparison")
     phases.wrap(k, "bit_equal", "byte comparison")
@@ -204,9 +210,34 @@ def wrapped(phases: Phases) -> Phases:
     return phases
 
 
+def read_floor(cases: list[Case], rule: object) -> float:
+    """CPU seconds to read once every byte the property's byte comparisons read: each pair's
+    resharded shards and the declared split at its destination, one ``aminmax`` over each
+    tensor's bytes (the fastest single pass torch has here), the reshards themselves
+    untimed. No byte comparison can cost less."""
+    by: dict[tuple, list[Case]] = {}
+    for case in cases:
+        by.setdefault((case.config, case.seed, case.phase), []).append(case)
+    spent = 0.0
+    for (config, seed, phase), pairs in by.items():
+        checker = case_module.make_checker(config, seed, phase=phase,
+                                           threshold_rule=rule)  # type: ignore[arg-type]
+        for case in pairs:
+            out = reshard(checker.declared(case.src), checker.layout, case.dst)
+            tensors = [t.reshape(-1).view(torch.uint8)
+                       for shards in (out, checker.declared(case.dst))
+                       for params in shards for t in params.values() if t.numel()]
+            start = time.thread_time()
+            for t in tensors:
+                torch.aminmax(t)
+            spent += time.thread_time() - start
+    return spent
+
+
 def breakdown(label: str, strategy: st.SearchStrategy[Case], examples: int
-              ) -> list[tuple[str, float, float, dict[str, float]]]:
-    """The property and its bare replay, each once more with the phases wrapped."""
+              ) -> tuple[list[tuple[str, float, float, dict[str, float]]], float]:
+    """The property and its bare replay, each once more with the phases wrapped, and the
+    read floor of the property's byte comparisons, as a ratio to the bare replay."""
     rule = fuzz_threshold_rule("1a")
     clear_kept_params()  # as in measure: each side draws its weights
     with wrapped(Phases(time.thread_time)).active() as prop:
@@ -223,8 +254,9 @@ def breakdown(label: str, strategy: st.SearchStrategy[Case], examples: int
         start = time.thread_time()
         bare(tally.cases)
         base_total = time.thread_time() - start
-    return [(f"{label}: property", base_total, prop_total, dict(prop.spent)),
-            (f"{label}: bare", base_total, base_total, dict(base.spent))]
+    return ([(f"{label}: property", base_total, prop_total, dict(prop.spent)),
+             (f"{label}: bare", base_total, base_total, dict(base.spent))],
+            read_floor(tally.cases, rule) / base_total)
 
 
 def main() -> None:
@@ -255,12 +287,27 @@ def main() -> None:
           "the two leaves)")
     print("fuzz domain, overhead in CPU time, round by round: " + ", ".join(
         f"{r['prop_cpu'] / r['base_cpu']:.2f}x" for r in rounds["fuzz domain"]))
-    columns = (breakdown("TOY", toy_cases(), args.toy_examples)
-               + breakdown("fuzz domain", cases(), args.examples))
+    toy, toy_read = breakdown("TOY", toy_cases(), args.toy_examples)
+    domain, domain_read = breakdown("fuzz domain", cases(), args.examples)
+    columns = toy + domain
     print("\nwhere the time goes (exclusive CPU time, x the bare replay of the same examples; "
           "outside every wrapper: Hypothesis's own work, the replay loop, and the wrappers' own "
           "microsecond a call, so read 'Hypothesis alone' above for the engine's clean share):")
     print(side_by_side(columns, other="Hypothesis engine (outside every wrapped call)"))
+    floors = [["geometries", "bare", "+ the reshard under test", "+ reading the compared "
+               "bytes once", "+ Hypothesis alone", "= the floor", "the property"]]
+    for label, (prop, _), read, kind in (("TOY", toy, toy_read, "TOY (19.2M params)"),
+                                         ("fuzz domain", domain, domain_read, "fuzz domain")):
+        _, base, total, spent = prop
+        resharding = spent.get(RESHARD, 0.0) / base
+        engine = statistics.median(r["engine_cpu"] / r["base_cpu"] for r in rounds[kind])
+        floors.append([label, "1.00x", f"{resharding:.2f}x", f"{read:.2f}x", f"{engine:.2f}x",
+                       f"{1 + resharding + read + engine:.2f}x", f"{total / base:.2f}x"])
+    print("\nwhat no change to the harness's checking removes (CPU time, x the bare replay): "
+          "the bare work, the code under test (the reshard bucket above), reading once every "
+          "byte the comparisons compare, and Hypothesis's own work (its median round alone, "
+          "from the first table); against the property as wrapped above:")
+    print(table(floors))
     if args.cprofile:
         print("\ncProfile, the fuzz-domain property, hottest by own time:\n"
               + hottest(lambda: run_property("invariant", None, profile="wsb-test",

@@ -15,7 +15,9 @@ Then where the time goes: one more check per case with the phases wrapped (``pha
 exclusive wall time of each function, the reference's and the sharded run's told apart),
 each phase as a ratio to that case's bare time, the cases side by side; then the check
 against the reference's own forward, backward, loss and AdamW step alone (no trace copies),
-and the floor no harness change can lower: both training runs by themselves. ``--cprofile N``
+and the floor no harness change can lower: both training runs by themselves, and the two runs
+plus reading every tensor the comparisons compare once (the memory's floor under any
+comparison, beside what the comparisons take). ``--cprofile N``
 adds cProfile's N hottest functions (by own time) of one check per case. ``--fused`` runs
 every case again, in the same run, with torch's fused AdamW on both sides instead of the
 single-tensor one every training floor was measured with (it rounds differently, so the
@@ -39,6 +41,7 @@ from weight_sync_bench.model.sharded import ShardedModel
 from weight_sync_bench.training import compare as compare_module
 from weight_sync_bench.training import step as step_module
 from weight_sync_bench.training.batches import default_spec
+from weight_sync_bench.training.compare import Shards, Trace
 from weight_sync_bench.training.floor import SMALL_VARIANTS, thresholds_for
 from weight_sync_bench.training.mesh import Mesh
 from weight_sync_bench.training.optimizer import AdamW
@@ -60,13 +63,41 @@ TRAINING = ("forward", "backward", "loss", "AdamW step")  # the work both runs m
 SHARDED_TRAINING = ("gradient reductions (TP, CP, DP)", "split to TP shards")
 
 
-def floor_row(spent: dict[str, float], total: float) -> list[str]:
-    """The check against the reference's bare training work, and the share of it that is
-    the two training runs themselves: what no harness change can remove."""
+def floor_row(spent: dict[str, float], total: float, read: float) -> list[str]:
+    """The check against the reference's bare training work, the share of it that is the
+    two training runs themselves, and what the comparisons cannot go below: reading every
+    tensor they compare once (``read``, ``read_floor``)."""
     ref = sum(spent.get(f"reference: {k}", 0.0) for k in TRAINING)
     runs = ref + sum(spent.get(f"sharded: {k}", 0.0) for k in TRAINING + SHARDED_TRAINING)
+    compared = sum(v for k, v in spent.items() if k.startswith("compare: "))
     return [f"{ref * 1e3:.0f} ms", f"{total / ref:.2f}x", f"{runs / ref:.2f}x",
-            f"{(total - runs) / ref:.2f}x"]
+            f"{(total - runs) / ref:.2f}x", f"{compared / ref:.2f}x", f"{read / ref:.2f}x",
+            f"{(runs + read) / ref:.2f}x"]
+
+
+def compared(case: TrainingCase, ref: Trace, got: Trace) -> list[torch.Tensor]:
+    """Every tensor the comparisons of ``case.check`` read, each once: both runs' input and
+    parameter gradients, AdamW moments after each step and parameters after the steps they
+    compare (the first and the last), every TP rank's shard of them, and the start."""
+    steps = sorted({0, len(ref.params) - 1})
+    out = [ref.input_grad, got.input_grad]
+    for trace in (ref, got):
+        for held in (trace.grads, *trace.exp_avg, *trace.exp_avg_sq,
+                     *(trace.params[k] for k in steps)):
+            for x in held.values():
+                out.extend(x.tensors if isinstance(x, Shards) else (x,))
+    assert case.params is not None
+    return out + list(case.params.values())
+
+
+def read_floor(tensors: list[torch.Tensor]) -> float:
+    """CPU seconds to read each of ``tensors`` once, with the fastest single pass torch has
+    (``aminmax``: faster here than ``sum`` or ``amax``): what comparing them cannot go below."""
+    start = time.thread_time()
+    for x in tensors:
+        if x.numel():
+            torch.aminmax(x.detach())
+    return time.thread_time() - start
 
 
 def wrapped(phases: Phases) -> Phases:
@@ -120,7 +151,8 @@ def main() -> None:
              "CPU: bare", "check", "check / bare"]]
     columns: list[tuple[str, float, float, dict[str, float]]] = []
     floors = [["case", "ref f+b+step", "check / it", "training runs alone / it",
-               "the rest / it"]]
+               "the rest / it", "comparisons / it", "their read floor / it",
+               "runs + read floor / it"]]
     profiles: list[tuple[str, str]] = []
     cases = [(config, mesh, optimizer)
              for optimizer in ("single-tensor", "fused")[:2 if args.fused else 1]
@@ -145,6 +177,10 @@ def main() -> None:
             with wrapped(Phases(time.thread_time)).active() as phases:
                 phases.spent["(total)"] = timed(check)[1]
             runs.append(phases)
+        # after the timed rounds: two traces held alive through them made the check slower
+        tensors = compared(case, case.reference(), case.sharded())
+        reads = [read_floor(tensors) for _ in range(args.rounds)]
+        del tensors
         wall = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
         cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
         rows.append([label, str(args.steps), f"{wall['bare'] * 1e3:.0f} ms",
@@ -154,7 +190,7 @@ def main() -> None:
         spent = mean_phases(runs)
         total = spent.pop("(total)")
         columns.append((label, cpu["bare"], total, spent))
-        floors.append([label] + floor_row(spent, total))
+        floors.append([label] + floor_row(spent, total, statistics.median(reads)))
         if args.cprofile:
             profiles.append((label, hottest(check, args.cprofile)))
     print(table(rows))
@@ -166,7 +202,9 @@ def main() -> None:
     print("\nagainst the reference's own forward, backward, loss and AdamW step (the wrapped "
           "buckets, no trace copies), and the floor: both training runs alone (those buckets "
           "of the reference and the sharded run, its reductions and split included), before "
-          "any trace is gathered or compared:")
+          "any trace is gathered or compared; then the comparisons, against reading every "
+          "tensor they compare once (one aminmax each, CPU time, median of the rounds), and "
+          "the two training runs plus that read: a check cannot go below it:")
     print(table(floors))
     for label, text in profiles:
         print(f"\ncProfile, one check of {label}, hottest by own time:\n{text}")
