@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-
 from weight_sync_bench.check.checker import Checker, Forward
 from weight_sync_bench.check.forwards import inprocess_forward
 from weight_sync_bench.check.mutations import MUTATIONS
@@ -180,11 +179,11 @@ def sample_replicated_kv(config: ModelConfig, seed: int) -> list[dict[str, Any]]
     harness's conversion from the first source endpoint where it applies and is live (a
     RoPE mutation only where the geometry's tokens reach its ``min_seq_len``). One record
     per degree."""
+    from weight_sync_bench.check.conversion import ConversionChecker
     from weight_sync_bench.check.floor import forward_of, replicated_degrees
     from weight_sync_bench.conventions import CONVENTIONS, convert, endpoint
     from weight_sync_bench.conventions.mutations import MUTATIONS as CONVERSION_MUTATIONS
     from weight_sync_bench.conventions.mutations import Conversion
-    from weight_sync_bench.check.conversion import ConversionChecker
     from weight_sync_bench.fuzz.case import make_checker
 
     checker = ConversionChecker(make_checker(config, seed, threshold_rule=lambda c, r: math.inf))
@@ -246,8 +245,8 @@ def remeasure_replicated_floors(artifact: dict[str, Any],
                                 ) -> list[float]:
     """Each validation sample's floor measured again in this process (its kernels);
     ``progress(done, total, what)`` after each sample."""
-    from weight_sync_bench.conventions import endpoint
     from weight_sync_bench.check.conversion import ConversionChecker
+    from weight_sync_bench.conventions import endpoint
     from weight_sync_bench.fuzz.case import make_checker
 
     floors, key, checker = [], None, None
