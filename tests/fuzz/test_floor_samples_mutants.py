@@ -442,6 +442,8 @@ def test_a_replicated_sample_reaches_the_domains_largest_degree_16(monkeypatch):
     records = S.sample_replicated_kv(wide, 0)
     assert [r["degree"] for r in records] == [8, 16]
     assert all(r["kills"] == {} and r["forward"] == phase_floor.REPLICATED_KV for r in records)
+    # a smaller domain's largest degree bounds the sample (a measurement over that domain)
+    assert [r["degree"] for r in S.sample_replicated_kv(wide, 0, 8)] == [8]
 
 
 def test_a_replicated_samples_kills_are_the_real_mutations_deviations():
@@ -478,8 +480,8 @@ def test_measure_replicated_kv_passes_every_sample_and_its_figures_to_the_artifa
         monkeypatch):
     calls, built, progress = [], [], []
 
-    def sample(config, seed):
-        calls.append((config, seed))
+    def sample(config, seed, max_degree):
+        calls.append((config, seed, max_degree))
         return [{"d": config.d_model, "seed": seed}]
 
     def artifact(samples, **kwargs):
@@ -492,7 +494,8 @@ def test_measure_replicated_kv_passes_every_sample_and_its_figures_to_the_artifa
     cases = iter([(TWO_KV, 4), (REPLICATED.replace(n_heads=3, ffn=3), 9)])
     assert S.measure_replicated_kv(cases, domain=domain, seed=77,
                                    progress=lambda *a: progress.append(a)) == {"built": True}
-    assert calls == [(TWO_KV, 4), (REPLICATED.replace(n_heads=3, ffn=3), 9)]
+    # each sample measured up to the domain's largest degree, the one the artifact records
+    assert calls == [(TWO_KV, 4, 6), (REPLICATED.replace(n_heads=3, ffn=3), 9, 6)]
     ((samples, kwargs),) = built
     assert samples == [{"d": 16, "seed": 4}, {"d": 16, "seed": 9}]
     assert kwargs == {"phase": "1a", "forward": phase_floor.REPLICATED_KV,

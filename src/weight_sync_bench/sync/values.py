@@ -59,7 +59,8 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
 
 
 def values(seed: int, name: str, flat: np.ndarray) -> torch.Tensor:
-    """float32 values of canonical ``name`` at flat indices ``flat`` (any shape)."""
+    """float32 values of canonical ``name`` at flat indices ``flat``, an array of any shape
+    with one dimension or more (numpy makes a 0-d array's arithmetic a scalar)."""
     with np.errstate(over="ignore"):
         h = _splitmix64(flat.astype(np.uint64) + key(seed, name))
     # the four 16-bit words of each hash, summed (pairwise, in two lanes), then centred

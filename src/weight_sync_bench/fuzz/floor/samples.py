@@ -172,8 +172,10 @@ def draw_replicated_geometries(n: int, seed: int, domain: FuzzDomain = DOMAIN
     return drawn[:n]
 
 
-def sample_replicated_kv(config: ModelConfig, seed: int) -> list[dict[str, Any]]:
-    """One geometry's floor at each degree t > n_kv_heads vLLM stores it at: vLLM's forward
+def sample_replicated_kv(config: ModelConfig, seed: int, max_degree: int | None = None
+                         ) -> list[dict[str, Any]]:
+    """One geometry's floor at each degree n_kv_heads < t <= ``max_degree`` (default: the
+    fuzz domain's largest, ``max_replicated_degree``) vLLM stores it at: vLLM's forward
     of the declared shards against the reference (as ``fuzz.case.run_conversion_case``
     judges it), with each conversion mutation's deviation there, the mutation applied to the
     harness's conversion from the first source endpoint where it applies and is live (a
@@ -189,10 +191,11 @@ def sample_replicated_kv(config: ModelConfig, seed: int) -> list[dict[str, Any]]
     checker = ConversionChecker(make_checker(config, seed, threshold_rule=lambda c, r: math.inf))
     assert checker.checker.reference is not None
     scale = float(checker.checker.reference.abs().max())
+    top = max_replicated_degree() if max_degree is None else max_degree
     sources = [endpoint(f"{n}:{t}") for n, c in CONVENTIONS.items()
-               for t in c.supported_degrees(config, max_replicated_degree())]
+               for t in c.supported_degrees(config, top)]
     records = []
-    for t in replicated_degrees(config, max_replicated_degree()):
+    for t in replicated_degrees(config, top):
         dst = endpoint(f"vllm:{t}")
         assert forward_of(dst.convention, config, t) == REPLICATED_KV
         kills: dict[str, float] = {}
@@ -223,12 +226,13 @@ def measure_replicated_kv(cases: Iterable[tuple[ModelConfig, int]], *, phase: st
         raise ToleranceMismatch(f"conversions are fuzzed in process (phase 1a), got {phase!r}")
     cases = list(cases)
     samples: list[dict[str, Any]] = []
+    top = max_replicated_degree(domain)  # the degrees sampled are the ones the artifact records
     for i, (config, model_seed) in enumerate(cases):
         outside = domain.violations(config)
         if outside:
             raise ToleranceMismatch(f"replicated-KV sample {i} lies outside the fuzz domain: "
                                     + "; ".join(outside))
-        samples += sample_replicated_kv(config, model_seed)
+        samples += sample_replicated_kv(config, model_seed, top)
         if progress is not None:
             progress(i + 1, len(cases), f"geometry d_model={config.d_model} "
                                         f"kv_heads={config.n_kv_heads}")
@@ -237,7 +241,7 @@ def measure_replicated_kv(cases: Iterable[tuple[ModelConfig, int]], *, phase: st
                                 "n_kv_heads")
     return replicated_kv_artifact(samples, phase=phase, forward=REPLICATED_KV,
                                   domain=domain.to_json(), geometries=len(cases),
-                                  draw_seed=seed, max_degree=max_replicated_degree(domain))
+                                  draw_seed=seed, max_degree=top)
 
 
 def remeasure_replicated_floors(artifact: dict[str, Any],
