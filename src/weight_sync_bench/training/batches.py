@@ -34,6 +34,8 @@ class BatchSpec:
     packed: bool = False  # several documents per row, separated by the document mask
 
     def __post_init__(self) -> None:
+        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
+            raise InvalidBatch(f"seq_len must be an int >= 1, got {self.seq_len!r}")
         if not self.documents:
             raise InvalidBatch("a batch needs at least one row, got documents=()")
         for row, docs in enumerate(self.documents):
@@ -137,6 +139,8 @@ def default_spec(config: ModelConfig, *, packed: bool, ignore_rate: float = 0.25
             rows.append(tuple(n for n in docs if n > 0))
         else:
             rows.append((length,))
-    if packed and config.seq_len > 1:  # padding at the end of every packed row
+    # padding at the end of a packed row whose last document is longer than one token (a
+    # short row, at seq_len 3 or 4, may end full: every shipped config pads every row)
+    if packed and config.seq_len > 1:
         rows = [docs[:-1] + (docs[-1] - 1,) if docs[-1] > 1 else docs for docs in rows]
     return BatchSpec(tuple(rows), t, ignore_rate, packed)
