@@ -13,7 +13,6 @@ from weight_sync_bench.errors import InvalidConfig
 from weight_sync_bench.model.config import (
     CONFIGS,
     MOE_CONFIGS,
-    TOY,
     TOY_MOE,
     Init,
     config_by_name,
@@ -24,9 +23,8 @@ from weight_sync_bench.model.config import (
     make_tokens,
     parse_dtype,
 )
+from weight_sync_bench.training.floor import SMALL  # 2 layers, d_model 32
 
-SMALL = TOY.replace(name="small", vocab=40, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
-                    head_dim=8, ffn=24, batch=2, seq_len=6)
 MOE = SMALL.replace(name="moe", n_experts=4, top_k=2, expert_ffn=8)
 KNOWN = "known: fp32, bf16, fp16"
 
@@ -177,7 +175,7 @@ def test_a_down_bias_is_a_parameter_of_every_layer():
     shapes = biased.param_shapes()
     assert [n for n in shapes if n.endswith("down.bias")] == ["layers.0.down.bias",
                                                               "layers.1.down.bias"]
-    assert shapes["layers.1.down.bias"] == (16,)
+    assert shapes["layers.1.down.bias"] == (32,)
     assert biased.suffixes_of(0)[-1] == "down.bias"
     assert "down.bias" not in SMALL.suffixes_of(0)  # twin: none without it
 
