@@ -30,7 +30,7 @@ from weight_sync_bench.check.floor import forward_of
 from weight_sync_bench.conventions import Endpoint, endpoint, moe_endpoints
 from weight_sync_bench.conventions.mutations import MOE_MUTATIONS, ROUTER_BIAS
 from weight_sync_bench.errors import ToleranceMismatch
-from weight_sync_bench.fuzz.case import make_checker
+from weight_sync_bench.fuzz.case import ConversionCase, make_checker
 from weight_sync_bench.fuzz.domain import DOMAIN, MOE_DOMAIN, IntRange
 from weight_sync_bench.fuzz.floor import moe as M
 from weight_sync_bench.model.config import ModelConfig
@@ -136,16 +136,11 @@ PLANTED = [
     Planted("experts_hidden"),  # the tokens hide it: unrouted
 ]
 @dataclasses.dataclass(frozen=True)
-class Case:
-    """``ConversionCase``'s fields, without its check that the mutation is a real one."""
+class Case(ConversionCase):
+    """``ConversionCase`` without its check that the mutation is a real one."""
 
-    config: ModelConfig
-    src_convention: str
-    src: int
-    dst_convention: str
-    dst: int
-    seed: int
-    mutation: str | None = None
+    def __post_init__(self) -> None:
+        pass
 
 
 # the floors: in the 1-rank plain group three endpoints tie at the worst; the first of them
