@@ -11,7 +11,13 @@ import pytest
 import torch
 
 from weight_sync_bench.collectives.inprocess import InProcessCollective, InProcessGroups
-from weight_sync_bench.errors import InvalidBatch, InvalidMesh, UnevenSequence, UnsupportedLayout
+from weight_sync_bench.errors import (
+    InvalidBatch,
+    InvalidMesh,
+    InvalidNumber,
+    UnevenSequence,
+    UnsupportedLayout,
+)
 from weight_sync_bench.training.batches import (
     PAD_TOKEN,
     BatchSpec,
@@ -221,7 +227,7 @@ def test_a_batch_spec_rejects_what_it_cannot_hold_and_says_why(kwargs, message):
 @pytest.mark.parametrize("seq_len", [0, -1, True, 2.0, "8"])
 def test_a_batch_spec_refuses_a_sequence_length_that_is_not_a_positive_int(seq_len):
     """Checked first: a spec of empty rows once took seq_len=-1 and failed in torch.full."""
-    assert _message(InvalidBatch, lambda: BatchSpec(((),), seq_len=seq_len)) == (
+    assert _message(InvalidNumber, lambda: BatchSpec(((),), seq_len=seq_len)) == (
         f"seq_len must be an int >= 1, got {seq_len!r}")
     assert BatchSpec(((),), seq_len=1).rows == 1  # twin: the smallest length is accepted
 

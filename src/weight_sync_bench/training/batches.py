@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weight_sync_bench.errors import InvalidBatch
+from weight_sync_bench.errors import InvalidBatch, InvalidNumber
 from weight_sync_bench.model.config import ModelConfig
 from weight_sync_bench.training.loss import IGNORE_INDEX, valid_count
 
@@ -34,8 +34,7 @@ class BatchSpec:
     packed: bool = False  # several documents per row, separated by the document mask
 
     def __post_init__(self) -> None:
-        if isinstance(self.seq_len, bool) or not isinstance(self.seq_len, int) or self.seq_len < 1:
-            raise InvalidBatch(f"seq_len must be an int >= 1, got {self.seq_len!r}")
+        InvalidNumber.count("seq_len", self.seq_len)
         if not self.documents:
             raise InvalidBatch("a batch needs at least one row, got documents=()")
         for row, docs in enumerate(self.documents):

@@ -172,10 +172,10 @@ def draw_replicated_geometries(n: int, seed: int, domain: FuzzDomain = DOMAIN
     return drawn[:n]
 
 
-def sample_replicated_kv(config: ModelConfig, seed: int, max_degree: int | None = None
-                         ) -> list[dict[str, Any]]:
+def sample_replicated_kv(config: ModelConfig, seed: int,
+                         max_degree: int = max_replicated_degree()) -> list[dict[str, Any]]:
     """One geometry's floor at each degree n_kv_heads < t <= ``max_degree`` (default: the
-    fuzz domain's largest, ``max_replicated_degree``) vLLM stores it at: vLLM's forward
+    fuzz domain's largest) vLLM stores it at: vLLM's forward
     of the declared shards against the reference (as ``fuzz.case.run_conversion_case``
     judges it), with each conversion mutation's deviation there, the mutation applied to the
     harness's conversion from the first source endpoint where it applies and is live (a
@@ -191,11 +191,10 @@ def sample_replicated_kv(config: ModelConfig, seed: int, max_degree: int | None 
     checker = ConversionChecker(make_checker(config, seed, threshold_rule=lambda c, r: math.inf))
     assert checker.checker.reference is not None
     scale = float(checker.checker.reference.abs().max())
-    top = max_replicated_degree() if max_degree is None else max_degree
     sources = [endpoint(f"{n}:{t}") for n, c in CONVENTIONS.items()
-               for t in c.supported_degrees(config, top)]
+               for t in c.supported_degrees(config, max_degree)]
     records = []
-    for t in replicated_degrees(config, top):
+    for t in replicated_degrees(config, max_degree):
         dst = endpoint(f"vllm:{t}")
         assert forward_of(dst.convention, config, t) == REPLICATED_KV
         kills: dict[str, float] = {}
