@@ -41,8 +41,12 @@ QWEN3_MOE = TINY.replace(qk_norm=True, n_experts=8, top_k=2, expert_ffn=32, norm
 MOE_REFUSED = " has no HF config field of Mixtral, Qwen2-MoE or Qwen3-MoE"
 MIXTRAL_REFUSED = ("tiny: a Mixtral with q/k norms, biases, unnormalised top-k, a shared expert, "
                    "dense layers or an expert width other than intermediate_size" + MOE_REFUSED)
-QWEN2_MOE_REFUSED = ("tiny: a Qwen2-MoE (a shared expert, q/k/v biases) with q/k norms or "
-                     "without q/k/v biases" + MOE_REFUSED)
+SHARED_BESIDE_NORMS = ("tiny: a shared expert beside q/k norms (a Qwen3-MoE has no shared "
+                       "expert)" + MOE_REFUSED)
+O_BIAS_WITHOUT_NORMS = ("tiny: an o_proj bias without q/k norms (a Qwen2-MoE has none)"
+                        + MOE_REFUSED)
+NORMS_AND_QKV_BIAS = ("tiny: qk_norm with q/k/v biases and no o_proj bias has no HF config "
+                      "(Qwen3's attention_bias biases q, k, v and o_proj)")
 
 
 def expected(**changes: object) -> list[tuple[str, object]]:
@@ -73,7 +77,10 @@ def round_trips(config: ModelConfig) -> None:
     # q/k norms: Qwen3
     (TINY.replace(qk_norm=True), expected(architectures=["Qwen3ForCausalLM"],
                                           model_type="qwen3")),
-], ids=["llama", "llama_tied", "llama_attention_bias", "qwen2", "qwen3"])
+    # q/k norms, q/k/v and o_proj biases: Qwen3's attention_bias (Qwen3Attention, 4.57.6)
+    (TINY.replace(qk_norm=True, qkv_bias=True, o_bias=True),
+     expected(architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=True)),
+], ids=["llama", "llama_tied", "llama_attention_bias", "qwen2", "qwen3", "qwen3_attention_bias"])
 def test_a_dense_geometry_is_written_as_its_familys_exact_config(config, items):
     out = config.to_hf_config()
     assert list(out.items()) == items
@@ -113,10 +120,8 @@ def test_what_is_written_is_json_and_reads_back_from_a_file(tmp_path):
                               "unpadded vocabulary)"),
     (dict(vocab_multiple=2, qkv_bias=True, o_bias=True),
      "tiny: vocab_multiple=2 has no HF config field (vocab_size is the unpadded vocabulary)"),
-    (dict(qk_norm=True, qkv_bias=True), "tiny: qk_norm with q/k/v biases has no HF config "
-                                        "(Qwen3 has q/k norms and no biases)"),
-    (dict(qk_norm=True, qkv_bias=True, o_bias=True),
-     "tiny: qk_norm with q/k/v biases has no HF config (Qwen3 has q/k norms and no biases)"),
+    (dict(qk_norm=True, qkv_bias=True), NORMS_AND_QKV_BIAS),
+    (dict(qk_norm=True, qkv_bias=True, vocab_multiple=1), NORMS_AND_QKV_BIAS),
 ])
 def test_what_hf_cannot_say_of_a_dense_geometry_is_refused_naming_it(changes, message):
     refused(TINY.replace(**changes), message)
@@ -125,6 +130,7 @@ def test_what_hf_cannot_say_of_a_dense_geometry_is_refused_naming_it(changes, me
 @pytest.mark.parametrize("changes", [
     dict(bias=False), dict(o_bias=True, qkv_bias=True), dict(vocab_multiple=1),
     dict(qk_norm=True, qkv_bias=False), dict(qkv_bias=True, o_bias=False),
+    dict(qk_norm=True, qkv_bias=True, o_bias=True),
 ])
 def test_each_refusals_twin_is_written_and_reads_back(changes):
     round_trips(TINY.replace(**changes))
@@ -157,6 +163,24 @@ def test_a_qwen2_moe_without_a_shared_expert_is_still_qwen2_moe_by_its_biases():
         num_experts=8, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
         mlp_only_layers=[], shared_expert_intermediate_size=0, qkv_bias=True)
     round_trips(QWEN2_MOE_UNSHARED)
+
+
+def test_a_qwen2_moe_without_qkv_biases_says_so_in_qkv_bias():
+    # Qwen2MoeAttention biases q, k and v by config.qkv_bias (transformers 4.57.6), o_proj never
+    for config, shared in ((QWEN2_MOE.replace(qkv_bias=False), 48),
+                           (QWEN3_MOE.replace(qk_norm=False), 0)):
+        out = config.to_hf_config()
+        assert (out["model_type"], out["qkv_bias"], out["attention_bias"]) == (
+            "qwen2_moe", False, False)
+        assert out["shared_expert_intermediate_size"] == shared
+        round_trips(config)
+
+
+def test_a_qwen3_moe_with_attention_biases_says_so_in_attention_bias():
+    # Qwen3MoeAttention biases q, k, v and o_proj by config.attention_bias (4.57.6)
+    config = QWEN3_MOE.replace(qkv_bias=True, o_bias=True)
+    assert config.to_hf_config() == {**QWEN3_MOE.to_hf_config(), "attention_bias": True}
+    round_trips(config)
 
 
 def test_a_qwen3_moe_is_written_with_its_dense_prefix_and_no_qwen2_fields():
@@ -206,18 +230,17 @@ def test_a_qwen3_moe_is_written_with_its_dense_prefix_and_no_qwen2_fields():
     (MIXTRAL.replace(shared_ffn=16, shared_gate=True), MIXTRAL_REFUSED),
     (MIXTRAL.replace(dense_layers=1), MIXTRAL_REFUSED),
     (MIXTRAL.replace(expert_ffn=48), MIXTRAL_REFUSED),
-    # a Qwen2-MoE (shared expert or q/k/v biases) with q/k norms, without biases or with o_proj's
-    (QWEN2_MOE.replace(qk_norm=True), QWEN2_MOE_REFUSED),
-    (QWEN2_MOE_UNSHARED.replace(qk_norm=True), QWEN2_MOE_REFUSED),
-    (QWEN2_MOE.replace(qkv_bias=False), QWEN2_MOE_REFUSED),
-    (QWEN2_MOE.replace(qkv_bias=False, qk_norm=True), QWEN2_MOE_REFUSED),
-    (QWEN3_MOE.replace(shared_ffn=1, shared_gate=True), QWEN2_MOE_REFUSED),
-    (QWEN2_MOE.replace(o_bias=True), QWEN2_MOE_REFUSED),
-    (QWEN2_MOE_UNSHARED.replace(o_bias=True), QWEN2_MOE_REFUSED),
-    # neither q/k/v biases nor a shared expert nor q/k norms
-    (QWEN3_MOE.replace(qk_norm=False), "tiny: a Qwen3-MoE without q/k norms" + MOE_REFUSED),
-    (QWEN3_MOE.replace(qk_norm=False, norm_topk=False, dense_layers=0),
-     "tiny: a Qwen3-MoE without q/k norms" + MOE_REFUSED),
+    # q/k norms (Qwen3-MoE) with a shared expert (Qwen2-MoE's), biased or not
+    (QWEN2_MOE.replace(qk_norm=True, qkv_bias=False), SHARED_BESIDE_NORMS),
+    (QWEN2_MOE.replace(qk_norm=True, o_bias=True), SHARED_BESIDE_NORMS),
+    (QWEN3_MOE.replace(shared_ffn=1, shared_gate=True), SHARED_BESIDE_NORMS),
+    # q/k norms with q/k/v biases and no o_proj bias: the dense refusal, before the MoE ones
+    (QWEN2_MOE.replace(qk_norm=True), NORMS_AND_QKV_BIAS),
+    (QWEN2_MOE_UNSHARED.replace(qk_norm=True), NORMS_AND_QKV_BIAS),
+    (QWEN3_MOE.replace(qkv_bias=True), NORMS_AND_QKV_BIAS),
+    # an o_proj bias without q/k norms (Qwen2-MoE has none), with a shared expert or not
+    (QWEN2_MOE.replace(o_bias=True), O_BIAS_WITHOUT_NORMS),
+    (QWEN2_MOE_UNSHARED.replace(o_bias=True), O_BIAS_WITHOUT_NORMS),
 ])
 def test_what_no_hf_moe_config_can_say_is_refused_naming_it(config, message):
     refused(config, message)
@@ -230,6 +253,8 @@ def test_what_no_hf_moe_config_can_say_is_refused_naming_it(config, message):
     QWEN2_MOE.replace(shared_ffn=1), QWEN2_MOE.replace(norm_topk=True, dense_layers=3),
     QWEN3_MOE.replace(norm_topk=False, dense_layers=0, tie_embeddings=True),
     QWEN3_MOE.replace(top_k=8, n_kv_heads=4),
+    QWEN2_MOE.replace(qkv_bias=False), QWEN3_MOE.replace(qk_norm=False),
+    QWEN3_MOE.replace(qkv_bias=True, o_bias=True),
 ])
 def test_each_moe_refusals_twin_is_written_and_reads_back(config):
     round_trips(config)

@@ -24,7 +24,7 @@ LLAMA = {"hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
          "intermediate_size": 24, "num_hidden_layers": 2, "vocab_size": 40}
 QWEN3_MOE = {**LLAMA, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
              "moe_intermediate_size": 8}
-QWEN2_MOE = {**QWEN3_MOE, "model_type": "qwen2_moe"}
+QWEN2_MOE = {**QWEN3_MOE, "model_type": "qwen2_moe", "shared_expert_intermediate_size": 0}
 
 
 def read(data, **kwargs):
@@ -89,6 +89,31 @@ def test_a_qwen2_moe_has_qkv_biases_unless_its_file_says_not_and_never_an_o_bias
     assert (c.qkv_bias, c.o_bias) == (True, False)
     assert read({**QWEN2_MOE, "qkv_bias": False}).qkv_bias is False
     assert read(QWEN2_MOE).qkv_bias is True
+    # Qwen2MoeAttention reads qkv_bias, never attention_bias (transformers 4.57.6)
+    c = read({**QWEN2_MOE, "qkv_bias": False, "attention_bias": True})
+    assert (c.qkv_bias, c.o_bias) == (False, False)
+
+
+ATTENTION_BIAS_NOTE = "hf: attention_bias true is not read: HF's {} attention does not read it"
+
+
+@pytest.mark.parametrize("model_type, biases", [
+    ("llama", (True, True)), ("qwen3", (True, True)), ("qwen3_moe", (True, True)),
+    ("mistral", (False, False)), ("mixtral", (False, False)), ("qwen2", (True, False)),
+    ("qwen2_moe", (True, False)),
+])
+def test_attention_bias_is_read_only_where_hfs_attention_reads_it(model_type, biases):
+    # transformers 4.57.6: LlamaAttention, Qwen3Attention and Qwen3MoeAttention bias q, k,
+    # v and o_proj by attention_bias; MistralAttention and MixtralAttention have no biases;
+    # Qwen2Attention always biases q, k and v, Qwen2MoeAttention by qkv_bias
+    data = {**QWEN2_MOE, "num_local_experts": 4, "model_type": model_type}
+    c = read({**data, "attention_bias": True})
+    assert (c.qkv_bias, c.o_bias) == biases
+    reads = model_type in ("llama", "qwen3", "qwen3_moe")
+    assert c.notes == (() if reads else (ATTENTION_BIAS_NOTE.format(model_type),))
+    twin = read({**data, "attention_bias": False})
+    assert twin.notes == () and twin.o_bias is False
+    assert twin.qkv_bias is (model_type in ("qwen2", "qwen2_moe"))
 
 
 def test_a_sliding_window_is_noted_unless_the_file_turns_it_off():
@@ -108,12 +133,16 @@ def test_an_moe_reads_its_experts_and_defaults():
     assert read({**QWEN3_MOE, "shared_expert_intermediate_size": 8}).shared_ffn == 0
 
 
-@pytest.mark.parametrize("size, gated", [(None, False), (0, False), (1, True), (8, True)])
+@pytest.mark.parametrize("size, gated", [(0, False), (1, True), (8, True)])
 def test_a_qwen2_moe_shared_expert_is_gated_whenever_it_has_a_width(size, gated):
-    data = dict(QWEN2_MOE) if size is None else {**QWEN2_MOE,
-                                                 "shared_expert_intermediate_size": size}
-    c = read(data)
-    assert (c.shared_ffn, c.shared_gate) == (size or 0, gated)
+    c = read({**QWEN2_MOE, "shared_expert_intermediate_size": size})
+    assert (c.shared_ffn, c.shared_gate) == (size, gated)
+
+
+def test_a_qwen2_moe_must_give_its_shared_experts_width():
+    # Qwen2MoeConfig's default is 5632 (transformers 4.57.6), not no shared expert
+    data = {k: v for k, v in QWEN2_MOE.items() if k != "shared_expert_intermediate_size"}
+    assert refusal(data) == "hf: HF config has no 'shared_expert_intermediate_size'"
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -386,6 +386,13 @@ class ModelConfig:
         attention_bias = field("attention_bias", bool, False)
         moe = _moe_fields(model_type, data, field, label)
         notes = []
+        if attention_bias and model_type not in READS_ATTENTION_BIAS:
+            # transformers 4.57.6: MistralAttention and MixtralAttention have no biases,
+            # Qwen2Attention biases q/k/v always and Qwen2MoeAttention with ``qkv_bias``;
+            # none of them reads attention_bias, and neither does the harness
+            attention_bias = False
+            notes.append(f"{label}: attention_bias true is not read: HF's {model_type} "
+                         "attention does not read it")
         window = data.get("sliding_window")
         if window is not None and (data.get("use_sliding_window", True) is not False):
             notes.append(f"{label}: sliding_window {window} is not modelled; a check's tokens "
@@ -404,7 +411,7 @@ class ModelConfig:
             tie_embeddings=field("tie_word_embeddings", bool, False),
             qkv_bias=qwen2 or attention_bias or (model_type == "qwen2_moe"
                                                  and field("qkv_bias", bool, True)),
-            o_bias=attention_bias and not qwen2 and model_type != "qwen2_moe",
+            o_bias=attention_bias and not qwen2,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             notes=tuple(notes),
             **moe,
@@ -414,11 +421,13 @@ class ModelConfig:
         """The Hugging Face ``config.json`` dict of this geometry, the inverse of
         ``from_hf_config`` (``ModelConfig.from_hf_config(c.to_hf_config(), name=c.name) == c``
         for every config HF can describe): ``LlamaForCausalLM`` with ``attention_bias`` for
-        q/k/v and o_proj biases, ``Qwen2ForCausalLM`` for q/k/v biases alone, ``head_dim``
+        q/k/v and o_proj biases, ``Qwen2ForCausalLM`` for q/k/v biases alone,
+        ``Qwen3ForCausalLM`` for q/k norms (its ``attention_bias`` as Llama's), ``head_dim``
         always written (HF Llama reads it; ``hidden_size // num_attention_heads`` need not be
-        it). What HF's Llama and Qwen2 cannot say is an ``InvalidConfig`` naming the field: a
-        down bias (``bias=True``; HF's ``mlp_bias`` biases gate and up too), an o_proj bias
-        without q/k/v ones, ``vocab_multiple`` padding. The token shape (``batch``,
+        it). What HF's Llama, Qwen2 and Qwen3 cannot say is an ``InvalidConfig`` naming the
+        field: a down bias (``bias=True``; HF's ``mlp_bias`` biases gate and up too), an
+        o_proj bias without q/k/v ones, q/k norms with q/k/v biases and no o_proj bias,
+        ``vocab_multiple`` padding. The token shape (``batch``,
         ``seq_len``) is the check's, not the model's: it is not written."""
         if self.bias:
             raise InvalidConfig(f"{self.name}: bias=True (a down bias) has no HF config field: "
@@ -438,10 +447,10 @@ class ModelConfig:
                "vocab_size": self.vocab, "rope_theta": self.rope_theta,
                "rms_norm_eps": self.norm_eps, "tie_word_embeddings": self.tie_embeddings,
                "attention_bias": self.qkv_bias and self.o_bias, "hidden_act": "silu"}
+        if self.qk_norm and self.qkv_bias and not self.o_bias:
+            raise InvalidConfig(f"{self.name}: qk_norm with q/k/v biases and no o_proj bias has "
+                                "no HF config (Qwen3's attention_bias biases q, k, v and o_proj)")
         if self.qk_norm and not self.n_experts:
-            if self.qkv_bias:
-                raise InvalidConfig(f"{self.name}: qk_norm with q/k/v biases has no HF config "
-                                    "(Qwen3 has q/k norms and no biases)")
             out.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
         if self.n_experts:
             out.update(self._moe_hf_config())
@@ -468,12 +477,13 @@ class ModelConfig:
                              "expert, dense layers or an expert width other than intermediate_size")
             return {**common, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
                     "num_local_experts": self.n_experts}
-        qwen2 = self.shared_ffn > 0 or self.qkv_bias
-        if qwen2 and (self.qk_norm or not self.qkv_bias or self.o_bias):
-            raise refuse("a Qwen2-MoE (a shared expert, q/k/v biases) with q/k norms or "
-                         "without q/k/v biases")
-        if not qwen2 and not self.qk_norm:
-            raise refuse("a Qwen3-MoE without q/k norms")
+        # Qwen3-MoE has q/k norms, attention_bias (to_hf_config) and no shared expert;
+        # Qwen2-MoE no q/k norms, q/k/v biases by qkv_bias and no o_proj bias
+        qwen2 = not self.qk_norm
+        if self.qk_norm and self.shared_ffn:
+            raise refuse("a shared expert beside q/k norms (a Qwen3-MoE has no shared expert)")
+        if qwen2 and self.o_bias:
+            raise refuse("an o_proj bias without q/k norms (a Qwen2-MoE has none)")
         return {**common, "architectures": ["Qwen2MoeForCausalLM" if qwen2 else
                                             "Qwen3MoeForCausalLM"],
                 "model_type": "qwen2_moe" if qwen2 else "qwen3_moe",
@@ -481,7 +491,7 @@ class ModelConfig:
                 "norm_topk_prob": self.norm_topk, "decoder_sparse_step": 1,
                 "mlp_only_layers": list(range(self.dense_layers)),
                 **({"shared_expert_intermediate_size": self.shared_ffn,
-                    "qkv_bias": True} if qwen2 else {})}
+                    "qkv_bias": self.qkv_bias} if qwen2 else {})}
 
 
 _REQUIRED = object()
@@ -496,6 +506,10 @@ MAX_HF_SIZE = 2**31 - 1
 # Qwen2's q/k/v biases, Qwen3's q/k norms, and the MoE blocks of Qwen2-MoE, Qwen3-MoE and
 # Mixtral (transformers 4.57.6 modelling files). A config without a model_type reads as Llama.
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral")
+# The model types whose HF attention reads ``attention_bias``, as q, k, v *and* o_proj biases
+# (transformers 4.57.6: LlamaAttention, Qwen3Attention, Qwen3MoeAttention). The others'
+# attention ignores it (``from_hf_config`` notes a true one).
+READS_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe")
 # The config.json field each size of a geometry is read from (``from_hf_config``): what a
 # refusal names for a geometry the user gave as a config.json. Mixtral's experts are
 # ``num_local_experts`` of ``intermediate_size``.
@@ -541,7 +555,9 @@ def _moe_fields(model_type: str, data: Mapping[str, Any], field: Any, label: str
         raise InvalidConfig(f"{label}: HF config fields 'decoder_sparse_step' {step} and "
                             f"'mlp_only_layers' {dense}: the harness models every layer sparse "
                             "but a first few (decoder_sparse_step 1, mlp_only_layers 0..k-1)")
-    shared = (field("shared_expert_intermediate_size", int, 0, minimum=0)
+    # required, as the other sizes: Qwen2MoeConfig's default is a 5632-wide shared expert
+    # (transformers 4.57.6), not none; 0 is a shared expert of no width, which adds nothing
+    shared = (field("shared_expert_intermediate_size", int, minimum=0)
               if model_type == "qwen2_moe" else 0)
     return {"n_experts": experts, "top_k": top_k,
             "expert_ffn": field("moe_intermediate_size", int),
