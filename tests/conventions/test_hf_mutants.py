@@ -185,6 +185,19 @@ def test_what_hf_cannot_store_is_refused_naming_the_rule():
     assert stored(QWEN, "hf:1")[1]  # the twin: the same geometry, one rank, every expert
 
 
+@pytest.mark.parametrize("biases", [dict(qkv_bias=True), dict(o_bias=True), dict(bias=False,
+                                    qkv_bias=True, o_bias=True)])
+def test_a_mixtral_with_attention_biases_is_refused_and_a_qwen_moe_stores_them(biases):
+    # MixtralAttention's q/k/v/o_proj have bias=False (transformers 4.57.6)
+    config = MIXTRAL.replace(**biases)
+    assert refusal(config, "hf:1") == (
+        "hf: model.layers.0.self_attn.q_proj.bias needs no attention biases in a Mixtral "
+        "(MixtralAttention's have bias=False, transformers 4.57.6) (qkv_bias="
+        f"{config.qkv_bias}, o_bias={config.o_bias}, bias=False, t=1)")
+    assert stored(MIXTRAL, "hf:1")[1]  # twins: no biases, or another block
+    assert stored(QWEN.replace(**biases), "hf:1")[1]
+
+
 def test_fused_experts_of_a_one_expert_model_keep_their_expert_axis():
     """transformers v5's ``gate_up_proj`` is ``[E, 2F, d]`` whatever E, one expert included."""
     one = QWEN.replace(name="one", n_experts=1, top_k=1)

@@ -66,8 +66,10 @@ def test_the_vocabulary_pads_to_a_multiple_of_64_as_pad_vocab_size_does():
 
 
 @pytest.mark.parametrize("t", [1, 2, 4])
-def test_each_rank_holds_what_vllms_loaders_put_there(t):
-    config = DENSE.replace(qkv_bias=True, o_bias=True, qk_norm=True)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama_biases", "qwen3_qkv_bias"])
+def test_each_rank_holds_what_vllms_loaders_put_there(t, qk_norm):
+    # Llama's attention_bias biases qkv_proj and o_proj; Qwen3's qkv_proj only
+    config = DENSE.replace(qkv_bias=True, o_bias=not qk_norm, qk_norm=qk_norm)
     params, shards = stored(config, f"vllm:{t}")
     assert len(shards) == t
     f, vp = config.ffn // t, 128 // t
@@ -75,7 +77,8 @@ def test_each_rank_holds_what_vllms_loaders_put_there(t):
         layer = [f"model.layers.{i}.{n}" for i in range(2) for n in (
             "input_layernorm.weight", "post_attention_layernorm.weight",
             "self_attn.qkv_proj.weight", "self_attn.qkv_proj.bias", "self_attn.o_proj.weight",
-            "self_attn.o_proj.bias", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+            *(("self_attn.q_norm.weight", "self_attn.k_norm.weight") if qk_norm else
+              ("self_attn.o_proj.bias",)),
             "mlp.gate_up_proj.weight", "mlp.down_proj.weight")]
         assert sorted(got) == sorted(["model.embed_tokens.weight", "model.norm.weight",
                                       "lm_head.weight", *layer])
@@ -88,15 +91,17 @@ def test_each_rank_holds_what_vllms_loaders_put_there(t):
             assert torch.equal(got[m + "self_attn.o_proj.weight"],
                                params[p + "o_proj.weight"][:, cols])
             # RowParallelLinear's bias is the whole bias (added by rank 0 only)
-            assert torch.equal(got[m + "self_attn.o_proj.bias"], params[p + "o_proj.bias"])
+            if not qk_norm:
+                assert torch.equal(got[m + "self_attn.o_proj.bias"], params[p + "o_proj.bias"])
             gu = params[p + "gate_up.weight"]
             assert torch.equal(got[m + "mlp.gate_up_proj.weight"],
                                torch.cat([gu[r * f:(r + 1) * f], gu[24 + r * f:24 + (r + 1) * f]]))
             assert torch.equal(got[m + "mlp.down_proj.weight"],
                                params[p + "down.weight"][:, r * f:(r + 1) * f])
-            for ours, theirs in (("attn_norm", "input_layernorm"), ("q_norm", "self_attn.q_norm"),
-                                 ("ffn_norm", "post_attention_layernorm"),
-                                 ("k_norm", "self_attn.k_norm")):
+            norms = [("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")]
+            if qk_norm:
+                norms += [("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")]
+            for ours, theirs in norms:
                 assert torch.equal(got[m + theirs + ".weight"], params[p + ours + ".weight"])
         assert torch.equal(got["model.norm.weight"], params["norm.weight"])
         for ours, theirs in (("tok_embeddings", "model.embed_tokens"), ("lm_head", "lm_head")):
@@ -266,6 +271,7 @@ def test_a_moe_model_with_dense_layers_stores_their_dense_mlp():
 
 W13 = "model.layers.0.mlp.experts.routed_experts.w13_weight"
 QKV = "model.layers.0.self_attn.qkv_proj.weight"
+O_BIAS = "model.layers.0.self_attn.o_proj.bias"
 
 
 @pytest.mark.parametrize("config, at, message", [
@@ -311,6 +317,19 @@ QKV = "model.layers.0.self_attn.qkv_proj.weight"
      "with expert parallelism and grouped top-k (n_groups > 1): "
      "determine_expert_placement_strategy falls back to linear otherwise (ep=1, n_groups=2, "
      "t=2)")),
+    # Qwen3's o_proj has bias=False in vLLM, where HF's is biased by attention_bias
+    (DENSE.replace(qk_norm=True, qkv_bias=True, o_bias=True), "vllm:2", (O_BIAS + " needs no "
+     "o_proj bias beside q/k norms (Qwen3Attention's o_proj has bias=False) (o_bias=True, "
+     "bias=False, t=2)")),
+    (QWEN2.replace(shared_ffn=0, shared_gate=False, qk_norm=True, o_bias=True), "vllm:1", (
+     O_BIAS + " needs no o_proj bias beside q/k norms (Qwen3Attention's o_proj has bias=False) "
+     "(o_bias=True, bias=False, t=1)")),
+    (MIXTRAL.replace(qkv_bias=True), "vllm:1", ("model.layers.0.self_attn.qkv_proj.bias needs "
+     "no attention biases in a Mixtral (MixtralAttention's have bias=False) (qkv_bias=True, "
+     "o_bias=False, bias=False, t=1)")),
+    (MIXTRAL.replace(o_bias=True), "vllm:2", ("model.layers.0.self_attn.qkv_proj.bias needs "
+     "no attention biases in a Mixtral (MixtralAttention's have bias=False) (qkv_bias=False, "
+     "o_bias=True, bias=False, t=2)")),
 ])
 def test_each_refusal_names_the_tensor_the_rule_and_the_numbers(config, at, message):
     with pytest.raises(UnsupportedConvention) as e:
@@ -329,6 +348,12 @@ def test_each_refusal_names_the_tensor_the_rule_and_the_numbers(config, at, mess
     (QWEN2, "vllm:tp=2,ep=2,etp=1"),  # the experts' TP given as it is: 1 with EP
     (QWEN2, "vllm:tp=2,etp=2"),  # t without EP
     (DEEPSEEK, "vllm:tp=2,ep=2,placement=round_robin"),
+    # q/k norms with q/k/v biases alone: vLLM's Qwen3 reads attention_bias for qkv_proj
+    (DENSE.replace(qk_norm=True, qkv_bias=True), "vllm:2"),
+    (DENSE.replace(qkv_bias=True, o_bias=True), "vllm:2"),  # Llama's: both biased
+    (QWEN2.replace(qkv_bias=True, o_bias=True), "vllm:2"),  # no q/k norms
+    (MIXTRAL, "vllm:2"),
+    (DEEPSEEK.replace(qkv_bias=True, o_bias=True), "vllm:2"),  # not a Mixtral
 ])
 def test_the_twins_at_the_edge_of_each_rule_are_stored(config, at):
     assert len(endpoint(at).pieces(config)) == endpoint(at).degree

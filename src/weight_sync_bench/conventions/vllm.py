@@ -49,7 +49,10 @@ Mixture-of-Experts (vLLM 0.33.0: ``models/qwen3_moe.py``, ``qwen2_moe.py``, ``mi
 
 Biases: ``LlamaAttention`` biases ``qkv_proj`` and ``o_proj`` (``attention_bias``), Qwen2
 ``qkv_proj`` only; ``LlamaMLP``'s ``mlp_bias`` biases gate_up and down together, so a down
-bias without a gate_up bias (the harness's ``bias=True``) is rejected.
+bias without a gate_up bias (the harness's ``bias=True``) is rejected. Qwen3's and
+Qwen3-MoE's ``o_proj`` has no bias (HF's has one with ``attention_bias``), Mixtral's attention
+none: both rejected. Not rejected, though vLLM has no class for it: a Qwen-style MoE without
+q/k norms and without q/k/v biases (``Qwen2MoeAttention`` biases ``qkv_proj`` always).
 """
 
 from __future__ import annotations
@@ -198,6 +201,17 @@ def _build(config: ModelConfig, at: Endpoint) -> Pieces:
     need(not config.has_down_bias, NAME, "model.layers.0.mlp.down_proj.bias", t,
          "no down bias without a gate_up bias (LlamaMLP's mlp_bias biases gate_up_proj and "
          "down_proj together)", f"bias={config.bias}")
+    # Qwen3Attention and Qwen3MoeAttention (the q/k norms) build o_proj with bias=False, where
+    # HF's biases it by attention_bias; MixtralAttention has no bias at all (vLLM
+    # models/qwen3.py @ 002456df, qwen3_moe.py @ 2e0831b0, mixtral.py @ f0e26957)
+    need(not (config.qk_norm and config.has_o_bias), NAME, "model.layers.0.self_attn.o_proj.bias",
+         t, "no o_proj bias beside q/k norms (Qwen3Attention's o_proj has bias=False)",
+         f"o_bias={config.o_bias}, bias={config.bias}")
+    need(not (config.n_experts and config.moe_style == "mixtral"
+                  and (config.has_qkv_bias or config.has_o_bias)), NAME,
+         "model.layers.0.self_attn.qkv_proj.bias", t,
+         "no attention biases in a Mixtral (MixtralAttention's have bias=False)",
+         f"qkv_bias={config.qkv_bias}, o_bias={config.o_bias}, bias={config.bias}")
     if not config.n_experts:
         return renamed(config, t, _reads(config, at).layout, NAMES)
     names = {**NAMES, **{k: v for k, v in moe_names(config).items() if k != "experts"}}
