@@ -22,7 +22,8 @@ fused experts (``experts=fused``: ``Qwen3MoeExperts`` and its siblings,
 ``[E, d, F]``, no ``.weight`` suffix, Mixtral's block renamed ``mlp``. Qwen2-MoE's shared expert
 ``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate.weight``
 ``[1, d]``; DeepSeek's ``mlp.shared_experts.*`` (no gate); Qwen3's ``self_attn.q_norm.weight``
-/ ``k_norm.weight`` ``[head_dim]``.
+/ ``k_norm.weight`` ``[head_dim]``. ``MixtralAttention`` has no biases: a Mixtral with
+attention biases is refused.
 """
 
 from __future__ import annotations
