@@ -44,7 +44,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise InvalidConfig(f"{path}: cannot read the HF config.json ({exc.strerror})") from None
     except ValueError as exc:  # a NUL byte in the path
-        raise InvalidConfig(f"{path!r}: not a path ({exc})") from None
+        raise InvalidConfig(f"{str(path)!r}: not a path ({exc})") from None
     if not raw.strip():
         raise InvalidConfig(f"{path}: empty, not an HF config.json")
     try:
