@@ -240,7 +240,7 @@ def stages_publish_local_indices(plan: Plan) -> Plan:
     config = plan.src.config
     start = {layer: chunk.start for stage in at.pipeline.chunks(config.n_layers)
              for chunk in stage for layer in chunk}
-    out, moved = [], 0
+    out, moved, kept_local = [], 0, 0
     for t in plan.transfers:
         parts = t.param.split(".")
         local = int(parts[1]) - start[int(parts[1])] if parts[0] == "layers" else None
@@ -248,11 +248,18 @@ def stages_publish_local_indices(plan: Plan) -> Plan:
             out.append(t)
             continue
         name = t.dst_name.replace(f"layers.{parts[1]}.", f"layers.{local}.", 1)
+        if name == t.dst_name:  # a staged destination names it by its own stage's index
+            out.append(t)
+            kept_local += 1
+            continue
         if name not in plan.dst.parts[t.dst_rank]:
             raise NotApplicable(f"{plan.dst} rank {t.dst_rank} {t.dst_name}: no layer index "
                                 "in its name to misread")
         out.append(replace(t, dst_name=name))
         moved += 1
+    if not moved and kept_local:
+        raise NotApplicable(f"{plan.dst} names its layers by their stage's local index: no "
+                            "global index to publish as a local one")
     if not moved:
         raise NotApplicable(f"{plan.src}: every stage's layers start at global layer 0")
     return plan.with_transfers(out, "stages_publish_local_indices")
