@@ -41,7 +41,7 @@ def cancelling(config: ModelConfig, params: Params, degree: int, margin: float =
     for i in range(config.n_layers):
         pre = f"layers.{i}."
         copied = [pre + "qkv.weight", pre + "gate_up.weight"] + (
-            [pre + "qkv.bias"] if config.bias else [])
+            [pre + "qkv.bias"] if config.has_qkv_bias else [])
         for even in range(0, degree, 2):
             src, dst = shards[even], shards[even + 1]
             for name in copied:
@@ -53,8 +53,9 @@ def cancelling(config: ModelConfig, params: Params, degree: int, margin: float =
 
 def loud_biases(config: ModelConfig, params: Params, scale: float = 0.5) -> Params:
     """Row-parallel biases of magnitude ``scale`` (signs kept), others unchanged."""
-    if not config.bias:
-        raise InvalidConfig(f"{config.name}: loud_biases needs a config with bias=True")
+    if not (config.has_o_bias or config.has_down_bias):
+        raise InvalidConfig(f"{config.name}: loud_biases needs a row-parallel bias (bias=True "
+                            "or o_bias=True)")
     out = dict(params)
     for name, p in params.items():
         if name.endswith(("o_proj.bias", "down.bias")):
@@ -84,7 +85,8 @@ def max_elsewhere(case: TrainingCase, degree: int) -> TrainingCase:
         for batch in case.batches:
             top = ReferenceModel(config, case.params)(batch.tokens, batch.model_segments).argmax(-1)
             top_owner = owner(top, config, degree)  # (B, T)
-            # the first real class of the next rank (cyclically) that holds real classes
+            # the first real class of the lowest rank, other than the top logit's owner,
+            # that holds real classes
             choices = torch.tensor(starts)  # (R,)
             owners = owner(choices, config, degree)
             later = owners[None, None, :] != top_owner[..., None]  # (B, T, R)

@@ -130,7 +130,9 @@ def _lr_half_percent_high(adamw: AdamW) -> AdamW:
 
 
 def _no_row_bias(case: TrainingCase) -> str | None:
-    return _tp1(case) or (None if case.config.bias else "config has no row-parallel bias")
+    c = case.config  # o_proj's bias (bias or o_bias), down's (bias)
+    return _tp1(case) or (None if c.has_o_bias or c.has_down_bias else
+                          "config has no row-parallel bias")
 
 
 def _no_vocab_padding(case: TrainingCase) -> str | None:
