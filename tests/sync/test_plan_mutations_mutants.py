@@ -437,17 +437,19 @@ def test_stages_publish_local_indices_names_what_it_cannot_misread():
                                 "first stage")
     assert _not_applicable(stages_publish_local_indices, first) == \
         "megatron:tp=2,pp=2: every stage's layers start at global layer 0"
+    def without(rank, name):
+        """``plan`` with destination ``rank`` holding no ``name``."""
+        pieces = [dict(p) for p in plan.dst.pieces]
+        del pieces[rank][name]
+        return replace(plan, dst=replace(plan.dst, pieces=tuple(pieces)))
+
     # a destination rank 0 without layer 0's input norm: the later stage's has nowhere to land
-    pieces = [dict(p) for p in plan.dst.pieces]
-    del pieces[0]["model.layers.0.input_layernorm.weight"]
-    lacking = replace(plan, dst=replace(plan.dst, pieces=tuple(pieces)))
+    lacking = without(0, "model.layers.0.input_layernorm.weight")
     assert _not_applicable(stages_publish_local_indices, lacking) == (
         "vllm:2 rank 0 model.layers.1.input_layernorm.weight: no layer index in its name to "
         "misread")
     # the twin: with rank 1's norm gone instead, rank 0's transfers come first and move
-    pieces = [dict(p) for p in plan.dst.pieces]
-    del pieces[1]["model.layers.0.self_attn.o_proj.weight"]
-    later = replace(plan, dst=replace(plan.dst, pieces=tuple(pieces)))
+    later = without(1, "model.layers.0.self_attn.o_proj.weight")
     assert _not_applicable(stages_publish_local_indices, later) == (
         "vllm:2 rank 1 model.layers.1.self_attn.o_proj.weight: no layer index in its name to "
         "misread")
