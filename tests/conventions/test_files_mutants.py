@@ -130,15 +130,23 @@ def test_read_bounded_reads_the_limit_and_one_byte_more_at_most(tmp_path, monkey
     asked = []
     fdopen = os.fdopen
 
-    def recording(fd, mode):
-        f = fdopen(fd, mode)
-        read = f.read
-        f_read = type("F", (), {"read": lambda self, n=-1: (asked.append(n), read(n))[1],
-                                "__enter__": lambda self: self,
-                                "__exit__": lambda self, *a: f.close()})()
-        return f_read
+    class Recording:
+        """The opened file, each ``read``'s size recorded."""
 
-    monkeypatch.setattr(files.os, "fdopen", recording)
+        def __init__(self, fd, mode):
+            self.file = fdopen(fd, mode)
+
+        def read(self, n=-1):
+            asked.append(n)
+            return self.file.read(n)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr(files.os, "fdopen", Recording)
     (tmp_path / "f.bin").write_bytes(b"x" * 12)
     assert read_bounded(tmp_path / "f.bin", 12) == b"x" * 12
     err = unsafe_read(tmp_path / "f.bin", 11)
@@ -146,3 +154,11 @@ def test_read_bounded_reads_the_limit_and_one_byte_more_at_most(tmp_path, monkey
                                     "the most the harness reads of such a file",
                                     f"{tmp_path}/f.bin")
     assert asked == [13, 12]
+
+
+def test_read_bounded_defaults_to_the_json_limit_read_when_called(tmp_path, monkeypatch):
+    (tmp_path / "f.json").write_bytes(b"{}   ")
+    assert read_bounded(tmp_path / "f.json") == b"{}   "
+    monkeypatch.setattr(files, "JSON_LIMIT", 4)
+    assert str(unsafe_read(tmp_path / "f.json")).startswith(
+        f"{tmp_path}/f.json: larger than 4 bytes")

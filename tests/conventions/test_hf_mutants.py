@@ -192,7 +192,7 @@ def test_a_mixtral_with_attention_biases_is_refused_and_a_qwen_moe_stores_them(b
     config = MIXTRAL.replace(**biases)
     assert refusal(config, "hf:1") == (
         "hf: model.layers.0.self_attn.q_proj.bias needs no attention biases in a Mixtral "
-        "(MixtralAttention's have bias=False, transformers 4.57.6) (qkv_bias="
+        "(MixtralAttention's have bias=False) (qkv_bias="
         f"{config.qkv_bias}, o_bias={config.o_bias}, bias=False, t=1)")
     assert stored(MIXTRAL, "hf:1")[1]  # twins: no biases, or another block
     assert stored(QWEN.replace(**biases), "hf:1")[1]

@@ -312,6 +312,17 @@ def need_unpadded(convention: str, name: str, config: ModelConfig, degree: int) 
          "own rule)", f"vocab_multiple={config.vocab_multiple}")
 
 
+def need_unbiased_mixtral(convention: str, name: str, config: ModelConfig, degree: int
+                          ) -> None:
+    """A convention that stores Mixtral as transformers and vLLM build it holds no attention
+    bias there: ``MixtralAttention``'s projections have ``bias=False`` in both (transformers
+    4.57.6 ``modeling_mixtral.py``, vLLM ``models/mixtral.py`` @ f0e26957)."""
+    need(not (config.n_experts and config.moe_style == "mixtral"
+              and (config.has_qkv_bias or config.has_o_bias)), convention, name, degree,
+         "no attention biases in a Mixtral (MixtralAttention's have bias=False)",
+         f"qkv_bias={config.qkv_bias}, o_bias={config.o_bias}, bias={config.bias}")
+
+
 def relaid(layout: LayoutTable, placements: dict[str, Placement]) -> LayoutTable:
     """``layout`` with the placements of the named parameters replaced (the forward of a
     convention reads most parameters as ``layout_for`` declares them, a few otherwise)."""

@@ -34,6 +34,7 @@ from weight_sync_bench.conventions.convention import (
     Convention,
     ForwardLayout,
     need,
+    need_unbiased_mixtral,
     need_unpadded,
     renamed,
 )
@@ -121,11 +122,7 @@ def _build(config: ModelConfig, at: Endpoint) -> Pieces:
     need(not config.has_down_bias, NAME, "model.layers.0.mlp.down_proj.bias", t,
          "no down bias without gate/up biases (LlamaMLP's mlp_bias biases all three)",
          f"bias={config.bias}")
-    need(not (config.n_experts and config.moe_style == "mixtral"
-                  and (config.has_qkv_bias or config.has_o_bias)), NAME,
-         "model.layers.0.self_attn.q_proj.bias", t,
-         "no attention biases in a Mixtral (MixtralAttention's have bias=False, transformers "
-         "4.57.6)", f"qkv_bias={config.qkv_bias}, o_bias={config.o_bias}, bias={config.bias}")
+    need_unbiased_mixtral(NAME, "model.layers.0.self_attn.q_proj.bias", config, t)
     need(at.ep == 1 and not at.etp, NAME, "model.layers.0.mlp.experts", t,
          "ep == 1 (a Hugging Face checkpoint holds every expert)", f"ep={at.ep}, etp={at.etp}")
     moe_names, moe_cuts = _moe(config, at.option("experts") == "fused") if config.n_experts else (

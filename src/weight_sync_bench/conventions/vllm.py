@@ -63,6 +63,7 @@ from weight_sync_bench.conventions.convention import (
     Convention,
     ForwardLayout,
     need,
+    need_unbiased_mixtral,
     need_unpadded,
     relaid,
     renamed,
@@ -202,16 +203,12 @@ def _build(config: ModelConfig, at: Endpoint) -> Pieces:
          "no down bias without a gate_up bias (LlamaMLP's mlp_bias biases gate_up_proj and "
          "down_proj together)", f"bias={config.bias}")
     # Qwen3Attention and Qwen3MoeAttention (the q/k norms) build o_proj with bias=False, where
-    # HF's biases it by attention_bias; MixtralAttention has no bias at all (vLLM
-    # models/qwen3.py @ 002456df, qwen3_moe.py @ 2e0831b0, mixtral.py @ f0e26957)
+    # HF's biases it by attention_bias (vLLM models/qwen3.py @ 002456df, qwen3_moe.py @
+    # 2e0831b0)
     need(not (config.qk_norm and config.has_o_bias), NAME, "model.layers.0.self_attn.o_proj.bias",
          t, "no o_proj bias beside q/k norms (Qwen3Attention's o_proj has bias=False)",
          f"o_bias={config.o_bias}, bias={config.bias}")
-    need(not (config.n_experts and config.moe_style == "mixtral"
-                  and (config.has_qkv_bias or config.has_o_bias)), NAME,
-         "model.layers.0.self_attn.qkv_proj.bias", t,
-         "no attention biases in a Mixtral (MixtralAttention's have bias=False)",
-         f"qkv_bias={config.qkv_bias}, o_bias={config.o_bias}, bias={config.bias}")
+    need_unbiased_mixtral(NAME, "model.layers.0.self_attn.qkv_proj.bias", config, t)
     if not config.n_experts:
         return renamed(config, t, _reads(config, at).layout, NAMES)
     names = {**NAMES, **{k: v for k, v in moe_names(config).items() if k != "experts"}}
