@@ -1,6 +1,7 @@
 """Cost of one training-equivalence check against the bare reference training it contains.
 
     python bench/bench_training.py [--rounds N] [--steps K] [--cprofile N] [--fused]
+                                   [--torch-comparisons]
 
 "bare" is what any such check must do at least once: the dense reference's forward,
 backward and AdamW step on the full batch (``train_reference``), from parameters already
@@ -22,6 +23,9 @@ adds cProfile's N hottest functions (by own time) of one check per case. ``--fus
 every case again, in the same run, with torch's fused AdamW on both sides instead of the
 single-tensor one every training floor was measured with (it rounds differently, so the
 harness cannot switch without re-measuring them): what that change would buy, side by side.
+``--torch-comparisons`` adds to every round of every case a check with the comparisons on
+their torch path instead of the compiled kernels (``training.kernels``; the path a machine
+without a C compiler takes), side by side. The first line says which path the checks took.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from weight_sync_bench.model.config import TOY, TOY_KV4
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
 from weight_sync_bench.training import compare as compare_module
+from weight_sync_bench.training import kernels
 from weight_sync_bench.training import step as step_module
 from weight_sync_bench.training.batches import default_spec
 from weight_sync_bench.training.compare import Shards, Trace
@@ -144,8 +149,12 @@ def main() -> None:
                         help="also print cProfile's N hottest functions of one check per case")
     parser.add_argument("--fused", action="store_true",
                         help="also every case with torch's fused AdamW on both sides")
+    parser.add_argument("--torch-comparisons", action="store_true",
+                        help="also every case with the comparisons on their torch path")
     args = parser.parse_args()
-    single = AdamW.make
+    single, built = AdamW.make, kernels.library
+    print("comparisons: " + ("the compiled kernels (training.kernels)" if built() is not None
+                             else f"torch (training.kernels not built: {kernels.why_not()})"))
     torch.set_num_threads(1)
     rows = [["case", "steps", "bare ref f+b+step", "sharded", "check", "check / bare",
              "CPU: bare", "check", "check / bare"]]
@@ -154,6 +163,7 @@ def main() -> None:
                "the rest / it", "comparisons / it", "their read floor / it",
                "runs + read floor / it"]]
     profiles: list[tuple[str, str]] = []
+    paths = ("kernels", "torch")[:2 if args.torch_comparisons else 1]
     cases = [(config, mesh, optimizer)
              for optimizer in ("single-tensor", "fused")[:2 if args.fused else 1]
              for config, mesh in ((TOY, Mesh(2, 2)), (TOY_KV4, Mesh(2, 4)),
@@ -166,31 +176,44 @@ def main() -> None:
         def check(case: TrainingCase = case, thresholds: dict[str, float] = thresholds) -> None:
             case.check(thresholds)  # looked up at each call: the wrapped one when wrapped
 
+        def on(path: str) -> None:  # the comparisons' path for the next check
+            kernels.library = built if path == "kernels" else (lambda: None)  # type: ignore
+
         label = f"{config.name} {mesh} packed" + (", fused AdamW" if optimizer == "fused" else "")
-        times: dict[str, list[tuple[float, float]]] = {"bare": [], "sharded": [], "check": []}
-        runs: list[Phases] = []
-        case.reference(), case.sharded(), check()  # warm-up: first-touch pages, lazy init
-        for _ in range(args.rounds):
+        times: dict[str, list[tuple[float, float]]] = {"bare": [], "sharded": []}
+        times.update({f"check {path}": [] for path in paths})
+        runs: dict[str, list[Phases]] = {path: [] for path in paths}
+        case.reference(), case.sharded()  # warm-up: first-touch pages, lazy init
+        for path in paths:
+            on(path)
+            check()
+        for _ in range(args.rounds):  # interleaved: bare, sharded, then a check on each path
             times["bare"].append(timed(case.reference))
             times["sharded"].append(timed(case.sharded))
-            times["check"].append(timed(check))
-            with wrapped(Phases(time.thread_time)).active() as phases:
-                phases.spent["(total)"] = timed(check)[1]
-            runs.append(phases)
+            for path in paths:
+                on(path)
+                times[f"check {path}"].append(timed(check))
+                with wrapped(Phases(time.thread_time)).active() as phases:
+                    phases.spent["(total)"] = timed(check)[1]
+                runs[path].append(phases)
+        on("kernels")
         # after the timed rounds: two traces held alive through them made the check slower
         tensors = compared(case, case.reference(), case.sharded())
         reads = [read_floor(tensors) for _ in range(args.rounds)]
         del tensors
         wall = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
         cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
-        rows.append([label, str(args.steps), f"{wall['bare'] * 1e3:.0f} ms",
-                     f"{wall['sharded'] * 1e3:.0f} ms", f"{wall['check'] * 1e3:.0f} ms",
-                     f"{wall['check'] / wall['bare']:.2f}x", f"{cpu['bare'] * 1e3:.0f} ms",
-                     f"{cpu['check'] * 1e3:.0f} ms", f"{cpu['check'] / cpu['bare']:.2f}x"])
-        spent = mean_phases(runs)
-        total = spent.pop("(total)")
-        columns.append((label, cpu["bare"], total, spent))
-        floors.append([label] + floor_row(spent, total, statistics.median(reads)))
+        for path in paths:
+            named = label + (", torch comparisons" if path == "torch" else "")
+            key = f"check {path}"
+            rows.append([named, str(args.steps), f"{wall['bare'] * 1e3:.0f} ms",
+                         f"{wall['sharded'] * 1e3:.0f} ms", f"{wall[key] * 1e3:.0f} ms",
+                         f"{wall[key] / wall['bare']:.2f}x", f"{cpu['bare'] * 1e3:.0f} ms",
+                         f"{cpu[key] * 1e3:.0f} ms", f"{cpu[key] / cpu['bare']:.2f}x"])
+            spent = mean_phases(runs[path])
+            total = spent.pop("(total)")
+            columns.append((named, cpu["bare"], total, spent))
+            floors.append([named] + floor_row(spent, total, statistics.median(reads)))
         if args.cprofile:
             profiles.append((label, hottest(check, args.cprofile)))
     print(table(rows))

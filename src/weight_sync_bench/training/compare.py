@@ -18,6 +18,7 @@ import torch
 
 from weight_sync_bench.layout.reshard import declared_pieces, gather_tensor
 from weight_sync_bench.model.config import ModelConfig
+from weight_sync_bench.training import kernels
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
@@ -182,13 +183,17 @@ def max_abs_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     """``float((got.double() - want.double()).abs().max())`` to the bit (NaN if a difference
     is NaN), without the two whole-tensor fp64 copies.
 
-    fp32 inputs go block by block: first ``max |got - want|`` in fp32 per block, then the
+    A pair the compiled kernels take (``training.kernels``: one fp32 shape, rows
+    contiguous) is read once there. Other fp32 inputs go block by block: first ``max |got - want|`` in fp32 per block, then the
     fp64 difference of only the blocks that reach the largest fp32 value. That is exact:
     the fp32 and the fp64 difference are both the exact difference correctly rounded, a
     non-decreasing function of it, odd in it; so the element whose exact |difference| is
     largest has the largest fp32 value too, and lies in a block that is recomputed. A zero
     fp32 maximum means every difference is exactly zero (two fp32 values that differ differ
     by at least 2^-149, which rounds to no less)."""
+    fused = kernels.difference_and_magnitude(got, want)
+    if fused is not None:
+        return fused[0]
     if got.shape != want.shape or got.numel() <= BLOCK:  # broadcast, or one block: plainly
         return float((got.double() - want.double()).abs().max())
     a, b = got.detach().reshape(-1), want.detach().reshape(-1)
@@ -207,9 +212,13 @@ def max_abs_difference(got: torch.Tensor, want: torch.Tensor) -> float:
 def difference_and_magnitude(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """``(max_abs_difference(got, want), _absmax(want))``, each to the bit (where the
     difference is NaN, the magnitude of the blocks read until then), reading ``want``
-    once: fp32 blocks take ``max |want|`` while the block is in cache. A comparison reads
+    once: in the compiled kernels where they take the pair, else fp32 blocks take ``max
+    |want|`` while the block is in cache. A comparison reads
     from memory tensors too large for any cache, and a second pass over the reference for
     its scale cost a quarter of the comparisons."""
+    fused = kernels.difference_and_magnitude(got, want)
+    if fused is not None:
+        return fused
     if got.shape != want.shape or got.numel() <= BLOCK or not (
             got.dtype == want.dtype == torch.float32):
         return max_abs_difference(got, want), _absmax(want)
@@ -386,13 +395,18 @@ def _norms_of_differences(triples: list[tuple[torch.Tensor, torch.Tensor, torch.
                           scratch: torch.Tensor | None) -> tuple[float, float]:
     """``(||a - b||, ||b - c||)`` over every ``(a, b, c)``: the L2 norms of the fp64
     differences (NaN if one is NaN, inf if one is infinite, 0 only if every one is 0), their
-    squares summed in fp64 a block at a time while the block is in cache, each of ``a``,
-    ``b`` and ``c`` read from memory once. Not ``torch.norm``'s whole-tensor reduction to
+    squares summed in fp64 in the compiled kernels where they take the triple, else a
+    block at a time while the block is in cache, each of ``a``, ``b`` and ``c`` read from
+    memory once. Not ``torch.norm``'s whole-tensor reduction to
     the bit: a sum reordered by blocks differs from it by a few fp64 ulps (1e-16 of the
     norm), against thresholds of 1e-2 of it; the whole-tensor fp64 differences it needed
     cost more than the AdamW step they check."""
     diff = scale = 0.0
     for a, b, c in triples:
+        fused = kernels.squared_differences(a, b, c)
+        if fused is not None:
+            diff, scale = diff + fused[0], scale + fused[1]
+            continue
         x, y, z = a.detach(), b.detach(), c.detach()
         if (scratch is None or scratch.numel() < 2 * BLOCK or x.numel() <= BLOCK
                 or not x.shape == y.shape == z.shape
