@@ -1,7 +1,7 @@
 """Cost of one training-equivalence check against the bare reference training it contains.
 
     python bench/bench_training.py [--rounds N] [--steps K] [--cprofile N] [--fused]
-                                   [--torch-comparisons]
+                                   [--torch-comparisons] [--glibc-default]
 
 "bare" is what any such check must do at least once: the dense reference's forward,
 backward and AdamW step on the full batch (``train_reference``), from parameters already
@@ -26,6 +26,13 @@ harness cannot switch without re-measuring them): what that change would buy, si
 ``--torch-comparisons`` adds to every round of every case a check with the comparisons on
 their torch path instead of the compiled kernels (``training.kernels``; the path a machine
 without a C compiler takes), side by side. The first line says which path the checks took.
+
+The process keeps its freed memory for reuse, as ``wsb train-check`` does
+(``memory.keep_freed``): a check holds two runs' traces at once, and glibc's default hands
+the difference back to the kernel at every ``free``, so each check touches fresh pages again.
+``--glibc-default`` leaves glibc's default (what a library caller's process has); the second
+line says which. The allocator is the process's, so the two cannot share one run's rounds:
+run both and compare.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from weight_sync_bench import memory
 from weight_sync_bench.model.config import TOY, TOY_KV4
 from weight_sync_bench.model.reference import ReferenceModel
 from weight_sync_bench.model.sharded import ShardedModel
@@ -151,10 +159,15 @@ def main() -> None:
                         help="also every case with torch's fused AdamW on both sides")
     parser.add_argument("--torch-comparisons", action="store_true",
                         help="also every case with the comparisons on their torch path")
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="leave glibc handing freed memory back (wsb train-check keeps it)")
     args = parser.parse_args()
     single, built = AdamW.make, kernels.library
     print("comparisons: " + ("the compiled kernels (training.kernels)" if built() is not None
                              else f"torch (training.kernels not built: {kernels.why_not()})"))
+    kept = not args.glibc_default and memory.keep_freed()
+    print("freed memory: " + ("kept for reuse (memory.keep_freed, as wsb train-check)" if kept
+                              else "glibc's default, handed back"))
     torch.set_num_threads(1)
     rows = [["case", "steps", "bare ref f+b+step", "sharded", "check", "check / bare",
              "CPU: bare", "check", "check / bare"]]

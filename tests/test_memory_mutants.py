@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import resource
+import subprocess
+import sys
 
 import pytest
 
@@ -127,3 +129,54 @@ def test_a_peak_reads_vmhwm_after_a_reset_else_the_lifetime_peak(files, monkeypa
     planted["/proc/self/status"] = STATUS
     unreset = memory.Peak()
     assert unreset.reset is False and unreset.high() == 7000 * 1024  # not VmHWM's 300 kB
+
+
+def test_keep_freed_sets_both_thresholds_and_says_whether_glibc_took_them(monkeypatch):
+    calls = []
+
+    class Libc:
+        def __init__(self, answer: int):
+            self.answer = answer
+
+        def mallopt(self, option, value):
+            calls.append((option, value))
+            return self.answer
+
+    monkeypatch.setattr(memory, "_libc", Libc(1))
+    assert memory.keep_freed() is True
+    assert calls == [(-3, 1 << 30), (-1, 1 << 30)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    monkeypatch.setattr(memory, "_libc", Libc(0))  # glibc refused a value
+    assert memory.keep_freed() is False
+    monkeypatch.setattr(memory, "_libc", None)
+    monkeypatch.setattr(memory.ctypes, "CDLL", lambda name: (_ for _ in ()).throw(OSError(name)))
+    assert memory.keep_freed() is False
+
+
+FAULTS = """
+import ctypes, resource, sys
+from weight_sync_bench import memory
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "keep":
+    assert memory.keep_freed()
+def faults(n=64 << 20):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = libc.malloc(n)
+    ctypes.memset(block, 1, n)
+    libc.free(block)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults()
+print(max(faults() for _ in range(3)))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's mallopt")
+def test_kept_memory_is_reused_where_glibc_hands_it_back_at_every_free():
+    """64 MiB freed and asked for again: glibc's default maps and unmaps it each time
+    (16,384 fresh pages, one fault each); kept, the second takes the same pages."""
+    faults = {how: int(subprocess.run([sys.executable, "-c", FAULTS, how], check=True,
+                                      capture_output=True, text=True).stdout)
+              for how in ("keep", "default")}
+    assert faults["default"] >= 16_000  # the twin: the cost it removes is there
+    assert faults["keep"] < 100, faults

@@ -25,7 +25,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from weight_sync_bench.cli.main import main as run
 
-    return run(argv)
+    return run(argv, own_process=True)
 
 
 if __name__ == "__main__":

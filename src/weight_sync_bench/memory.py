@@ -4,8 +4,9 @@ back to it.
 What the harness's memory figures are made of (a streamed check's peak per rank, a
 resharder's extra memory per rank, the default limit of ``model.footprint``): Linux's
 ``/proc/self`` (``statm``, ``status``'s ``VmRSS`` and ``VmHWM``, ``clear_refs``),
-``/proc/meminfo``'s ``MemTotal`` and glibc's ``malloc_trim``. Each degrades where the
-platform lacks it, and says so: ``trim`` and ``reset_peak`` return False, ``rss`` and
+``/proc/meminfo``'s ``MemTotal`` and glibc's ``malloc_trim`` and ``mallopt``. Each degrades
+where the platform lacks it, and says so: ``trim``, ``keep_freed`` and ``reset_peak`` return
+False, ``rss`` and
 ``total`` None, and a ``Peak`` that could not reset reads the process's lifetime peak
 (``ru_maxrss``), which can only overstate. Imports no layer, so every layer may use it.
 """
@@ -33,6 +34,33 @@ def trim() -> bool:
     except (OSError, AttributeError):
         return False
     return True
+
+
+# glibc's mallopt parameters (malloc.h) and what keep_freed sets both to
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEPT = 1 << 30
+
+
+def keep_freed() -> bool:
+    """Keep freed heap in this process for reuse instead of handing it back to the kernel:
+    glibc ``mallopt`` with the trim and the mmap thresholds at 1 GiB (set, either stops
+    glibc adjusting the other; both are set). By default glibc hands back the top of its
+    heap past 64 MiB free, and every block over 32 MiB at its ``free``; a process that
+    allocates and frees the same few hundred MB again and again then touches fresh pages
+    each time, one fault per 4 KiB. A training check holds two runs' traces at once, more
+    than either run alone: at TOY its faults cost 0.6-0.9x the reference's whole step
+    (``bench/bench_training.py --glibc-default``). For a process that is the harness alone
+    (``wsb train-check``); a caller's process is never changed by a library call. False
+    where glibc is not this process's allocator (``trim``, ``malloc_trim(0)``, still hands
+    back every free page when a memory figure is taken)."""
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL("libc.so.6")
+        kept = [_libc.mallopt(option, KEPT) for option in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)]
+    except (OSError, AttributeError):
+        return False
+    return all(kept)
 
 
 def reset_peak() -> bool:

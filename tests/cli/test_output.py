@@ -217,3 +217,22 @@ def test_the_readme_gloo_example_has_the_main_guard():
     guarded = code[code.index('if __name__ == "__main__":'):]
     assert "check_reshard(" in guarded  # the call that starts the pool is under the guard
     compile(code, "README gloo example", "exec")
+
+
+def test_train_check_keeps_freed_memory_only_in_a_process_of_its_own(monkeypatch, capsys):
+    import importlib
+
+    from weight_sync_bench import __main__ as entry
+    from weight_sync_bench import memory
+
+    cli_main = importlib.import_module("weight_sync_bench.cli.main")  # the module, not main
+
+    kept = []
+    monkeypatch.setattr(memory, "keep_freed", lambda: kept.append(True) or True)
+    argv = ["train-check", "--config", "small_tied_bias", "--dp", "1", "--tp", "1", "-q"]
+    assert main(argv) == 0 and kept == []  # a caller's process: left as it was
+    assert main(argv, own_process=True) == 0 and kept == [True]
+    forwarded = []
+    monkeypatch.setattr(cli_main, "main", lambda a, **kw: forwarded.append((a, kw)) or 0)
+    assert entry.main(argv) == 0  # the console script: the process is wsb's
+    assert forwarded == [(argv, {"own_process": True})]

@@ -657,10 +657,15 @@ def program() -> str:
 _parser = functools.lru_cache(maxsize=4)(build_parser)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, own_process: bool = False) -> int:
+    """Run one command. ``own_process``: this process is the command's alone (the ``wsb``
+    console script, ``python -m weight_sync_bench``), so a command may tune it for itself
+    (``wsb train-check`` keeps freed memory, ``memory.keep_freed``); a caller that runs
+    commands in its own process (a test) leaves it False and its process as it was."""
     torch.set_num_threads(1)
     prog = program()
     args = _parser(prog).parse_args(argv)
+    args.own_process = own_process
     if not getattr(args, "strict_env", False):
         return run(args.func, args, f"{prog} {args.command}")
     # --strict-env: through the environment, so rank processes and torchrun jobs inherit it;
