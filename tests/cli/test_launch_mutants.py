@@ -47,7 +47,7 @@ def test_job_options_are_every_option_but_the_rank_local_ones_as_typed():
     assert L.job_options(args(launcher="torchrun", deadline=7.5)) == {
         "launcher": "torchrun", "backend": "(not given)", "deadline": "7.5",
         "--from": "4", "config": "(not given)"}
-    assert L.RANK_LOCAL == ("quiet", "json", "func", "command", "option_names")
+    assert L.RANK_LOCAL == ("quiet", "json", "func", "command", "option_names", "own_process")
     bare = argparse.Namespace(src=2, quiet=False)
     assert L.job_options(bare) == {"src": "2"}  # no names recorded: the destinations
 

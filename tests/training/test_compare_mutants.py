@@ -26,6 +26,7 @@ from weight_sync_bench.training.compare import (
     relative_difference,
     update_deviation,
 )
+from weight_sync_bench.training.compare import _norms_of_differences
 
 pytestmark = pytest.mark.usefixtures("comparison_path")
 INF = float("inf")
@@ -276,3 +277,17 @@ def test_moments_compare_every_step_of_each_quantity():
     out = moment_deviations(ref, wrong)
     assert out["exp_avg"][0] == 0.0
     assert out["exp_avg_sq"][1] == "tok_embeddings.weight step 2"
+
+
+def test_the_update_norms_sum_over_every_piece():
+    """Three pieces of a parameter (a shard's, one past a block, one short): an error in the
+    last one counts, as in the first."""
+    g = torch.Generator().manual_seed(9)
+    pieces = [(torch.randn(n, generator=g), torch.randn(n, generator=g),
+               torch.randn(n, generator=g)) for n in (300, BLOCK + 5, 77)]
+    expected = [math.sqrt(sum(float(((x.double() - y.double()) ** 2).sum())
+                              for x, y in pairs))
+                for pairs in ([(a, b) for a, b, _ in pieces], [(b, c) for _, b, c in pieces])]
+    scratch = torch.empty(2 * BLOCK, dtype=torch.float64)
+    assert _norms_of_differences(pieces, scratch) == pytest.approx(expected, rel=1e-12, abs=0)
+    assert _norms_of_differences(pieces[:1], scratch) != pytest.approx(expected, rel=1e-3)

@@ -83,6 +83,7 @@ def test_infinities_read_as_torch_reads_them():
     ("two shapes", lambda a, b: (a, b[:, :1])),
     ("transposed", lambda a, b: (a.t(), b.t())),
     ("strided rows", lambda a, b: (a[:, ::2], b[:, ::2])),
+    ("two strided columns", lambda a, b: (a[:, ::5], b[:, ::5])),
     ("3-D, not contiguous",
      lambda a, b: (a.view(4, 10, 10)[:, :, :5], b.view(4, 10, 10)[:, :, :5])),
     ("empty", lambda a, b: (a[:0], b[:0])),
@@ -93,6 +94,15 @@ def test_what_they_do_not_take_is_left_to_torch(name, pair):
     assert kernels.squared_differences(a, b, b) is None, name
     same = _matrix(40, 10, 0)  # the twin: plain fp32 matrices are taken
     assert kernels.difference_and_magnitude(same, same) == (0.0, plain(same, same)[1])
+
+
+@needs_kernels
+def test_a_single_column_is_read_as_rows_whatever_its_column_stride():
+    a, b = _matrix(40, 10, 0), _matrix(40, 10, 1)
+    got, want = a[:, ::10], b[:, 3::10]  # (40, 1), column strides 10
+    assert kernels.difference_and_magnitude(got, want) == plain(got, want)
+    assert kernels.squared_differences(got, want, got) == pytest.approx(sums(got, want, got),
+                                                                       rel=1e-12, abs=0)
 
 
 @needs_kernels
@@ -153,20 +163,29 @@ class Wrong:
         kernels.library().wsb_difference_and_magnitude(a, lda, b, ldb, rows, cols, out)
         if self.which == "max":
             out[0] = math.nextafter(out[0], 0.0)  # one ulp: the bit is the contract
+        elif self.which == "fp32":  # the difference taken in fp32, not fp64
+            out[0] = float(torch.tensor(out[0], dtype=torch.float32))
+        elif self.which == "magnitude":
+            out[1] = math.nextafter(out[1], 0.0)
 
     def wsb_squared_differences(self, a, lda, b, ldb, c, ldc, rows, cols, out):
         kernels.library().wsb_squared_differences(a, lda, b, ldb, c, ldc, rows, cols, out)
         if self.which == "sums":
             out[1] *= 1 + 1e-9
+        elif self.which == "reordered":  # within what reordering a sum of 55 moves it
+            out[1] *= 1 + 1e-13
 
 
 @needs_kernels
 @pytest.mark.parametrize("which, why", [
     ("max", "the built kernels' max |a - b| differs from torch's"),
+    ("fp32", "the built kernels' max |a - b| differs from torch's"),
+    ("magnitude", "the built kernels' max |a - b| differs from torch's"),
     ("sums", "the built kernels' sums of squares differ from torch's"),
 ])
 def test_a_library_that_misses_the_known_case_is_not_used(which, why):
     assert kernels._known_answer(kernels.library()) == ""  # the twin
+    assert kernels._known_answer(Wrong("reordered")) == ""  # a sum in another order: taken
     assert kernels._known_answer(Wrong(which)) == why  # type: ignore[arg-type]
 
 
@@ -187,10 +206,13 @@ def test_the_comparisons_take_the_kernels_and_torch_where_they_are_not_built(mon
     assert compare.difference_and_magnitude(a, b) == plain(a, b)
     assert compare.update_deviation(a, b, c) == pytest.approx(
         math.sqrt(sums(a, b, c)[0] / sums(a, b, c)[1]), rel=1e-12)
-    assert calls == ["wsb_difference_and_magnitude", "wsb_squared_differences"]
+    assert compare.max_abs_difference(a, b) == plain(a, b)[0]
+    assert calls == ["wsb_difference_and_magnitude", "wsb_squared_differences",
+                     "wsb_difference_and_magnitude"]
     monkeypatch.setattr(kernels, "library", lambda: None)  # the twin: torch alone
     assert compare.difference_and_magnitude(a, b) == plain(a, b)
-    assert len(calls) == 2
+    assert compare.max_abs_difference(a, b) == plain(a, b)[0]
+    assert len(calls) == 3
 
 
 def test_the_source_ships_beside_the_module_as_package_data():

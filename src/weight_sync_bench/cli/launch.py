@@ -26,7 +26,7 @@ from weight_sync_bench.errors import UnsupportedLauncher
 LAUNCHERS = ("pool", "torchrun")
 # What only rank 0 uses (it alone prints), so the ranks of a job may differ in it; the names
 # the CLI itself sets, not options
-RANK_LOCAL = ("quiet", "json", "func", "command", "option_names")
+RANK_LOCAL = ("quiet", "json", "func", "command", "option_names", "own_process")
 NCCL_NOTE = ("--backend nccl: the job's groups are cpu:gloo,cuda:nccl; the phase 1b check's "
              "tensors stay on CPU (its floor was measured on CPU fp32), so its collectives "
              "ran over gloo")
