@@ -2,7 +2,7 @@
  * this file at first use and says why). Every difference is taken in fp64 of the fp32
  * inputs, exactly as torch's `a.double() - b.double()` takes it, so the maxima are those of
  * the plain torch expressions to the bit; the sums of squares are reordered sums (four
- * lanes, two accumulators each), within a few fp64 ulps of torch's. Built without
+ * lanes, two accumulators each), within 1e-12 of torch's. Built without
  * -ffast-math: NaN compares false and is tracked on its own, and nothing is reassociated
  * but what is written here.
  *

@@ -16,7 +16,8 @@ take, and the caller goes on with torch.
 Taken: CPU fp32 tensors of one shape, each either contiguous or a 2-D view whose rows are
 contiguous (a column slice of a matrix). The maxima are those of ``(a.double() -
 b.double()).abs().max()`` and ``b.double().abs().max()`` to the bit; the sums of squares are
-reordered fp64 sums, within a few ulps of torch's."""
+reordered fp64 sums, within 1e-12 of torch's (6e-13 at most over every verdict of ``wsb
+train-check --config all``)."""
 
 from __future__ import annotations
 
