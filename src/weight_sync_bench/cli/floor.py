@@ -32,6 +32,7 @@ weight_sync_bench.fuzz.floor replicated-kv ...`` is ``wsb floor replicated-kv ..
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -141,7 +142,7 @@ def _replicated_options() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--phase", default="1a", choices=["1a"])
     parser.add_argument("--geometries", type=count, default=REPLICATED_GEOMETRIES)
-    parser.add_argument("--seed", type=int, default=REPLICATED_SEED, help="the draw's seed")
+    parser.add_argument("--seed", type=seed, default=REPLICATED_SEED, help="the draw's seed")
     parser.add_argument("--from", dest="source", type=Path, default=None, metavar="PATH",
                         help="re-measure the samples of the validation at PATH instead of "
                              "drawing new ones")
@@ -165,6 +166,24 @@ def _moe_options() -> argparse.ArgumentParser:
     return parser
 
 
+class _Kinds(argparse._SubParsersAction):  # type: ignore[type-arg]
+    """The KIND subcommands, refusing an option given before the KIND: bare ``wsb floor``'s
+    options (the random floor's) are parsed first, and the kind's own default of the same
+    option then replaced them without a word (``wsb floor --out x.json geometry ...`` wrote
+    to the floor cache, ``wsb floor --phase 1b moe`` measured 1a). An option given at its
+    default changes nothing either way and passes."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Sequence[str], option_string: str | None = None) -> None:
+        given = [max(a.option_strings, key=len) for a in parser._actions  # noqa: SLF001
+                 if a.option_strings and a.default is not argparse.SUPPRESS
+                 and getattr(namespace, a.dest, a.default) != a.default]
+        if given:
+            parser.error(f"{', '.join(given)} given before the KIND {values[0]}: a kind's "
+                         f"options go after it (wsb floor {values[0]} --help lists them)")
+        super().__call__(parser, namespace, values, option_string)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``floor`` and its kinds to ``wsb``."""
     floor = subparsers.add_parser(
@@ -174,7 +193,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     "to replace the committed one).",
         epilog="Without a KIND: the random-geometry floor (wsb floor random). python -m "
                "weight_sync_bench.tolerance [KIND] is wsb floor, phase by default.")
-    kinds = floor.add_subparsers(dest="kind", metavar="KIND")
+    kinds = floor.add_subparsers(dest="kind", metavar="KIND", action=_Kinds)
     for kind, parent, text in (
             ("phase", _measure_options, "the logits floor of TOY and TOY_KV4 "
                                         "(tolerance/phase<P>[_<dtype>].json)"),
