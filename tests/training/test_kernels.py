@@ -6,6 +6,7 @@ paths by ``test_compare_exact.py``; this file holds what is the kernels' own."""
 import math
 import os
 import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -220,3 +221,12 @@ def test_the_source_ships_beside_the_module_as_package_data():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     data = pyproject["tool"]["setuptools"]["package-data"]
     assert kernels.SOURCE.name in data["weight_sync_bench.training"]
+
+
+@pytest.mark.skipif(not shutil.which("cc"), reason="no C compiler here")
+def test_the_source_needs_no_header_and_no_library(tmp_path):
+    """A slim image's bare compiler, without the C library's headers, builds it."""
+    built = tmp_path / "kernels.so"
+    run = subprocess.run(["cc", *kernels.FLAGS, "-nostdinc", "-o", str(built),
+                          str(kernels.SOURCE)], capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr

@@ -10,9 +10,14 @@
  * contiguous tensor is one row, a column slice of a matrix (a row-parallel weight's shard)
  * one row per matrix row. */
 
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
+/* No header and no library call: a compiler without the C library's headers (a slim
+ * image's bare gcc) builds it, and it links to nothing. The builtins are what math.h's
+ * fabs and NAN, string.h's memcpy and stdint.h's int64_t compile to. */
+typedef __INT64_TYPE__ int64_t;
+#define INT64_MAX __INT64_MAX__
+#define NAN __builtin_nan("")
+#define fabs __builtin_fabs
+#define memcpy __builtin_memcpy
 
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef double f64x4 __attribute__((vector_size(32)));
@@ -36,6 +41,12 @@ static inline f64x4 larger(f64x4 m, f64x4 x)
 {
     i64x4 take = x > m;
     return (f64x4)(((i64x4)x & take) | ((i64x4)m & ~take));
+}
+
+/* the larger of two values neither of which is NaN */
+static inline double max2(double x, double y)
+{
+    return y > x ? y : x;
 }
 
 static inline double lanes_max(f64x4 m)
@@ -76,8 +87,8 @@ void wsb_difference_and_magnitude(const float *a, int64_t lda, const float *b, i
     }
     for (int k = 0; k < 4; k++)
         tail_nan |= nan[k] != 0;
-    d = fmax(d, fmax(lanes_max(d0), lanes_max(d1)));
-    m = fmax(m, fmax(lanes_max(m0), lanes_max(m1)));
+    d = max2(d, max2(lanes_max(d0), lanes_max(d1)));
+    m = max2(m, max2(lanes_max(m0), lanes_max(m1)));
     out[0] = tail_nan ? NAN : d;
     out[1] = m;
 }
