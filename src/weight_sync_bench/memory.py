@@ -6,9 +6,9 @@ resharder's extra memory per rank, the default limit of ``model.footprint``): Li
 ``/proc/self`` (``statm``, ``status``'s ``VmRSS`` and ``VmHWM``, ``clear_refs``),
 ``/proc/meminfo``'s ``MemTotal`` and glibc's ``malloc_trim`` and ``mallopt``. Each degrades
 where the platform lacks it, and says so: ``trim``, ``keep_freed`` and ``reset_peak`` return
-False, ``rss`` and
-``total`` None, and a ``Peak`` that could not reset reads the process's lifetime peak
-(``ru_maxrss``), which can only overstate. Imports no layer, so every layer may use it.
+False, ``rss`` and ``total`` None, and a ``Peak`` that could not reset reads the process's
+lifetime peak (``ru_maxrss``), which can only overstate. Imports no layer, so every layer
+may use it.
 """
 
 from __future__ import annotations
@@ -20,17 +20,22 @@ import resource
 _libc: ctypes.CDLL | None = None
 
 
+def _glibc() -> ctypes.CDLL:
+    """glibc, loaded once (``OSError`` where there is none)."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL("libc.so.6")
+    return _libc
+
+
 def trim() -> bool:
     """Hand freed heap pages back to the kernel (glibc ``malloc_trim(0)``, which also
     releases whole free pages inside the heap, not only at its top). glibc keeps freed
     chunks under its mmap threshold (which grows up to 32 MiB as large blocks are freed)
     for reuse, so without this a process's resident set counts the shards of parameters
     long dropped. False where glibc is not this process's allocator."""
-    global _libc
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL("libc.so.6")
-        _libc.malloc_trim(0)
+        _glibc().malloc_trim(0)
     except (OSError, AttributeError):
         return False
     return True
@@ -53,11 +58,8 @@ def keep_freed() -> bool:
     (``wsb train-check``); a caller's process is never changed by a library call. False
     where glibc is not this process's allocator (``trim``, ``malloc_trim(0)``, still hands
     back every free page when a memory figure is taken)."""
-    global _libc
     try:
-        if _libc is None:
-            _libc = ctypes.CDLL("libc.so.6")
-        kept = [_libc.mallopt(option, KEPT) for option in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)]
+        kept = [_glibc().mallopt(option, KEPT) for option in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)]
     except (OSError, AttributeError):
         return False
     return all(kept)

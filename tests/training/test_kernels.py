@@ -230,3 +230,17 @@ def test_the_source_needs_no_header_and_no_library(tmp_path):
     run = subprocess.run(["cc", *kernels.FLAGS, "-nostdinc", "-o", str(built),
                           str(kernels.SOURCE)], capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr
+
+
+def test_the_comparisons_return_what_the_kernels_return(monkeypatch):
+    """Not the torch path's figure computed beside them (the kernels' answers here are
+    planted, so only a comparison that returns them passes)."""
+    from weight_sync_bench.training import compare
+
+    monkeypatch.setattr(kernels, "difference_and_magnitude", lambda a, b: (7.0, 3.0))
+    monkeypatch.setattr(kernels, "squared_differences", lambda a, b, c: (4.0, 16.0))
+    a, b, c = (_matrix(4, 8, s) for s in range(3))
+    assert compare.max_abs_difference(a, b) == 7.0
+    assert compare.difference_and_magnitude(a, b) == (7.0, 3.0)
+    assert compare.update_deviation(a, b, c) == 0.5
+    assert compare.relative_deviation(a, b) == 7.0 / 3.0

@@ -184,16 +184,24 @@ def max_abs_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     is NaN), without the two whole-tensor fp64 copies.
 
     A pair the compiled kernels take (``training.kernels``: one fp32 shape, rows
-    contiguous) is read once there. Other fp32 inputs go block by block: first ``max |got - want|`` in fp32 per block, then the
-    fp64 difference of only the blocks that reach the largest fp32 value. That is exact:
+    contiguous) is read once there; the rest is ``_torch_max_abs_difference``.
     the fp32 and the fp64 difference are both the exact difference correctly rounded, a
     non-decreasing function of it, odd in it; so the element whose exact |difference| is
     largest has the largest fp32 value too, and lies in a block that is recomputed. A zero
     fp32 maximum means every difference is exactly zero (two fp32 values that differ differ
     by at least 2^-149, which rounds to no less)."""
     fused = kernels.difference_and_magnitude(got, want)
-    if fused is not None:
-        return fused[0]
+    return _torch_max_abs_difference(got, want) if fused is None else fused[0]
+
+
+def _torch_max_abs_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max_abs_difference`` in torch. fp32 inputs go block by block: first ``max |got -
+    want|`` in fp32 per block, then the fp64 difference of only the blocks that reach the
+    largest fp32 value. That is exact: the fp32 and the fp64 difference are both the exact
+    difference correctly rounded, a non-decreasing function of it, odd in it; so the
+    element whose exact |difference| is largest has the largest fp32 value too, and lies in
+    a block that is recomputed. A zero fp32 maximum means every difference is exactly zero
+    (two fp32 values that differ differ by at least 2^-149, which rounds to no less)."""
     if got.shape != want.shape or got.numel() <= BLOCK:  # broadcast, or one block: plainly
         return float((got.double() - want.double()).abs().max())
     a, b = got.detach().reshape(-1), want.detach().reshape(-1)
@@ -213,15 +221,15 @@ def difference_and_magnitude(got: torch.Tensor, want: torch.Tensor) -> tuple[flo
     """``(max_abs_difference(got, want), _absmax(want))``, each to the bit (where the
     difference is NaN, the magnitude of the blocks read until then), reading ``want``
     once: in the compiled kernels where they take the pair, else fp32 blocks take ``max
-    |want|`` while the block is in cache. A comparison reads
-    from memory tensors too large for any cache, and a second pass over the reference for
-    its scale cost a quarter of the comparisons."""
+    |want|`` while the block is in cache. A comparison reads from memory tensors too large
+    for any cache, and a second pass over the reference for its scale cost a quarter of the
+    comparisons."""
     fused = kernels.difference_and_magnitude(got, want)
     if fused is not None:
         return fused
     if got.shape != want.shape or got.numel() <= BLOCK or not (
             got.dtype == want.dtype == torch.float32):
-        return max_abs_difference(got, want), _absmax(want)
+        return _torch_max_abs_difference(got, want), _absmax(want)
     return _fp32_difference(got.detach().reshape(-1), want.detach().reshape(-1),
                             magnitude=True)
 
@@ -397,10 +405,9 @@ def _norms_of_differences(triples: list[tuple[torch.Tensor, torch.Tensor, torch.
     differences (NaN if one is NaN, inf if one is infinite, 0 only if every one is 0), their
     squares summed in fp64 in the compiled kernels where they take the triple, else a
     block at a time while the block is in cache, each of ``a``, ``b`` and ``c`` read from
-    memory once. Not ``torch.norm``'s whole-tensor reduction to
-    the bit: a sum reordered by blocks differs from it by a few fp64 ulps (1e-16 of the
-    norm), against thresholds of 1e-2 of it; the whole-tensor fp64 differences it needed
-    cost more than the AdamW step they check."""
+    memory once. Not ``torch.norm``'s whole-tensor reduction to the bit: a reordered sum
+    differs from it by under 1e-12 of the norm, against thresholds of 1e-2 of it; the
+    whole-tensor fp64 differences it needed cost more than the AdamW step they check."""
     diff = scale = 0.0
     for a, b, c in triples:
         fused = kernels.squared_differences(a, b, c)

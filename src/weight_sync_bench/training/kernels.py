@@ -46,7 +46,6 @@ _CALLS = {
 }
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
     """The built ``kernels.c``, once per process; ``None`` where it cannot be built or
     loaded, or answers a known case differently from torch (``why_not()`` says which)."""
